@@ -1,0 +1,27 @@
+# `make demo` runs the daemon with its demo model and shows it answering;
+# `make test` installs what the tests need and runs them. Both create .venv.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test clean
+
+$(PY):
+	# System site-packages stay visible so a GPU machine's own torch build is used.
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+
+$(STAMP): pyproject.toml | $(PY)
+	# torch==2.13.0 is the CPU build on local disk; a bare `torch` would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m inferd.demo run
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

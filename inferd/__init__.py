@@ -1,0 +1,26 @@
+"""inferd: a multiprocess inference daemon with dynamic batching over shared memory."""
+
+__version__ = "0.1.0"
+
+from inferd.client import AsyncClient, Client, RetryPolicy  # noqa: E402
+from inferd.errors import (  # noqa: E402
+    InferdError,
+    InferenceError,
+    InvalidRequest,
+    Overloaded,
+    Timeout,
+    Unavailable,
+)
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "InferdError",
+    "InferenceError",
+    "InvalidRequest",
+    "Overloaded",
+    "RetryPolicy",
+    "Timeout",
+    "Unavailable",
+    "__version__",
+]

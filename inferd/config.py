@@ -1,0 +1,339 @@
+"""Every option of inferd, declared once: type, default, check and documentation.
+
+The structs below are the declaration. `load` validates a TOML file against them
+and names every problem with its key; `reference_markdown` renders the same
+declarations as the README's config reference, so the docs cannot drift.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Union
+
+import msgspec
+from msgspec import Meta
+
+from inferd import paths
+from inferd.protocol import DTYPES
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
+HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+def _doc(text: str, default_doc: str | None = None) -> Meta:
+    return Meta(description=text, extra={"default_doc": default_doc} if default_doc else {})
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """[server]: endpoints, limits and the drain."""
+
+    listen: Annotated[
+        tuple[str, ...], Meta(min_length=1), _doc("Data endpoints clients connect to: tcp://HOST:PORT or ipc://PATH.")
+    ] = ("tcp://127.0.0.1:5555",)
+    control: Annotated[
+        Union[str, None],
+        _doc(
+            "Endpoint for inferctl; an ipc:// socket is created mode 0660.",
+            "ipc:///run/inferd/control.sock (a user who cannot write /run/inferd: "
+            "$XDG_RUNTIME_DIR/inferd/control.sock, else /tmp/inferd-$UID/control.sock)",
+        ),
+    ] = None
+    metrics: Annotated[
+        str, _doc('HOST:PORT of the Prometheus endpoint; "" turns it off (served once the metrics work lands).')
+    ] = "127.0.0.1:9464"
+    state_dir: Annotated[
+        Union[str, None],
+        _doc(
+            "Folder for the live versions and the demo repository.",
+            "/var/lib/inferd (a user who cannot write it: ~/.local/state/inferd)",
+        ),
+    ] = None
+    max_message_mb: Annotated[
+        float, Meta(gt=0, le=4096), _doc("Largest request accepted, in MiB; larger ones are answered `invalid`.")
+    ] = 64
+    drain_timeout_s: Annotated[
+        float, Meta(ge=0), _doc("On SIGTERM, how long queued and running work may take to finish, in seconds.")
+    ] = 30
+
+
+class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """[workers]: where models run."""
+
+    devices: Annotated[
+        Union[str, tuple[str, ...]],
+        _doc('"auto" (one worker per visible GPU, else one CPU worker) or a list such as ["cuda:0", "cpu"].'),
+    ] = "auto"
+    streams: Annotated[
+        int, Meta(ge=1, le=16), _doc("Batches each worker runs at once (CUDA streams on a GPU, threads on the CPU).")
+    ] = 2
+    shm_mb: Annotated[
+        int, Meta(ge=1, le=65536), _doc("Shared-memory arena per worker, in MiB; it holds every batch in flight.")
+    ] = 256
+    cpu_threads: Annotated[int, Meta(ge=1, le=1024), _doc("torch intra-op threads in a CPU worker.")] = 1
+    start_timeout_s: Annotated[
+        float, Meta(gt=0), _doc("How long a worker may take to load and warm its models before it counts as failed.")
+    ] = 300
+
+
+class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """[queue]: admission and deadlines."""
+
+    max_size: Annotated[
+        int, Meta(ge=1, le=1_000_000), _doc("Requests waiting at most, over all models; more are answered `overloaded`.")
+    ] = 1024
+    default_timeout_ms: Annotated[
+        int, Meta(ge=1), _doc("Deadline of a request whose header gives no timeout_ms, in milliseconds.")
+    ] = 1000
+
+
+class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model input: dtype name and per-sample shape (no batch dim)."""
+
+    dtype: str
+    shape: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=7)]
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """[models.NAME]: one model, its repository and its batching knobs."""
+
+    inputs: Annotated[
+        tuple[InputSpec, ...],
+        Meta(min_length=1),
+        _doc('Per-sample inputs, e.g. [{ dtype = "float32", shape = [256] }].'),
+    ]
+    repository: Annotated[
+        Union[str, None],
+        _doc("Folder holding VERSION/model.pt (TorchScript) or VERSION/model.pt2 (torch.export).", "STATE_DIR/models/NAME"),
+    ] = None
+    version: Annotated[str, _doc('Version served first: a version folder name, or "latest".')] = "latest"
+    max_batch_size: Annotated[
+        int, Meta(ge=1, le=65536), _doc("Samples per batch at most; a request with more is `invalid`.")
+    ] = 32
+    max_wait_ms: Annotated[
+        float,
+        Meta(ge=0),
+        _doc("How long a partial batch may wait for company while every executor is busy, in milliseconds."),
+    ] = 2
+    warmup_batch_sizes: Annotated[
+        Union[tuple[Annotated[int, Meta(ge=1)], ...], None],
+        _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]"),
+    ] = None
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    """The whole validated configuration, with every default resolved."""
+
+    server: ServerConfig
+    workers: WorkersConfig
+    queue: QueueConfig
+    models: dict[str, ModelConfig]
+    source: Union[str, None] = None
+
+
+SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "server": ServerConfig,
+    "workers": WorkersConfig,
+    "queue": QueueConfig,
+}
+
+
+class ConfigError(Exception):
+    """The config has problems; `problems` names each one with its key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+def _check_endpoint(value: str) -> str | None:
+    if value.startswith("ipc://") and len(value) > len("ipc://"):
+        return None
+    if value.startswith("tcp://") and HOST_PORT.match(value[len("tcp://"):]):
+        return None
+    return f"{value!r} is not an endpoint; use tcp://HOST:PORT or ipc://PATH"
+
+
+def _check_listen(value: tuple[str, ...]) -> str | None:
+    return next((problem for problem in map(_check_endpoint, value) if problem), None)
+
+
+def _check_metrics(value: str) -> str | None:
+    if value == "" or HOST_PORT.match(value):
+        return None
+    return f'{value!r} is not HOST:PORT (or "" to turn metrics off)'
+
+
+def _check_devices(value: str | tuple[str, ...]) -> str | None:
+    if isinstance(value, str):
+        return None if value == "auto" else f'{value!r}: use "auto" or a list such as ["cuda:0", "cpu"]'
+    if not value:
+        return 'the list is empty: use "auto" or name at least one device'
+    bad = [device for device in value if not DEVICE.match(device)]
+    return f"{bad[0]!r} is not a device; use \"cpu\" or \"cuda:N\"" if bad else None
+
+
+def _check_inputs(value: tuple[InputSpec, ...]) -> str | None:
+    bad = [spec.dtype for spec in value if spec.dtype not in DTYPES]
+    return f"unknown dtype {bad[0]!r}; known: {', '.join(DTYPES)}" if bad else None
+
+
+def _check_version(value: str) -> str | None:
+    if value in ("", ".", "..") or "/" in value or "\\" in value:
+        return f"{value!r} is not a version folder name"
+    return None
+
+
+CHECKS: dict[tuple[type, str], Callable[[Any], Union[str, None]]] = {
+    (ServerConfig, "listen"): _check_listen,
+    (ServerConfig, "control"): lambda v: None if v is None else _check_endpoint(v),
+    (ServerConfig, "metrics"): _check_metrics,
+    (WorkersConfig, "devices"): _check_devices,
+    (ModelConfig, "inputs"): _check_inputs,
+    (ModelConfig, "version"): _check_version,
+}
+
+
+def _value_at(value: Any, where: str) -> Any:
+    """The part of `value` that a msgspec path such as `[0].shape[1]` points at."""
+    for key, index in re.findall(r"\.(\w+)|\[(\d+)\]", where):
+        try:
+            value = value[key] if key else value[int(index)]
+        except (KeyError, IndexError, TypeError):
+            break
+    return value
+
+
+def _convert_error(key: str, raw: Any, exc: msgspec.ValidationError) -> str:
+    """Turn msgspec's `... - at `$[0].dtype`` into a problem named by its full key and bad value."""
+    message, _, where = str(exc).partition(" - at `$")
+    where = where.rstrip("`")
+    value = _value_at(raw, where)
+    message += f" {value!r}" if ", got" in message else f", got {value!r}"
+    return f"{key}{where}: {message}"
+
+
+def _build(cls: type[msgspec.Struct], table: Any, prefix: str, problems: list[str]) -> Any:
+    """Build one section from its TOML table, adding a problem for each bad key."""
+    if not isinstance(table, dict):
+        problems.append(f"{prefix.rstrip('.')}: expected a table, got {type(table).__name__}")
+        return None
+    fields = {field.name: field for field in msgspec.structs.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, raw in table.items():
+        field = fields.get(key)
+        if field is None:
+            problems.append(f"{prefix}{key}: unknown key; known keys are {', '.join(fields)}")
+            continue
+        try:
+            value = msgspec.convert(raw, field.type)
+        except msgspec.ValidationError as exc:
+            problems.append(_convert_error(prefix + key, raw, exc))
+            continue
+        check = CHECKS.get((cls, key))
+        problem = check(value) if check else None
+        if problem:
+            problems.append(f"{prefix}{key}: {problem}")
+            continue
+        values[key] = value
+    missing = [f.name for f in fields.values() if f.required and f.name not in table]
+    problems.extend(f"{prefix}{name}: required, and missing" for name in missing)
+    if len(values) != len(table) or missing:
+        return None
+    return cls(**values)
+
+
+def _build_model(name: str, table: Any, state_dir: str, problems: list[str]) -> ModelConfig | None:
+    prefix = f"models.{name}."
+    if not MODEL_NAME.match(name):
+        problems.append(f"models.{name}: a model name is letters, digits, '_', '.' or '-' (at most 64)")
+        return None
+    model = _build(ModelConfig, table, prefix, problems)
+    if model is None:
+        return None
+    warmup = model.warmup_batch_sizes or tuple(sorted({1, model.max_batch_size}))
+    too_big = [size for size in warmup if size > model.max_batch_size]
+    if too_big:
+        problems.append(
+            f"{prefix}warmup_batch_sizes: {too_big[0]} is over max_batch_size ({model.max_batch_size})"
+        )
+        return None
+    repository = model.repository or str(Path(state_dir) / "models" / name)
+    return msgspec.structs.replace(model, warmup_batch_sizes=warmup, repository=repository)
+
+
+def parse(raw: dict[str, Any], source: str | None = None) -> Config:
+    """Validate a config already read as a dict; raise `ConfigError` naming every problem."""
+    problems: list[str] = []
+    for key in raw:
+        if key not in SECTIONS and key != "models":
+            problems.append(f"{key}: unknown section; known sections are {', '.join([*SECTIONS, 'models'])}")
+    sections = {name: _build(cls, raw.get(name, {}), f"{name}.", problems) for name, cls in SECTIONS.items()}
+    server = sections["server"]
+    state_dir = (server.state_dir if server else None) or str(paths.state_dir())
+    models_table = raw.get("models", {})
+    models: dict[str, ModelConfig] = {}
+    if not isinstance(models_table, dict) or not models_table:
+        problems.append("models: no model is configured; add a [models.NAME] table")
+    else:
+        for name, table in models_table.items():
+            model = _build_model(name, table, state_dir, problems)
+            if model is not None:
+                models[name] = model
+    if problems:
+        raise ConfigError(problems)
+    server = msgspec.structs.replace(
+        server, state_dir=state_dir, control=server.control or paths.default_control()
+    )
+    return Config(
+        server=server, workers=sections["workers"], queue=sections["queue"], models=models, source=source
+    )
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate a TOML config file; raise `ConfigError` naming every problem."""
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([f"cannot read {path}: {exc.strerror}"]) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"{path} is not valid TOML: {exc}"]) from None
+    return parse(raw, source=str(path))
+
+
+def encode(config: Config) -> bytes:
+    """The config as msgpack, to hand to a spawned worker."""
+    return msgspec.msgpack.encode(config)
+
+
+def decode(data: bytes) -> Config:
+    """The inverse of `encode`."""
+    return msgspec.msgpack.decode(data, type=Config)
+
+
+def _default_text(field: msgspec.structs.FieldInfo, meta: Meta | None) -> str:
+    if meta is not None and meta.extra.get("default_doc"):
+        return meta.extra["default_doc"]
+    if field.required:
+        return "(required)"
+    default = field.default
+    if isinstance(default, tuple):
+        default = list(default)
+    return "`" + msgspec.json.encode(default).decode() + "`"
+
+
+def reference_markdown() -> str:
+    """The config reference as a Markdown table per section, from the declarations above."""
+    out: list[str] = []
+    tables = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()), ("[models.NAME]", ModelConfig)]
+    for title, cls in tables:
+        out += [f"#### `{title}`", "", "| key | default | meaning |", "|---|---|---|"]
+        for field in msgspec.structs.fields(cls):
+            metas = [m for m in getattr(field.type, "__metadata__", ()) if isinstance(m, Meta)]
+            meta = next((m for m in metas if m.description), None)
+            out.append(f"| `{field.name}` | {_default_text(field, meta)} | {meta.description if meta else ''} |")
+        out.append("")
+    return "\n".join(out)

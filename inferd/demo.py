@@ -1,0 +1,150 @@
+"""The built-in demo: a small MLP repository, and the script behind `make demo`.
+
+`inferd serve` with no config builds the repository (versions v1 and v2 of an
+MLP with different weights) in the state folder and serves it. `python -m
+inferd.demo run` starts that daemon, sends it a few requests, checks the
+answers against the same model run in-process, prints them with their latency,
+and stops the daemon cleanly.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEMO_MODEL = "mlp"
+DEMO_VERSIONS = {"v1": 1, "v2": 2}  # version -> weight seed
+DEMO_ENDPOINT = "tcp://127.0.0.1:5555"
+IN_FEATURES, HIDDEN, OUT_FEATURES = 256, 128, 10
+
+
+def build_mlp(seed: int):
+    """The demo MLP (256 -> 128 -> 10, ReLU) with weights drawn from `seed`, as TorchScript."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT_FEATURES)
+    ).eval()
+    return torch.jit.script(model)
+
+
+def build_repository(root: Path) -> None:
+    """Write every demo version under `root/mlp/VERSION/model.pt` (atomically per file)."""
+    import torch
+
+    for version, seed in DEMO_VERSIONS.items():
+        target = root / DEMO_MODEL / version / "model.pt"
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        torch.jit.save(build_mlp(seed), str(partial))
+        partial.rename(target)
+
+
+def repository_path(state_dir: str | Path) -> Path:
+    """Where the demo repository lives in a state folder."""
+    return Path(state_dir) / "demo" / "models"
+
+
+def ensure_repository(state_dir: str | Path) -> Path:
+    """Build the demo repository if it is not there, in a child process.
+
+    The child keeps torch out of the supervisor, which never imports it.
+    """
+    root = repository_path(state_dir)
+    if all((root / DEMO_MODEL / v / "model.pt").exists() for v in DEMO_VERSIONS):
+        return root
+    subprocess.run([sys.executable, "-m", "inferd.demo", "build", str(root)], check=True)
+    return root
+
+
+def demo_config(state_dir: str | Path) -> dict[str, Any]:
+    """The config `inferd serve` runs with when given none."""
+    root = repository_path(state_dir)
+    return {
+        "server": {"listen": [DEMO_ENDPOINT]},
+        "models": {
+            DEMO_MODEL: {
+                "repository": str(root / DEMO_MODEL),
+                "inputs": [{"dtype": "float32", "shape": [IN_FEATURES]}],
+                "max_batch_size": 32,
+                "warmup_batch_sizes": [1, 8, 32],
+            }
+        },
+    }
+
+
+def run_demo() -> int:
+    """Start the demo daemon, query it, check and print the answers, stop it."""
+    import numpy as np
+    import torch
+
+    from inferd import Client, paths
+    from inferd.ipc.control import ControlClient, ControlError
+
+    daemon = subprocess.Popen([sys.executable, "-m", "inferd.cli", "serve"])
+    try:
+        control = paths.find_control()
+        deadline = time.monotonic() + 120
+        while True:
+            if daemon.poll() is not None:
+                print(f"the daemon exited with code {daemon.returncode} before it was ready")
+                return 1
+            try:
+                with ControlClient(paths.find_control(), timeout=1.0) as ctl:
+                    health = ctl.call("health")
+                    if health["healthy"]:
+                        status = ctl.call("status")
+                        break
+            except ControlError:
+                pass
+            if time.monotonic() > deadline:
+                print("the daemon did not become ready within 120 s")
+                return 1
+            time.sleep(0.2)
+        live = status["models"][DEMO_MODEL]["live_version"]
+        print(f"\ninferd is serving {DEMO_MODEL} {live} on {DEMO_ENDPOINT} (control: {control})")
+        reference = torch.jit.load(str(repository_path(paths.state_dir()) / DEMO_MODEL / live / "model.pt"))
+        rng = np.random.default_rng(0)
+        with Client(DEMO_ENDPOINT, timeout=5.0) as client:
+            for samples in (1, 4, 16):
+                x = rng.standard_normal((samples, IN_FEATURES), dtype=np.float32)
+                started = time.perf_counter()
+                y = client.infer(DEMO_MODEL, x)
+                latency_ms = (time.perf_counter() - started) * 1000
+                expected = reference(torch.from_numpy(x)).detach().numpy()
+                match = "matches" if np.allclose(y, expected, atol=1e-5) else "DIFFERS FROM"
+                print(f"  {samples:2d} sample(s) -> output {list(y.shape)} in {latency_ms:6.2f} ms, "
+                      f"{match} the in-process model; first row: {np.round(y[0, :4], 3)}")
+            inputs = [rng.standard_normal((1, IN_FEATURES), dtype=np.float32) for _ in range(200)]
+            started = time.perf_counter()
+            futures = [client.submit(DEMO_MODEL, x) for x in inputs]
+            for future in futures:
+                future.result()
+            elapsed = time.perf_counter() - started
+            print(f"  200 concurrent requests answered in {elapsed * 1000:.1f} ms")
+        return 0
+    finally:
+        daemon.terminate()
+        code = daemon.wait(timeout=60)
+        print(f"daemon stopped cleanly (exit code {code})" if code == 0 else f"daemon exit code {code}")
+
+
+def main(argv: list[str]) -> int:
+    """`python -m inferd.demo build DIR` or `python -m inferd.demo run`."""
+    if len(argv) == 2 and argv[0] == "build":
+        build_repository(Path(argv[1]))
+        return 0
+    if argv == ["run"]:
+        return run_demo()
+    print("usage: python -m inferd.demo build DIR | run", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,101 @@
+"""Messages between the supervisor and its workers: small msgpack descriptors.
+
+Payloads never travel here; a batch is described by where its tensors lie in
+the worker's arena. Each message is one frame, tagged with its type.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+
+class TensorRef(msgspec.Struct, frozen=True, array_like=True):
+    """A tensor in an arena: dtype name, full shape, byte offset from the arena's start."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A per-sample signature: dtype name and shape without the batch dim."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class LoadedModel(msgspec.Struct, frozen=True, array_like=True):
+    """A model version a worker has loaded and warmed, with its output signature."""
+
+    version: str
+    outputs: tuple[TensorSpec, ...]
+
+
+class Hello(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """First message on each of a worker's sockets; it binds the socket's identity to a role."""
+
+    worker: int
+    generation: int
+    executor: Union[int, None]  # None: the worker's control socket
+
+
+class Ready(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The worker has loaded and warmed every model and its executors are listening."""
+
+    pid: int
+    device: str
+    models: dict[str, LoadedModel]
+
+
+class BootFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The worker could not start; `error` says why in one sentence."""
+
+    error: str
+
+
+class RunBatch(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Run `model` at `version` on the inputs; write outputs in [out_offset, out_end)."""
+
+    batch_id: int
+    model: str
+    version: str
+    inputs: tuple[TensorRef, ...]
+    out_offset: int
+    out_end: int
+
+
+class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The batch ran; its outputs lie where the refs say."""
+
+    batch_id: int
+    outputs: tuple[TensorRef, ...]
+    compute_us: int
+
+
+class BatchFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The batch could not run; `error` says why."""
+
+    batch_id: int
+    error: str
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Finish what is running, then exit."""
+
+
+Message = Union[Hello, Ready, BootFailed, RunBatch, BatchDone, BatchFailed, Shutdown]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """One frame holding `message`."""
+    return _encoder.encode(message)
+
+
+def decode(frame: bytes | memoryview) -> Message:
+    """The message in `frame`; raises msgspec.DecodeError on a malformed one."""
+    return _decoder.decode(frame)

@@ -1,0 +1,65 @@
+"""Where inferd keeps its sockets and state when the config does not say.
+
+A daemon run by systemd (or by root) uses /run/inferd and /var/lib/inferd. An
+unprivileged user who cannot write there gets a per-user runtime folder and
+~/.local/state/inferd instead, and `inferctl` finds the daemon by the same rule,
+so `inferd serve` in one terminal and `inferctl status` in another just work.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+SYSTEM_RUNTIME_DIR = Path("/run/inferd")
+SYSTEM_STATE_DIR = Path("/var/lib/inferd")
+CONTROL_SOCKET_NAME = "control.sock"
+
+
+def _writable(folder: Path) -> bool:
+    """True when `folder` exists and can be written, or could be created in its parent."""
+    if folder.exists():
+        return os.access(folder, os.W_OK | os.X_OK)
+    return os.access(folder.parent, os.W_OK | os.X_OK)
+
+
+def user_runtime_dir() -> Path:
+    """The per-user runtime folder: $XDG_RUNTIME_DIR/inferd, else /tmp/inferd-$UID."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and Path(xdg).is_dir():
+        return Path(xdg) / "inferd"
+    return Path(f"/tmp/inferd-{os.getuid()}")
+
+
+def user_state_dir() -> Path:
+    """The per-user state folder: $XDG_STATE_HOME/inferd, else ~/.local/state/inferd."""
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "inferd"
+
+
+def runtime_dir() -> Path:
+    """The runtime folder a daemon started now would use."""
+    return SYSTEM_RUNTIME_DIR if _writable(SYSTEM_RUNTIME_DIR) else user_runtime_dir()
+
+
+def state_dir() -> Path:
+    """The state folder a daemon started now would use."""
+    return SYSTEM_STATE_DIR if _writable(SYSTEM_STATE_DIR) else user_state_dir()
+
+
+def default_control() -> str:
+    """The control endpoint a daemon uses when its config names none."""
+    return f"ipc://{runtime_dir() / CONTROL_SOCKET_NAME}"
+
+
+def find_control() -> str:
+    """The control endpoint `inferctl` tries when told nothing.
+
+    An operator in the inferd group may not be able to write /run/inferd, yet the
+    daemon's socket is there: an existing socket wins over the writability rule.
+    """
+    for folder in (SYSTEM_RUNTIME_DIR, user_runtime_dir()):
+        if (folder / CONTROL_SOCKET_NAME).exists():
+            return f"ipc://{folder / CONTROL_SOCKET_NAME}"
+    return default_control()

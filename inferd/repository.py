@@ -1,0 +1,117 @@
+"""Model repositories on disk and the record of which version is live.
+
+A repository is a folder of version folders, each holding `model.pt`
+(TorchScript) or `model.pt2` (torch.export). This module only looks at files;
+loading a model is the worker's job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from inferd.config import Config, ModelConfig
+
+log = logging.getLogger("inferd.repository")
+
+MODEL_FILES = ("model.pt", "model.pt2")
+LIVE_FILE = "live_versions.json"
+
+
+class RepositoryError(Exception):
+    """A repository or version is missing, or names something outside the repository."""
+
+
+def _natural_key(name: str) -> list[object]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def model_file(repository: str | Path, version: str) -> Path:
+    """The model file of `version`, refusing names that leave the repository."""
+    if not version or "/" in version or "\\" in version or version in (".", ".."):
+        raise RepositoryError(f"{version!r} is not a version name")
+    folder = Path(repository) / version
+    for name in MODEL_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise RepositoryError(f"version {version!r} has no {' or '.join(MODEL_FILES)} in {Path(repository)}")
+
+
+def versions(repository: str | Path) -> list[str]:
+    """Version folders that hold a model file, oldest first in natural order (v2 before v10)."""
+    root = Path(repository)
+    if not root.is_dir():
+        raise RepositoryError(f"the repository {root} does not exist")
+    found = [p.name for p in root.iterdir() if p.is_dir() and any((p / f).is_file() for f in MODEL_FILES)]
+    return sorted(found, key=_natural_key)
+
+
+def resolve_version(model: ModelConfig, saved: str | None = None) -> str:
+    """The version to serve first: the one saved as live if it still exists, else the config's."""
+    if saved is not None:
+        try:
+            model_file(model.repository, saved)
+            return saved
+        except RepositoryError as exc:
+            log.warning("saved live version %r cannot be served (%s); using the config's version", saved, exc)
+    if model.version != "latest":
+        model_file(model.repository, model.version)
+        return model.version
+    found = versions(model.repository)
+    if not found:
+        raise RepositoryError(f"the repository {model.repository} holds no version with a model file")
+    return found[-1]
+
+
+def check(config: Config) -> list[str]:
+    """Problems with the repositories a config names, each a sentence with its key."""
+    problems = []
+    for name, model in config.models.items():
+        try:
+            resolve_version(model)
+        except RepositoryError as exc:
+            problems.append(f"models.{name}: {exc}")
+    return problems
+
+
+class LiveVersions:
+    """The live version of each model, kept in `state_dir` so a restart serves it again."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / LIVE_FILE
+
+    def load(self) -> dict[str, str]:
+        """The saved versions; an unreadable file is logged and treated as empty."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring %s: %s", self.path, exc)
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {str(k): str(v) for k, v in data.items()}
+
+    def save(self, live: dict[str, str]) -> None:
+        """Write atomically: a crash leaves the old file or the new one, never half of one."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".live-", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                json.dump(live, out, indent=2, sort_keys=True)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)

@@ -1,0 +1,178 @@
+"""The bounded request queue and the policy that turns it into batches.
+
+Requests wait per model in arrival order. A batch takes requests from the head
+of one model's queue while their samples fit in `max_batch_size`. The policy is
+work-conserving: when an executor is idle, whatever is waiting goes at once; a
+batch is queued behind a running one only when it is full or its oldest
+request has waited `max_wait_ms`. Requests whose deadline passes while they
+wait are handed back for a `timeout` reply, never computed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from inferd.protocol import Buffer, RequestHeader
+
+# A request's life in the queue; a request leaves exactly once.
+WAITING, TAKEN, EXPIRED = range(3)
+
+
+@dataclass(eq=False)
+class QueuedRequest:
+    """A validated request, where its reply goes, and its clock (monotonic seconds)."""
+
+    header: RequestHeader
+    buffers: list[Buffer]
+    reply_to: Any  # the frontend's routing of the reply; opaque here
+    samples: int
+    received: float
+    deadline: float
+    state: int = WAITING
+    dispatched: float = 0.0
+
+
+@dataclass
+class ModelPolicy:
+    """The batching knobs of one model."""
+
+    max_batch_size: int
+    max_wait_s: float
+
+
+@dataclass
+class _ModelQueue:
+    policy: ModelPolicy
+    requests: deque = field(default_factory=deque)
+    samples: int = 0
+
+
+class BatchQueue:
+    """A bounded, lock-protected queue of requests, one lane per model."""
+
+    def __init__(self, max_size: int, policies: dict[str, ModelPolicy]) -> None:
+        self.max_size = max_size
+        self._lanes = {name: _ModelQueue(policy) for name, policy in policies.items()}
+        self._order = list(policies)
+        self._next_lane = 0
+        self._deadlines: list[tuple[float, int, QueuedRequest]] = []
+        self._seq = itertools.count()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return self._size
+
+    def depth(self, model: str) -> int:
+        """Requests waiting for `model`."""
+        return len(self._lanes[model].requests)
+
+    def put(self, request: QueuedRequest) -> bool:
+        """Enqueue; False (and nothing changed) when the queue is full."""
+        with self._lock:
+            if self._size >= self.max_size:
+                return False
+            lane = self._lanes[request.header.model]
+            lane.requests.append(request)
+            lane.samples += request.samples
+            self._size += 1
+            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+            if len(self._deadlines) > 2 * self.max_size + 1024:
+                # Long deadlines of requests long gone pile up below the top; rebuild.
+                self._deadlines = [entry for entry in self._deadlines if entry[2].state == WAITING]
+                heapq.heapify(self._deadlines)
+            return True
+
+    def expire(self, now: float) -> list[QueuedRequest]:
+        """Remove and return every waiting request whose deadline is at or before `now`."""
+        expired = []
+        with self._lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                request = heapq.heappop(self._deadlines)[2]
+                if request.state != WAITING:
+                    continue
+                lane = self._lanes[request.header.model]
+                lane.requests.remove(request)
+                lane.samples -= request.samples
+                self._size -= 1
+                request.state = EXPIRED
+                expired.append(request)
+            self._drop_settled_deadlines()
+        return expired
+
+    def take(self, idle: bool, spare: bool, now: float) -> tuple[str, list[QueuedRequest]] | None:
+        """The next batch to send, or None when the policy says wait.
+
+        `idle`: some executor runs nothing; `spare`: some executor could queue one
+        more batch behind the one it runs. Lanes are served round-robin, so a
+        model with a long backlog cannot starve another model's requests.
+        """
+        if not (idle or spare):
+            return None
+        with self._lock:
+            for step in range(len(self._order)):
+                name = self._order[(self._next_lane + step) % len(self._order)]
+                lane = self._lanes[name]
+                if not lane.requests:
+                    continue
+                if idle or self._full_or_aged(lane, now):
+                    self._next_lane = (self._next_lane + step + 1) % len(self._order)
+                    return name, self._pop_batch(lane)
+        return None
+
+    def next_wakeup(self, now: float) -> float | None:
+        """Seconds until the policy may change its mind by itself (a batch ages, a deadline passes)."""
+        with self._lock:
+            times = [
+                lane.requests[0].received + lane.policy.max_wait_s
+                for lane in self._lanes.values()
+                if lane.requests and lane.samples < lane.policy.max_batch_size
+            ]
+            if self._deadlines:
+                times.append(self._deadlines[0][0])
+        return max(0.0, min(times) - now) if times else None
+
+    def drain(self) -> list[QueuedRequest]:
+        """Remove and return every waiting request (for a forced stop)."""
+        with self._lock:
+            drained = [r for lane in self._lanes.values() for r in lane.requests]
+            for lane in self._lanes.values():
+                lane.requests.clear()
+                lane.samples = 0
+            for request in drained:
+                request.state = TAKEN
+            self._size = 0
+            self._deadlines.clear()
+        return drained
+
+    @staticmethod
+    def _full_or_aged(lane: _ModelQueue, now: float) -> bool:
+        return (
+            lane.samples >= lane.policy.max_batch_size
+            or now - lane.requests[0].received >= lane.policy.max_wait_s
+        )
+
+    def _pop_batch(self, lane: _ModelQueue) -> list[QueuedRequest]:
+        batch: list[QueuedRequest] = []
+        samples = 0
+        limit = lane.policy.max_batch_size
+        while lane.requests and samples + lane.requests[0].samples <= limit:
+            request = lane.requests.popleft()
+            request.state = TAKEN
+            samples += request.samples
+            batch.append(request)
+        lane.samples -= samples
+        self._size -= len(batch)
+        self._drop_settled_deadlines()
+        return batch
+
+    def _drop_settled_deadlines(self) -> None:
+        # Entries of requests that already left sit in the heap until they reach
+        # its top; dropping them there keeps the heap from growing without bound.
+        while self._deadlines and self._deadlines[0][2].state != WAITING:
+            heapq.heappop(self._deadlines)

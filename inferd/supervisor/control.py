@@ -1,0 +1,108 @@
+"""The control server: the socket `inferctl` talks to.
+
+Each command maps to a `command_<name>` method of a handler object (the
+supervisor), so a command and a signal that mean the same thing run the same
+code. `infer` hands its wire-format request to the frontend, so it is
+validated, batched and answered exactly like a request from a client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import zmq
+
+from inferd.ipc.control import Answer, ControlClient, ControlError, decode_command, encode_answer
+from inferd.supervisor.frontend import Frontend, ReplyTo
+
+log = logging.getLogger("inferd.control")
+
+
+class AlreadyRunning(Exception):
+    """Another daemon answers on the control endpoint."""
+
+
+def _socket_path(endpoint: str) -> Path | None:
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+def _check_not_running(endpoint: str) -> None:
+    """Refuse to take over the control socket of a daemon that still answers on it."""
+    path = _socket_path(endpoint)
+    if path is not None and not path.exists():
+        return
+    try:
+        with ControlClient(endpoint, timeout=0.5) as client:
+            pid = client.call("status")["pid"]
+    except (ControlError, KeyError, TypeError, zmq.ZMQError):
+        return
+    raise AlreadyRunning(f"another inferd (pid {pid}) is already running with control socket {endpoint}")
+
+
+class ControlServer:
+    """Owns the control socket and routes each command to its handler."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, handler: Any, frontend: Frontend) -> None:
+        self.endpoint = endpoint
+        self.handler = handler
+        self.frontend = frontend
+        _check_not_running(endpoint)
+        path = _socket_path(endpoint)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket = context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.socket.linger = 0
+        self.socket.bind(endpoint)
+        if path is not None:
+            os.chmod(path, 0o660)
+        log.info("control socket at %s", endpoint)
+
+    def close(self) -> None:
+        """Close the socket and remove its file."""
+        self.socket.close(linger=0)
+        path = _socket_path(self.endpoint)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+    def on_readable(self) -> None:
+        """Serve every command waiting on the socket."""
+        while True:
+            try:
+                frames = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            envelope = [frames[0].bytes]
+            if len(frames) < 2:
+                continue
+            self._serve(envelope, frames[1].buffer, [f.buffer for f in frames[2:]])
+
+    def _serve(self, envelope: list[bytes], command_frame: memoryview, body: list[memoryview]) -> None:
+        try:
+            command = decode_command(command_frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._answer(envelope, Answer(ok=False, error=f"malformed command: {exc}"))
+            return
+        if command.command == "infer":
+            self.frontend.submit(ReplyTo(self.socket, envelope), body)
+            return
+        method = getattr(self.handler, f"command_{command.command}", None)
+        if method is None:
+            self._answer(envelope, Answer(ok=False, error=f"unknown command {command.command!r}"))
+            return
+        try:
+            result = method(**command.args)
+        except (TypeError, ValueError) as exc:
+            self._answer(envelope, Answer(ok=False, error=str(exc)))
+            return
+        self._answer(envelope, Answer(ok=True, result=result))
+
+    def _answer(self, envelope: list[bytes], answer: Answer) -> None:
+        try:
+            self.socket.send_multipart([*envelope, encode_answer(answer)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.debug("control answer undeliverable: %s", exc.strerror)

@@ -1,0 +1,184 @@
+"""The dispatcher: batches into arena slots and out to executors, results back to requests.
+
+A batch is stacked once, straight from the received frames into a free slot of
+the chosen worker's arena; the worker gets only a descriptor. When it answers,
+each request's rows of every output are sent back as its reply and the slot is
+free again. A batch whose worker fails is answered `internal`, request by request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from inferd import protocol
+from inferd.config import Config
+from inferd.ipc.arena import align_up
+from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
+from inferd.protocol import ReplyHeader, TensorMeta, Timing
+from inferd.supervisor.batcher import QueuedRequest
+from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
+
+log = logging.getLogger("inferd.dispatch")
+
+
+@dataclass(eq=False)
+class Batch:
+    """A batch in flight: its requests, where it runs, and which slot holds it."""
+
+    id: int
+    model: str
+    version: str
+    requests: list[QueuedRequest]
+    executor: ExecutorHandle
+    slot: int
+
+
+def slot_bytes_needed(config: Config, model: str, outputs: tuple) -> int:
+    """Bytes of one slot that a full batch of `model` needs, inputs and outputs, aligned."""
+    spec = config.models[model]
+    total = 0
+    per_sample = [(s.dtype, s.shape) for s in spec.inputs] + [(o.dtype, o.shape) for o in outputs]
+    for dtype, shape in per_sample:
+        total = align_up(total) + spec.max_batch_size * math.prod(shape) * protocol.DTYPES[dtype].itemsize
+    return total
+
+
+class Dispatcher:
+    """Sends batches to executors and turns their answers into replies."""
+
+    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend) -> None:
+        self.config = config
+        self.workers = workers
+        self.frontend = frontend
+        self.inflight: dict[int, Batch] = {}
+        self._ids = itertools.count(1)
+        self._rotation = 0
+
+    def capacity(self) -> tuple[bool, bool]:
+        """(some executor is idle, some executor can take one more batch)."""
+        idle = spare = False
+        for executor in self.workers.ready_executors():
+            idle = idle or executor.inflight == 0
+            spare = spare or executor.inflight < PIPELINE_DEPTH
+        return idle, spare
+
+    def dispatch(self, model: str, requests: list[QueuedRequest]) -> None:
+        """Copy `requests` into a slot of the least busy executor and send it the descriptor."""
+        executor = self._pick_executor()
+        version = self.frontend.live[model]
+        if executor is None:
+            for request in requests:
+                self.frontend.reply_error(request, protocol.UNAVAILABLE, "no worker is ready")
+            return
+        worker = executor.worker
+        slot = worker.slots.acquire()
+        if slot is None:  # cannot happen while slots = executors x depth; never lose requests if it does
+            for request in requests:
+                self.frontend.reply_error(request, protocol.INTERNAL, "no free arena slot")
+            return
+        batch = Batch(next(self._ids), model, version, requests, executor, slot)
+        message = self._stack(batch, worker)
+        now = time.monotonic()
+        for request in requests:
+            request.dispatched = now
+        if not self.workers.send(executor.identity, message):
+            worker.slots.release(slot)
+            self._fail(batch, f"worker{worker.index} cannot be reached")
+            return
+        executor.inflight += 1
+        self.inflight[batch.id] = batch
+
+    def on_result(self, executor: ExecutorHandle, result: BatchDone | BatchFailed) -> None:
+        """Answer every request of a finished batch and free its slot."""
+        batch = self.inflight.get(result.batch_id)
+        if batch is None or batch.executor is not executor:
+            log.warning("result for unknown batch %d ignored", result.batch_id)
+            return
+        self._finish(batch)
+        if isinstance(result, BatchFailed):
+            self._fail(batch, result.error)
+        else:
+            self._reply_outputs(batch, result)
+        batch.executor.worker.slots.release(batch.slot)
+
+    def fail_worker(self, worker: WorkerHandle, reason: str) -> None:
+        """Answer every batch in flight on `worker` with `internal` and take its slots back."""
+        for batch in [b for b in self.inflight.values() if b.executor.worker is worker]:
+            self._finish(batch)
+            worker.slots.release(batch.slot)
+            self._fail(batch, reason)
+
+    def _finish(self, batch: Batch) -> None:
+        del self.inflight[batch.id]
+        batch.executor.inflight -= 1
+
+    def _pick_executor(self) -> ExecutorHandle | None:
+        executors = self.workers.ready_executors()
+        if not executors:
+            return None
+        # Least busy first; the rotating start spreads equal ones over workers.
+        self._rotation = (self._rotation + 1) % len(executors)
+        ordered = executors[self._rotation:] + executors[: self._rotation]
+        best = min(ordered, key=lambda e: e.inflight)
+        return best if best.inflight < PIPELINE_DEPTH else None
+
+    def _stack(self, batch: Batch, worker: WorkerHandle) -> RunBatch:
+        """Copy each input of every request, one after the other, into the slot."""
+        spec = self.config.models[batch.model]
+        buf = worker.arena.buf
+        base = worker.slots.offset(batch.slot)
+        samples = sum(r.samples for r in batch.requests)
+        offset = base
+        refs = []
+        for index, input_spec in enumerate(spec.inputs):
+            offset = align_up(offset)
+            refs.append(TensorRef(input_spec.dtype, (samples, *input_spec.shape), offset))
+            for request in batch.requests:
+                data = request.buffers[index]
+                buf[offset : offset + len(data)] = data
+                offset += len(data)
+        return RunBatch(
+            batch_id=batch.id,
+            model=batch.model,
+            version=batch.version,
+            inputs=tuple(refs),
+            out_offset=align_up(offset),
+            out_end=base + worker.slots.slot_size,
+        )
+
+    def _reply_outputs(self, batch: Batch, done: BatchDone) -> None:
+        buf = batch.executor.worker.arena.buf
+        row_bytes = [
+            math.prod(ref.shape[1:]) * protocol.DTYPES[ref.dtype].itemsize for ref in done.outputs
+        ]
+        now = time.monotonic()
+        row = 0
+        for request in batch.requests:
+            frames = [
+                buf[ref.offset + row * size : ref.offset + (row + request.samples) * size]
+                for ref, size in zip(done.outputs, row_bytes)
+            ]
+            header = ReplyHeader(
+                id=request.header.id,
+                status=protocol.OK,
+                model=batch.model,
+                version=batch.version,
+                outputs=tuple(TensorMeta(ref.dtype, (request.samples, *ref.shape[1:])) for ref in done.outputs),
+                timing_us=Timing(
+                    queue=int((request.dispatched - request.received) * 1e6),
+                    compute=done.compute_us,
+                    total=int((now - request.received) * 1e6),
+                ),
+            )
+            self.frontend.reply(request, header, frames)
+            row += request.samples
+
+    def _fail(self, batch: Batch, reason: str) -> None:
+        log.error("batch %d of %s (%d requests) failed: %s", batch.id, batch.model, len(batch.requests), reason)
+        for request in batch.requests:
+            self.frontend.reply_error(request, protocol.INTERNAL, reason)

@@ -1,0 +1,164 @@
+"""The frontend: the ROUTER sockets clients talk to, admission, and every reply.
+
+It decodes and validates each request, puts it in the BatchQueue or answers it
+at once (`invalid`, `overloaded`, `unavailable`), and sends every reply. It
+never blocks: a reply that cannot be delivered (peer gone, or its high-water
+mark reached) is counted and dropped, so one slow client cannot stall the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from inferd import protocol
+from inferd.config import Config, ModelConfig
+from inferd.errors import InvalidRequest
+from inferd.protocol import Buffer, ReplyHeader
+from inferd.supervisor.batcher import BatchQueue, QueuedRequest
+
+log = logging.getLogger("inferd.frontend")
+
+BURST = 256  # messages read per readiness, so one busy socket cannot starve the others
+SEND_HWM = 100_000  # replies queued per client before its replies are dropped
+RECV_HWM = 100_000
+
+
+@dataclass(frozen=True)
+class ReplyTo:
+    """Where a reply goes: the socket the request came on and its routing envelope."""
+
+    socket: zmq.Socket
+    envelope: list[bytes]
+
+
+def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig, live: str) -> int:
+    """Check a request against what the model takes; return its sample count or raise InvalidRequest."""
+    rid = header.id
+    if header.version is not None and header.version != live:
+        raise InvalidRequest(f"version {header.version!r} of {name} is not live; the live version is {live!r}", rid)
+    if len(header.inputs) != len(model.inputs):
+        raise InvalidRequest(f"{name} takes {len(model.inputs)} input(s), the request has {len(header.inputs)}", rid)
+    samples = header.inputs[0].shape[0]
+    for index, (meta, spec) in enumerate(zip(header.inputs, model.inputs)):
+        if meta.dtype != spec.dtype:
+            raise InvalidRequest(f"input {index} is {meta.dtype} but {name} takes {spec.dtype}", rid)
+        if tuple(meta.shape[1:]) != spec.shape:
+            raise InvalidRequest(
+                f"input {index} has shape {list(meta.shape)}; {name} takes [N, "
+                f"{', '.join(map(str, spec.shape))}] with the batch dim N first",
+                rid,
+            )
+        if meta.shape[0] != samples:
+            raise InvalidRequest(f"input {index} has batch dim {meta.shape[0]} but input 0 has {samples}", rid)
+    if samples > model.max_batch_size:
+        raise InvalidRequest(
+            f"the request carries {samples} samples, over max_batch_size {model.max_batch_size} of {name}", rid
+        )
+    return samples
+
+
+class Frontend:
+    """Client-facing sockets, request admission, and reply delivery."""
+
+    def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue) -> None:
+        self.config = config
+        self.queue = queue
+        self.max_message_bytes = int(config.server.max_message_mb * (1 << 20))
+        self.default_timeout_s = config.queue.default_timeout_ms / 1000
+        # Refuse before ZeroMQ buffers absurd frames; between the limit and this
+        # ceiling a message is received and answered `invalid` with its size.
+        self.hard_limit = 2 * self.max_message_bytes + (1 << 20)
+        self.sockets: list[zmq.Socket] = []
+        self.live: dict[str, str] = {}
+        self.refusal: str | None = "the daemon is starting"
+        self.undelivered = 0
+        self.replies: Counter[str] = Counter()
+        self._context = context
+
+    def bind(self) -> None:
+        """Bind a ROUTER on every `server.listen` endpoint."""
+        for endpoint in self.config.server.listen:
+            socket = self._context.socket(zmq.ROUTER)
+            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+            socket.setsockopt(zmq.RCVHWM, RECV_HWM)
+            socket.setsockopt(zmq.MAXMSGSIZE, self.hard_limit)
+            socket.linger = 0
+            socket.bind(endpoint)
+            self.sockets.append(socket)
+            log.info("listening on %s", endpoint)
+
+    def close(self) -> None:
+        """Close every client socket."""
+        for socket in self.sockets:
+            socket.close(linger=0)
+        self.sockets = []
+
+    def on_readable(self, socket: zmq.Socket) -> None:
+        """Read what is waiting on `socket` (up to a burst) and admit or answer each request."""
+        for _ in range(BURST):
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            envelope, body = protocol.split_envelope(frames)
+            self.submit(ReplyTo(socket, [f.bytes for f in envelope]), [f.buffer for f in body])
+
+    def submit(self, reply_to: ReplyTo, body: Sequence[Buffer]) -> None:
+        """Admit one request body, or answer it at once; every body gets exactly one reply."""
+        now = time.monotonic()
+        try:
+            request = protocol.decode_request(body, self.max_message_bytes)
+            header = request.header
+            model = self.config.models.get(header.model)
+            if model is None:
+                raise InvalidRequest(
+                    f"unknown model {header.model!r}; this daemon serves {', '.join(sorted(self.config.models))}",
+                    header.id,
+                )
+            samples = check_against_model(header, header.model, model, self.live.get(header.model, ""))
+        except InvalidRequest as exc:
+            log.debug("request %s invalid: %s", exc.request_id, exc.message)
+            self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message)
+            return
+        if self.refusal is not None:
+            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, self.refusal, header.model)
+            return
+        timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
+        queued = QueuedRequest(header, request.buffers, reply_to, samples, now, now + timeout)
+        if not self.queue.put(queued):
+            self.send_error(
+                reply_to, header.id, protocol.OVERLOADED,
+                f"the queue is full ({self.queue.max_size} requests); retry later", header.model,
+            )
+
+    def reply(self, request: QueuedRequest, header: ReplyHeader, outputs: Sequence[Buffer] = ()) -> None:
+        """Send a request's reply (its outputs are copied into the message)."""
+        self._send(request.reply_to, header.status, [protocol.encode_reply(header), *outputs])
+
+    def reply_error(self, request: QueuedRequest, status: str, error: str) -> None:
+        """Answer a queued request with an error status."""
+        self.send_error(request.reply_to, request.header.id, status, error, request.header.model)
+
+    def send_error(
+        self, reply_to: ReplyTo, request_id: protocol.RequestId | None, status: str, error: str,
+        model: str | None = None,
+    ) -> None:
+        """Send an error reply."""
+        self._send(reply_to, status, [protocol.error_reply(request_id, status, error, model)])
+
+    def _send(self, reply_to: ReplyTo, status: str, frames: list) -> None:
+        self.replies[status] += 1
+        try:
+            reply_to.socket.send_multipart([*reply_to.envelope, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way
+            # the reply has nowhere to go and waiting for it would stall everyone.
+            self.undelivered += 1
+            log.debug("reply undeliverable (%s)", exc.strerror)

@@ -1,0 +1,259 @@
+"""The worker table: spawn, hand-shake, reap and respawn worker processes.
+
+Each worker is bound to one device and one arena for the daemon's lifetime;
+its process may be replaced, and each replacement carries a new generation.
+Messages from a generation that is gone are ignored, so a late message from a
+dead process can never be taken for its successor's.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+import msgspec
+import zmq
+
+from inferd import config as config_module
+from inferd.config import Config
+from inferd.ipc import messages
+from inferd.ipc.arena import Arena, SlotPool
+from inferd.ipc.messages import LoadedModel
+from inferd.worker.main import EXIT_BOOT_ERROR, WorkerSpec, worker_main
+
+log = logging.getLogger("inferd.workers")
+
+BOOTING, READY, STOPPING, DEAD, FAILED = "booting", "ready", "stopping", "dead", "failed"
+PIPELINE_DEPTH = 2  # batches an executor may hold: one running, one waiting behind it
+MAX_BOOT_FAILURES = 5
+MAX_BACKOFF_S = 30.0
+
+_spawn = multiprocessing.get_context("spawn")
+
+
+@dataclass(eq=False)
+class ExecutorHandle:
+    """One executor of a worker, as the dispatcher sees it."""
+
+    worker: WorkerHandle
+    index: int
+    identity: bytes | None = None
+    inflight: int = 0
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker slot: a device, an arena, and the process currently serving them."""
+
+    index: int
+    device: str
+    arena: Arena
+    slots: SlotPool
+    generation: int = 0
+    state: str = DEAD
+    process: BaseProcess | None = None
+    control: bytes | None = None
+    executors: list[ExecutorHandle] = field(default_factory=list)
+    models: dict[str, LoadedModel] = field(default_factory=dict)
+    started: float = 0.0
+    respawn_at: float = 0.0
+    restarts: int = 0
+    failures: int = 0
+    last_error: str = ""
+    give_up: bool = False
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the current process, if one runs."""
+        return self.process.pid if self.process is not None else None
+
+
+class WorkerTable:
+    """Every worker of the daemon, and the backend socket they talk to it on."""
+
+    def __init__(self, config: Config, backend: zmq.Socket, endpoint: str, arenas: list[Arena], devices: list[str]):
+        self.config = config
+        self.backend = backend
+        self.endpoint = endpoint
+        self.versions: dict[str, str] = {}
+        slot_count = PIPELINE_DEPTH * config.workers.streams
+        self.workers = [
+            WorkerHandle(index=i, device=device, arena=arena, slots=SlotPool(arena.size, slot_count))
+            for i, (device, arena) in enumerate(zip(devices, arenas))
+        ]
+        self._roles: dict[bytes, tuple[WorkerHandle, int, ExecutorHandle | None]] = {}
+
+    def spawn(self, worker: WorkerHandle, now: float) -> None:
+        """Start a new process, of a new generation, for `worker`."""
+        worker.generation += 1
+        spec = WorkerSpec(
+            worker=worker.index,
+            generation=worker.generation,
+            device=worker.device,
+            backend=self.endpoint,
+            arena=worker.arena.name,
+            config=config_module.encode(self.config),
+            versions=dict(self.versions),
+        )
+        process = _spawn.Process(
+            target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"inferd-worker{worker.index}"
+        )
+        process.start()
+        worker.process = process
+        worker.state = BOOTING
+        worker.started = now
+        worker.control = None
+        worker.models = {}
+        worker.executors = [ExecutorHandle(worker, k) for k in range(self.config.workers.streams)]
+        log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device, process.pid)
+
+    def send(self, identity: bytes, message: messages.Message) -> bool:
+        """Send to one worker socket; False when that socket is gone."""
+        try:
+            self.backend.send_multipart([identity, messages.encode(message)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("cannot reach worker socket %r: %s", identity, exc.strerror)
+            return False
+
+    def on_message(self, identity: bytes, message: messages.Message) -> WorkerHandle | None:
+        """Handle a lifecycle message; return the worker whose state changed, if any."""
+        if isinstance(message, messages.Hello):
+            self._on_hello(identity, message)
+            return None
+        role = self._roles.get(identity)
+        if role is None or role[0].generation != role[1]:
+            return None
+        worker = role[0]
+        if isinstance(message, messages.Ready) and worker.state == BOOTING:
+            worker.models = dict(message.models)
+            worker.state = READY
+            worker.failures = 0
+            log.info("worker%d ready on %s (pid %d)", worker.index, worker.device, message.pid)
+            return worker
+        if isinstance(message, messages.BootFailed):
+            worker.last_error = message.error
+            log.error("worker%d failed to boot: %s", worker.index, message.error)
+        return None
+
+    def executor_of(self, identity: bytes) -> ExecutorHandle | None:
+        """The executor behind a socket identity, if it belongs to a live generation."""
+        role = self._roles.get(identity)
+        if role is None or role[0].generation != role[1]:
+            return None
+        return role[2]
+
+    def ready_executors(self) -> list[ExecutorHandle]:
+        """Executors of ready workers that have said hello, in worker order."""
+        return [
+            executor
+            for worker in self.workers
+            if worker.state == READY
+            for executor in worker.executors
+            if executor.identity is not None
+        ]
+
+    def reap(self, worker: WorkerHandle, now: float, retry: bool) -> str:
+        """Collect an exited process; schedule its replacement with backoff, or give up.
+
+        `retry` is False while the daemon starts: a worker that cannot start then
+        is given up at once, so a broken model fails the start instead of looping.
+        Returns the reason of the exit, for the requests it leaves unanswered.
+        """
+        process = worker.process
+        process.join(timeout=1.0)
+        code = process.exitcode
+        was = worker.state
+        for identity in [i for i, role in self._roles.items() if role[0] is worker]:
+            del self._roles[identity]
+        worker.process = None
+        worker.control = None
+        worker.executors = []
+        reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        if code == -signal.SIGKILL:
+            reason += " (perhaps out of memory?)"
+        if was == STOPPING and not worker.give_up:
+            worker.state = DEAD
+            log.info("worker%d exited (%s)", worker.index, reason)
+            return reason
+        if was in (BOOTING, STOPPING) or code == EXIT_BOOT_ERROR:
+            worker.failures += 1
+        if not retry or worker.give_up or worker.failures >= MAX_BOOT_FAILURES:
+            worker.state = FAILED
+            log.error("worker%d given up: %s", worker.index, worker.last_error or reason)
+            return reason
+        worker.restarts += 1
+        delay = min(MAX_BACKOFF_S, 0.5 * 2 ** worker.failures) if worker.failures else 0.0
+        worker.state = DEAD
+        worker.respawn_at = now + delay
+        log.error("worker%d (%s) died: %s; restarting in %.1f s", worker.index, was, reason, delay)
+        return reason
+
+    def housekeeping(self, now: float, respawn: bool) -> None:
+        """Kill workers that boot too long; respawn dead ones whose backoff has passed."""
+        for worker in self.workers:
+            if worker.state == BOOTING and now - worker.started > self.config.workers.start_timeout_s:
+                worker.last_error = f"did not become ready within {self.config.workers.start_timeout_s:g} s"
+                log.error("worker%d %s; killing it", worker.index, worker.last_error)
+                self.kill(worker)
+            elif respawn and worker.state == DEAD and worker.process is None and now >= worker.respawn_at:
+                self.spawn(worker, now)
+
+    def kill(self, worker: WorkerHandle) -> None:
+        """SIGKILL the worker's process; its sentinel then reports the death."""
+        if worker.process is not None and worker.process.pid is not None:
+            try:
+                os.kill(worker.process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, worker: WorkerHandle, give_up: bool = False) -> None:
+        """Ask a worker to exit once its executors finish what they run.
+
+        `give_up`: the worker cannot serve this config; do not replace it.
+        """
+        worker.give_up = worker.give_up or give_up
+        if worker.process is None:
+            worker.state = FAILED if worker.give_up else DEAD
+            return
+        worker.state = STOPPING
+        for executor in worker.executors:
+            if executor.identity is not None:
+                self.send(executor.identity, messages.Shutdown())
+        if worker.control is not None:
+            self.send(worker.control, messages.Shutdown())
+        else:
+            self.kill(worker)
+
+    def wait_all(self, timeout: float) -> None:
+        """Wait for every process to exit, killing the ones that outlast `timeout`."""
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            if worker.process is None:
+                continue
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            if worker.process.exitcode is None:
+                log.warning("worker%d did not stop in time; killing it", worker.index)
+                self.kill(worker)
+                worker.process.join(5.0)
+            worker.process = None
+            worker.state = DEAD
+
+    def _on_hello(self, identity: bytes, hello: messages.Hello) -> None:
+        if not 0 <= hello.worker < len(self.workers):
+            return
+        worker = self.workers[hello.worker]
+        if hello.generation != worker.generation:
+            return
+        if hello.executor is None:
+            worker.control = identity
+            self._roles[identity] = (worker, hello.generation, None)
+        elif 0 <= hello.executor < len(worker.executors):
+            executor = worker.executors[hello.executor]
+            executor.identity = identity
+            self._roles[identity] = (worker, hello.generation, executor)

@@ -1,0 +1,114 @@
+"""An executor: one thread of a worker that runs one batch at a time.
+
+It reads the batch in place from the arena (`torch.from_numpy` over the shared
+buffer, no copy), runs the model, writes the outputs back into the same slot
+and answers with a small descriptor. On a GPU each executor owns a CUDA stream,
+so one executor's copies overlap another's compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from inferd.ipc import messages
+from inferd.ipc.arena import Arena, align_up
+from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RunBatch, TensorRef
+from inferd.protocol import DTYPES
+from inferd.worker.runner import DTYPE_NAMES, ModelRunner
+
+log = logging.getLogger("inferd.worker.executor")
+
+
+def arena_tensor(arena: Arena, dtype: str, shape: tuple[int, ...], offset: int) -> torch.Tensor:
+    """A CPU tensor that is a view of the arena at `offset` (no copy)."""
+    return torch.from_numpy(np.ndarray(shape, dtype=DTYPES[dtype], buffer=arena.buf, offset=offset))
+
+
+class Executor(threading.Thread):
+    """Runs the batches sent to its own socket, one at a time, on its own stream."""
+
+    def __init__(
+        self,
+        index: int,
+        context: zmq.Context,
+        backend: str,
+        hello: Hello,
+        arena: Arena,
+        runner: ModelRunner,
+    ) -> None:
+        super().__init__(name=f"executor-{index}", daemon=True)
+        self.index = index
+        self.arena = arena
+        self.runner = runner
+        self.socket = context.socket(zmq.DEALER)
+        self.socket.linger = 0
+        self.socket.connect(backend)
+        self.socket.send(messages.encode(hello))
+        device = runner.device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def run(self) -> None:
+        """Serve batches until the supervisor sends Shutdown."""
+        try:
+            while True:
+                message = messages.decode(self.socket.recv())
+                if isinstance(message, RunBatch):
+                    self.socket.send(messages.encode(self.run_batch(message)))
+                elif isinstance(message, messages.Shutdown):
+                    return
+        finally:
+            self.socket.close()
+
+    def run_batch(self, batch: RunBatch) -> BatchDone | BatchFailed:
+        """Run one batch; any failure becomes a BatchFailed naming it, never a dead thread."""
+        started = time.perf_counter()
+        try:
+            outputs = self._compute(batch)
+        except Exception as exc:
+            log.error("batch %d of %s %s failed: %s", batch.batch_id, batch.model, batch.version, exc)
+            return BatchFailed(batch.batch_id, f"{type(exc).__name__}: {exc}")
+        return BatchDone(batch.batch_id, outputs, int((time.perf_counter() - started) * 1e6))
+
+    def _compute(self, batch: RunBatch) -> tuple[TensorRef, ...]:
+        device = self.runner.device
+        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with stream:
+            inputs = [
+                arena_tensor(self.arena, ref.dtype, ref.shape, ref.offset).to(device, non_blocking=True)
+                for ref in batch.inputs
+            ]
+            outputs = self.runner.infer(batch.model, batch.version, inputs)
+            refs = self._write_outputs(outputs, batch.out_offset, batch.out_end)
+            if self.stream is not None:
+                # Wait for this stream's copies only, not for the whole device.
+                done = torch.cuda.Event()
+                done.record(self.stream)
+                done.synchronize()
+        return refs
+
+    def _write_outputs(self, outputs: tuple[torch.Tensor, ...], start: int, end: int) -> tuple[TensorRef, ...]:
+        refs = []
+        offset = start
+        for output in outputs:
+            dtype = DTYPE_NAMES.get(output.dtype)
+            if dtype is None:
+                raise TypeError(f"output dtype {output.dtype} cannot travel on the wire")
+            offset = align_up(offset)
+            nbytes = output.numel() * output.element_size()
+            if offset + nbytes > end:
+                raise MemoryError(
+                    f"the outputs need more than the {end - start} bytes left in the arena slot; "
+                    "raise workers.shm_mb"
+                )
+            shape = tuple(output.shape)
+            arena_tensor(self.arena, dtype, shape, offset).copy_(output, non_blocking=True)
+            refs.append(TensorRef(dtype, shape, offset))
+            offset += nbytes
+        return tuple(refs)

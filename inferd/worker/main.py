@@ -1,0 +1,138 @@
+"""The worker process: one device, its models, its executors.
+
+Started by the supervisor with the spawn method (never fork after CUDA). It
+attaches its arena, loads and warms every model, starts one executor per
+stream, then reports Ready. It exits when told to, or on its own as soon as
+the supervisor is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import sys
+import threading
+
+import msgspec
+import zmq
+
+from inferd import config as config_module
+from inferd.ipc import messages
+from inferd.logs import setup_logging
+
+log = logging.getLogger("inferd.worker")
+
+EXIT_BOOT_ERROR = 3
+EXIT_PARENT_GONE = 4
+
+
+class WorkerSpec(msgspec.Struct, frozen=True):
+    """Everything a worker needs, handed over at spawn as msgpack."""
+
+    worker: int
+    generation: int
+    device: str
+    backend: str
+    arena: str
+    config: bytes
+    versions: dict[str, str]
+
+
+def _exit_with_parent() -> None:
+    """Exit at once when the supervisor dies, so no orphan holds device memory."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        log.error("the supervisor is gone; exiting")
+        os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _device(name: str):
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def _pin(arena, device) -> None:
+    """Page-lock the arena so host-device copies are asynchronous on the executors' streams."""
+    import torch
+
+    if device.type != "cuda":
+        return
+    err = torch.cuda.cudart().cudaHostRegister(arena.address(), arena.size, 0)
+    if int(err) != 0:
+        log.warning("could not page-lock the arena (cudaHostRegister error %s); copies will be synchronous", err)
+
+
+def worker_main(encoded_spec: bytes) -> None:
+    """Entry point of a spawned worker process."""
+    spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
+    setup_logging(f"worker{spec.worker}")
+    # The supervisor decides when workers stop; a Ctrl-C in the terminal reaches
+    # the whole process group, and must not kill batches the drain still needs.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+    config = config_module.decode(spec.config)
+    context = zmq.Context()
+    control = context.socket(zmq.DEALER)
+    control.linger = 1000
+    control.connect(spec.backend)
+    control.send(messages.encode(messages.Hello(spec.worker, spec.generation, None)))
+    try:
+        executors, ready = _boot(spec, config, context)
+    except Exception as exc:
+        log.error("boot failed: %s", exc)
+        control.send(messages.encode(messages.BootFailed(str(exc))))
+        control.close()
+        context.term()
+        sys.exit(EXIT_BOOT_ERROR)
+    for executor in executors:
+        executor.start()
+    control.send(messages.encode(ready))
+    log.info("ready on %s with %d executor(s), pid %d", spec.device, len(executors), os.getpid())
+    while not isinstance(messages.decode(control.recv()), messages.Shutdown):
+        pass
+    for executor in executors:
+        executor.join()
+    control.close()
+    context.term()
+    log.info("stopped")
+    logging.shutdown()
+    # Everything this process owns is released; skip the interpreter's slow
+    # teardown of torch, which would only delay the supervisor's stop.
+    os._exit(0)
+
+
+def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context):
+    """Attach the arena, load and warm every model, create the executors (not yet started)."""
+    import torch
+
+    from inferd.ipc.arena import Arena
+    from inferd.worker.executor import Executor
+    from inferd.worker.runner import ModelRunner
+
+    device = _device(spec.device)
+    if device.type == "cpu":
+        torch.set_num_threads(config.workers.cpu_threads)
+    arena = Arena.attach(spec.arena)
+    _pin(arena, device)
+    runner = ModelRunner(device)
+    loaded = {
+        name: runner.load(name, config.models[name], spec.versions[name]) for name in config.models
+    }
+    executors = [
+        Executor(k, context, spec.backend, messages.Hello(spec.worker, spec.generation, k), arena, runner)
+        for k in range(config.workers.streams)
+    ]
+    return executors, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
