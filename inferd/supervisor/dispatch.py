@@ -100,18 +100,19 @@ class Dispatcher:
             log.warning("result for unknown batch %d ignored", result.batch_id)
             return
         self._finish(batch)
+        executor.worker.batches += 1
         if isinstance(result, BatchFailed):
             self._fail(batch, result.error)
         else:
             self._reply_outputs(batch, result)
         batch.executor.worker.slots.release(batch.slot)
 
-    def fail_worker(self, worker: WorkerHandle, reason: str) -> None:
-        """Answer every batch in flight on `worker` with `internal` and take its slots back."""
+    def fail_worker(self, worker: WorkerHandle, reason: str, status: str = protocol.INTERNAL) -> None:
+        """Answer every batch in flight on `worker` with `status` and take its slots back."""
         for batch in [b for b in self.inflight.values() if b.executor.worker is worker]:
             self._finish(batch)
             worker.slots.release(batch.slot)
-            self._fail(batch, reason)
+            self._fail(batch, reason, status)
 
     def _finish(self, batch: Batch) -> None:
         del self.inflight[batch.id]
@@ -178,7 +179,7 @@ class Dispatcher:
             self.frontend.reply(request, header, frames)
             row += request.samples
 
-    def _fail(self, batch: Batch, reason: str) -> None:
+    def _fail(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:
         log.error("batch %d of %s (%d requests) failed: %s", batch.id, batch.model, len(batch.requests), reason)
         for request in batch.requests:
-            self.frontend.reply_error(request, protocol.INTERNAL, reason)
+            self.frontend.reply_error(request, status, reason)

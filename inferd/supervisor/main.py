@@ -162,7 +162,9 @@ class Supervisor:
         while not self._done:
             now = time.monotonic()
             wait = min(self.queue.next_wakeup(now) or TICK_S, max(0.0, self._next_tick - now))
-            for target, _ in self.poller.poll(int(wait * 1000) + (wait > 0)):
+            events = self.poller.poll(int(wait * 1000) + (wait > 0))
+            # Signals first: a request that arrives with a SIGTERM is already refused.
+            for target, _ in sorted(events, key=lambda event: event[0] != self._wakeup_r.fileno()):
                 self._on_readable(target)
             now = time.monotonic()
             for request in self.queue.expire(now):
@@ -305,7 +307,7 @@ class Supervisor:
         for request in self.queue.drain():
             self.frontend.reply_error(request, protocol.UNAVAILABLE, "the daemon stopped before the request ran")
         for worker in self.workers.workers:
-            self.dispatcher.fail_worker(worker, "the daemon stopped before the request finished")
+            self.dispatcher.fail_worker(worker, "the daemon stopped before the request finished", protocol.UNAVAILABLE)
         self._stop_workers(now)
 
     # -- signals ----------------------------------------------------------------
@@ -382,6 +384,7 @@ class Supervisor:
                     "state": w.state,
                     "generation": w.generation,
                     "restarts": w.restarts,
+                    "batches": w.batches,
                     "busy_executors": sum(1 for e in w.executors if e.inflight),
                     "last_error": w.last_error or None,
                 }

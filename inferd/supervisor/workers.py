@@ -63,6 +63,7 @@ class WorkerHandle:
     started: float = 0.0
     respawn_at: float = 0.0
     restarts: int = 0
+    batches: int = 0
     failures: int = 0
     last_error: str = ""
     give_up: bool = False

@@ -1,0 +1,251 @@
+"""Daemons started for one test each: overload, deadlines, limits, stop, crash, start-up errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+import models
+from conftest import FAILING, MLP, SLOW
+from inferd import Client, RetryPolicy
+from inferd.ipc.arena import SHM_DIR
+from wire import RawPeer
+
+ONE_SLOW = {**SLOW, "max_batch_size": 1, "warmup_batch_sizes": [1]}
+X_SLOW = np.ones((1, models.SLOW_FEATURES), dtype=np.float32)
+X_MLP = np.ones((1, models.MLP_IN), dtype=np.float32)
+
+
+def arenas_of(pid: int) -> list[Path]:
+    """Shared-memory arenas a supervisor pid created."""
+    return sorted(SHM_DIR.glob(f"inferd-{pid}-*"))
+
+
+def burst(endpoint: str, model: str, x: np.ndarray, count: int, **header) -> list[dict]:
+    """Send `count` requests at once on one socket; return the replies' headers in id order."""
+    with RawPeer(endpoint) as peer:
+        for i in range(count):
+            peer.send(i, model, [x], **header)
+        replies = [peer.recv()[0] for _ in range(count)]
+        assert peer.nothing_more(), "a request got more than one reply"
+    assert sorted(r["id"] for r in replies) == list(range(count)), "a request got no reply"
+    return sorted(replies, key=lambda r: r["id"])
+
+
+def test_overloaded_when_the_queue_is_full_and_only_then(start_daemon):
+    daemon = start_daemon({"slow": ONE_SLOW}, queue={"max_size": 2}, workers={"streams": 1})
+    replies = burst(daemon.endpoint, "slow", X_SLOW, 40)
+    statuses = {r["status"] for r in replies}
+    assert statuses == {"ok", "overloaded"}, statuses
+    assert all("queue is full" in r["error"] for r in replies if r["status"] == "overloaded")
+    # One request at a time never finds the queue full.
+    with RawPeer(daemon.endpoint) as peer:
+        for i in range(20):
+            peer.send(i, "slow", [X_SLOW])
+            assert peer.recv()[0]["status"] == "ok"
+
+
+def test_client_retries_overloaded_until_it_gets_through(start_daemon):
+    daemon = start_daemon({"slow": ONE_SLOW}, queue={"max_size": 2}, workers={"streams": 1})
+    retry = RetryPolicy(max_attempts=50, initial_delay=0.01, max_delay=0.05, jitter=0.2)
+    with Client(daemon.endpoint, timeout=30.0, retry=retry) as client:
+        futures = [client.submit("slow", X_SLOW) for _ in range(30)]
+        results = [f.result() for f in futures]
+    assert len(results) == 30
+    assert daemon.status()["replies"]["overloaded"] > 0, "the test never hit a full queue"
+
+
+def test_requests_whose_deadline_passes_in_the_queue_are_not_computed(start_daemon):
+    daemon = start_daemon({"slow": ONE_SLOW}, workers={"streams": 1})
+    batches_before = daemon.status()["workers"][0]["batches"]
+    replies = burst(daemon.endpoint, "slow", X_SLOW, 60, timeout_ms=15)
+    statuses = [r["status"] for r in replies]
+    assert "ok" in statuses and "timeout" in statuses, statuses
+    assert set(statuses) == {"ok", "timeout"}
+    timed_out = statuses.count("timeout")
+    assert all("deadline passed" in r["error"] for r in replies if r["status"] == "timeout")
+    batches = daemon.status()["workers"][0]["batches"] - batches_before
+    assert batches == 60 - timed_out, "a timed-out request was computed"
+
+
+def test_an_oversized_message_is_refused_and_the_daemon_keeps_serving(start_daemon):
+    daemon = start_daemon({"mlp": {**MLP, "max_batch_size": 32768, "warmup_batch_sizes": [1]}},
+                          server={"max_message_mb": 1}, workers={"shm_mb": 64})
+    big = np.zeros((30_000, models.MLP_IN), dtype=np.float32)  # 1.9 MB
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "mlp", [big])
+        header, _ = peer.recv()
+        assert header["status"] == "invalid"
+        assert "over the limit of 1048576 bytes" in header["error"]
+        peer.send(2, "mlp", [X_MLP])
+        assert peer.recv()[0]["status"] == "ok"
+
+
+def test_sigterm_finishes_queued_work_and_leaves_nothing_behind(start_daemon):
+    daemon = start_daemon({"slow": ONE_SLOW}, workers={"streams": 1})
+    pid = daemon.process.pid
+    workers = [w["pid"] for w in daemon.status()["workers"]]
+    assert arenas_of(pid)
+    with RawPeer(daemon.endpoint) as peer:
+        for i in range(100):
+            peer.send(i, "slow", [X_SLOW])
+        first = peer.recv()[0]
+        daemon.signal(signal.SIGTERM)
+        while daemon.status()["state"] != "draining":
+            time.sleep(0.01)
+        peer.send(999, "slow", [X_SLOW])
+        replies = [first] + [peer.recv()[0] for _ in range(100)]
+        assert peer.nothing_more()
+    by_id = {r["id"]: r for r in replies}
+    # Queued before the signal: all computed. After it: refused, not dropped.
+    assert [by_id[i]["status"] for i in range(100)] == ["ok"] * 100
+    assert by_id[999]["status"] == "unavailable" and "shutting down" in by_id[999]["error"]
+    assert daemon.wait() == 0
+    assert arenas_of(pid) == []
+    assert not Path(daemon.control[len("ipc://"):]).exists()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers)
+    assert "stopped" in daemon.log()
+
+
+def test_second_sigterm_answers_what_is_left_unavailable(start_daemon):
+    daemon = start_daemon({"slow": {**ONE_SLOW}}, workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as peer:
+        for i in range(300):
+            peer.send(i, "slow", [X_SLOW])
+        time.sleep(0.1)
+        daemon.signal(signal.SIGTERM)
+        time.sleep(0.1)
+        daemon.signal(signal.SIGTERM)
+        replies = [peer.recv()[0] for _ in range(300)]
+    statuses = {r["status"] for r in replies}
+    assert statuses <= {"ok", "unavailable"} and "unavailable" in statuses, statuses
+    assert daemon.wait() == 0
+    assert arenas_of(daemon.process.pid) == []
+
+
+def test_killed_supervisor_workers_exit_and_next_start_removes_its_arenas(start_daemon):
+    first = start_daemon({"mlp": MLP})
+    pid = first.process.pid
+    worker = first.status()["workers"][0]["pid"]
+    first.signal(signal.SIGKILL)
+    first.wait()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the worker outlived its supervisor"
+        time.sleep(0.05)
+    assert arenas_of(pid), "SIGKILL cannot clean up: the arena should still be there"
+    # The control socket file is left behind too; the next start must take it over.
+    second = start_daemon({"mlp": MLP})
+    assert arenas_of(pid) == []
+    assert arenas_of(second.process.pid)
+    with second.client() as client:
+        assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
+
+
+def test_a_second_daemon_on_the_same_control_socket_is_refused(start_daemon, workdir, repo):
+    first = start_daemon({"mlp": MLP})
+    from conftest import Daemon, base_config
+
+    config = base_config(workdir, repo, {"mlp": MLP})
+    config["server"]["control"] = first.control
+    second_dir = workdir / "second"
+    second_dir.mkdir()
+    second = Daemon(second_dir, config)
+    second.start(wait=False)
+    try:
+        assert second.wait(60) == 1
+        assert f"already running with control socket {first.control}" in second.log()
+        assert arenas_of(second.process.pid) == []
+    finally:
+        second.kill_all()
+    assert first.call("health")["healthy"]
+
+
+def test_a_killed_worker_fails_its_batches_and_is_replaced(start_daemon):
+    daemon = start_daemon({"slow": SLOW, "mlp": MLP}, workers={"streams": 1})
+    old = daemon.status()["workers"][0]
+    with RawPeer(daemon.endpoint) as peer:
+        for i in range(50):
+            peer.send(i, "slow", [np.ones((4, 64), dtype=np.float32)])
+        time.sleep(0.1)
+        os.kill(old["pid"], signal.SIGKILL)
+        replies = [peer.recv()[0] for _ in range(50)]
+        assert peer.nothing_more()
+    statuses = [r["status"] for r in replies]
+    assert "internal" in statuses, statuses
+    assert set(statuses) <= {"ok", "internal", "unavailable"}
+    assert any("died (killed by signal 9" in r["error"] for r in replies if r["status"] == "internal")
+    daemon.wait_healthy(60)
+    new = daemon.status()["workers"][0]
+    assert new["pid"] != old["pid"] and new["generation"] == old["generation"] + 1 and new["restarts"] == 1
+    with daemon.client() as client:
+        assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
+
+
+def test_a_model_that_breaks_the_batch_dim_stops_the_start_with_a_clear_error(start_daemon):
+    daemon = start_daemon({"wrongbatch": {**FAILING, "warmup_batch_sizes": [1, 4]}}, wait=False)
+    assert daemon.wait(90) == 1
+    log = daemon.log()
+    assert "first dim must be the batch size" in log
+    assert "no worker could start" in log
+    assert arenas_of(daemon.process.pid) == []
+
+
+def test_a_missing_version_stops_the_start(start_daemon):
+    daemon = start_daemon({"mlp": {**MLP, "version": "v9"}}, wait=False)
+    assert daemon.wait(30) == 1
+    assert "version 'v9' has no model.pt or model.pt2" in daemon.log()
+
+
+def test_arena_too_small_for_a_full_batch_is_a_clear_error(start_daemon):
+    daemon = start_daemon({"mlp": {**MLP, "max_batch_size": 40_000, "warmup_batch_sizes": [1]}},
+                          workers={"shm_mb": 1}, wait=False)
+    assert daemon.wait(90) == 1
+    assert "raise workers.shm_mb" in daemon.log()
+
+
+def test_torch_export_model_is_served(start_daemon, repo):
+    import torch
+
+    daemon = start_daemon({"exported": MLP})
+    x = np.random.default_rng(5).standard_normal((3, models.MLP_IN), dtype=np.float32)
+    with daemon.client() as client:
+        y = client.infer("exported", x)
+    module = torch.export.load(str(repo / "exported" / "v1" / "model.pt2")).module()
+    np.testing.assert_allclose(y, module(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_saved_live_version_wins_over_the_config(start_daemon, workdir):
+    (workdir / "state").mkdir()
+    (workdir / "state" / "live_versions.json").write_text('{"mlp": "v1"}')
+    daemon = start_daemon({"mlp": {**MLP, "version": "v2"}})
+    assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
+
+
+def test_client_retries_while_the_daemon_is_starting(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, wait=False)
+    retry = RetryPolicy(max_attempts=200, initial_delay=0.05, max_delay=0.2)
+    with Client(daemon.endpoint, timeout=60.0, retry=retry) as client:
+        y = client.infer("mlp", X_MLP)
+    assert y.shape == (1, models.MLP_OUT)
+
+
+@pytest.mark.parametrize("endpoint_kind", ["tcp", "ipc"])
+def test_client_retries_a_reply_missed_when_the_daemon_restarts(start_daemon, workdir, endpoint_kind):
+    listen = None if endpoint_kind == "tcp" else [f"ipc://{workdir}/data.sock"]
+    server = {"listen": listen} if listen else {}
+    daemon = start_daemon({"slow": ONE_SLOW, "mlp": MLP}, workers={"streams": 1}, server=server)
+    retry = RetryPolicy(max_attempts=100, initial_delay=0.1, max_delay=0.5)
+    with Client(daemon.endpoint, timeout=90.0, retry=retry) as client:
+        futures = [client.submit("slow", X_SLOW) for _ in range(200)]
+        time.sleep(0.05)
+        daemon.kill_all()
+        daemon.start(wait=False)
+        results = [f.result() for f in futures]
+    assert len(results) == 200

@@ -1,0 +1,289 @@
+"""End to end on one shared daemon: correct answers, batching, bad input, several models."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+import zmq
+
+import models
+from conftest import MLP
+from inferd import AsyncClient, InferenceError, InvalidRequest, RetryPolicy
+from wire import RawPeer
+
+
+def reference(repo, name: str, version: str = "v1"):
+    """The same model file the daemon serves, loaded in this process."""
+    files = list((repo / name / version).glob("model.pt*"))
+    if files[0].suffix == ".pt2":
+        module = torch.export.load(str(files[0])).module()
+    else:
+        module = torch.jit.load(str(files[0]))
+
+    def run(*arrays: np.ndarray):
+        with torch.inference_mode():
+            out = module(*(torch.from_numpy(np.array(a)) for a in arrays))
+        return tuple(o.numpy() for o in out) if isinstance(out, tuple) else out.numpy()
+
+    return run
+
+
+def test_concurrent_requests_get_their_own_correct_answers(shared_daemon, repo):
+    expected_fn = reference(repo, "mlp", "v2")  # "latest" is v2
+    rng = np.random.default_rng(1234)
+    inputs = [rng.standard_normal((int(rng.integers(1, 6)), models.MLP_IN), dtype=np.float32) for _ in range(300)]
+    with shared_daemon.client() as client:
+        with ThreadPoolExecutor(8) as pool:
+            outputs = list(pool.map(lambda x: client.infer("mlp", x), inputs))
+    for x, y in zip(inputs, outputs):
+        assert y.shape == (x.shape[0], models.MLP_OUT)
+        np.testing.assert_allclose(y, expected_fn(x), rtol=1e-5, atol=1e-6)
+    workers = shared_daemon.status()["workers"]
+    assert sum(w["batches"] for w in workers) < 300 + 10, "requests were not batched together"
+
+
+def test_requests_are_batched_together(shared_daemon):
+    before = sum(w["batches"] for w in shared_daemon.status()["workers"])
+    x = np.ones((1, 64), dtype=np.float32)
+    with shared_daemon.client() as client:
+        futures = [client.submit("slow", x) for _ in range(64)]
+        for future in futures:
+            future.result()
+    batches = sum(w["batches"] for w in shared_daemon.status()["workers"]) - before
+    # 64 one-sample requests of a model whose compute takes milliseconds, with
+    # max_batch_size 4 and 4 executors: they must have shared batches.
+    assert 16 <= batches < 64
+
+
+def test_two_inputs_two_outputs_two_dtypes(shared_daemon, repo):
+    expected_fn = reference(repo, "pair")
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((5, 3, 4), dtype=np.float32)
+    b = rng.integers(-100, 100, (5, 2), dtype=np.int64)
+    with shared_daemon.client() as client:
+        y0, y1 = client.infer("pair", [a, b])
+    e0, e1 = expected_fn(a, b)
+    assert y0.dtype == np.float32 and y1.dtype == np.int64
+    np.testing.assert_allclose(y0, e0, rtol=1e-5)
+    np.testing.assert_array_equal(y1, e1)
+
+
+def test_torch_tensor_in_numpy_out(shared_daemon, repo):
+    x = torch.randn(3, models.MLP_IN)
+    with shared_daemon.client() as client:
+        y = client.infer("mlp", x)
+    assert isinstance(y, np.ndarray)
+    np.testing.assert_allclose(y, reference(repo, "mlp", "v2")(x.numpy()), rtol=1e-5, atol=1e-6)
+
+
+def test_reply_header_names_version_and_timing(shared_daemon):
+    x = np.zeros((2, models.MLP_IN), dtype=np.float32)
+    with RawPeer(shared_daemon.endpoint) as peer:
+        peer.send("req-a", "mlp", [x])
+        header, outputs = peer.recv()
+    assert header["id"] == "req-a"
+    assert header["status"] == "ok"
+    assert header["model"] == "mlp" and header["version"] == "v2"
+    assert header["outputs"] == [{"dtype": "float32", "shape": [2, models.MLP_OUT]}]
+    timing = header["timing_us"]
+    assert timing["total"] >= timing["queue"] >= 0 and timing["compute"] > 0
+    assert outputs[0].shape == (2, models.MLP_OUT)
+
+
+def test_req_socket_with_delimiter_is_answered(shared_daemon, repo):
+    x = np.random.default_rng(3).standard_normal((1, models.MLP_IN), dtype=np.float32)
+    with RawPeer(shared_daemon.endpoint, zmq.REQ) as peer:
+        peer.send(5, "mlp", [x])
+        header, outputs = peer.recv()
+    assert header["status"] == "ok" and header["id"] == 5
+    np.testing.assert_allclose(outputs[0], reference(repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+
+
+def test_ipc_endpoint_serves_too(shared_daemon):
+    ipc = shared_daemon.config["server"]["listen"][1]
+    assert ipc.startswith("ipc://")
+    with RawPeer(ipc) as peer:
+        peer.send(1, "mlp", [np.zeros((1, models.MLP_IN), dtype=np.float32)])
+        assert peer.recv()[0]["status"] == "ok"
+
+
+def test_async_client(shared_daemon, repo):
+    expected_fn = reference(repo, "mlp", "v2")
+    rng = np.random.default_rng(11)
+    inputs = [rng.standard_normal((2, models.MLP_IN), dtype=np.float32) for _ in range(40)]
+
+    async def main():
+        async with AsyncClient(shared_daemon.endpoint, timeout=20.0) as client:
+            tasks = [client.submit("mlp", x) for x in inputs]
+            return await asyncio.gather(*tasks)
+
+    for x, y in zip(inputs, asyncio.run(main())):
+        np.testing.assert_allclose(y, expected_fn(x), rtol=1e-5, atol=1e-6)
+
+
+GOOD = np.zeros((1, models.MLP_IN), dtype=np.float32)
+BAD_INPUTS = [
+    ("not json", [b"{not json", GOOD.tobytes()], "not a JSON object"),
+    ("json array", [b"[1, 2]", GOOD.tobytes()], "Expected `object`"),
+    ("missing model", [b'{"id": 1, "inputs": []}'], "missing required field `model`"),
+    ("unknown field", [b'{"id": 1, "model": "mlp", "inputs": [], "priority": 3}'], "unknown field `priority`"),
+    ("unknown model", [b'{"id": 1, "model": "nope", "inputs": [{"dtype": "float32", "shape": [1, 16]}]}',
+                       GOOD.tobytes()], "unknown model 'nope'"),
+    ("unknown dtype", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float128", "shape": [1, 16]}]}',
+                       GOOD.tobytes()], "unknown dtype 'float128'"),
+    ("wrong dtype", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float64", "shape": [1, 16]}]}',
+                     np.zeros((1, 16)).tobytes()], "is float64 but mlp takes float32"),
+    ("zero dim", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [0, 16]}]}', b""],
+     "every dim must be at least 1"),
+    ("negative dim", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [-1, 16]}]}', b""],
+     "every dim must be at least 1"),
+    ("wrong sample shape", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 8]}]}',
+                            np.zeros((1, 8), np.float32).tobytes()], "mlp takes [N, 16]"),
+    ("no batch dim", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [16]}]}',
+                      np.zeros(16, np.float32).tobytes()], "mlp takes [N, 16]"),
+    ("batch too big", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [17, 16]}]}',
+                       np.zeros((17, 16), np.float32).tobytes()], "over max_batch_size 16"),
+    ("too few buffers", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 16]}]}'],
+     "declares 1 input(s) but 0 buffer(s)"),
+    ("too many buffers", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 16]}]}',
+                          GOOD.tobytes(), GOOD.tobytes()], "declares 1 input(s) but 2 buffer(s)"),
+    ("short buffer", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 16]}]}',
+                      GOOD.tobytes()[:-4]], "is 60 bytes"),
+    ("wrong input count", [b'{"id": 1, "model": "pair", "inputs": [{"dtype": "float32", "shape": [1, 3, 4]}]}',
+                           np.zeros((1, 3, 4), np.float32).tobytes()], "takes 2 input(s)"),
+    ("not the live version", [b'{"id": 1, "model": "mlp", "version": "v1", '
+                              b'"inputs": [{"dtype": "float32", "shape": [1, 16]}]}', GOOD.tobytes()],
+     "the live version is 'v2'"),
+    ("zero timeout", [b'{"id": 1, "model": "mlp", "timeout_ms": 0, '
+                      b'"inputs": [{"dtype": "float32", "shape": [1, 16]}]}', GOOD.tobytes()],
+     "timeout_ms must be positive"),
+    ("huge dims", [b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [4000000000, 4000000000]}]}',
+                   b"x"], "is 1 bytes"),
+    ("not utf-8", [b'\xff\xfe{"id": 1}', b""], "not a JSON object"),
+]
+
+
+@pytest.mark.parametrize("case, frames, message", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_gets_one_invalid_reply_and_the_daemon_keeps_serving(shared_daemon, case, frames, message):
+    with RawPeer(shared_daemon.endpoint) as peer:
+        peer.send_frames(frames)
+        header, _ = peer.recv()
+        assert header["status"] == "invalid", header
+        assert message in header["error"], header["error"]
+        assert peer.nothing_more(0.1), "more than one reply"
+        peer.send(2, "mlp", [GOOD])
+        assert peer.recv()[0]["status"] == "ok"
+
+
+def test_invalid_reply_names_the_request_id_when_it_can(shared_daemon):
+    with RawPeer(shared_daemon.endpoint) as peer:
+        peer.send(77, "nope", [GOOD])
+        header, _ = peer.recv()
+    assert header == {"id": 77, "status": "invalid", "error": header["error"]}
+
+
+def test_client_raises_invalid_request(shared_daemon):
+    with shared_daemon.client() as client:
+        with pytest.raises(InvalidRequest, match="takes \\[N, 16\\]"):
+            client.infer("mlp", np.zeros((2, 3), dtype=np.float32))
+
+
+def test_model_exception_fails_only_its_own_batch(shared_daemon):
+    with shared_daemon.client(retry=RetryPolicy(max_attempts=1)) as client:
+        with pytest.raises(InferenceError, match="negative input refused by the model"):
+            client.infer("failing", np.array([[-1.0, 2.0]], dtype=np.float32))
+        y = client.infer("failing", np.array([[1.0, 2.0]], dtype=np.float32))
+    np.testing.assert_array_equal(y, [[3.0, 6.0]])
+
+
+def test_two_workers_share_the_load(shared_daemon):
+    before = {w["worker"]: w["batches"] for w in shared_daemon.status()["workers"]}
+    x = np.ones((4, 64), dtype=np.float32)
+    with shared_daemon.client() as client:
+        for future in [client.submit("slow", x) for _ in range(40)]:
+            future.result()
+    after = {w["worker"]: w["batches"] for w in shared_daemon.status()["workers"]}
+    assert len(after) == 2
+    assert all(after[w] > before[w] for w in after), (before, after)
+
+
+def test_a_slow_model_does_not_hold_up_a_fast_one(shared_daemon):
+    x_slow = np.ones((1, 64), dtype=np.float32)
+    x_fast = np.ones((1, models.MLP_IN), dtype=np.float32)
+    with shared_daemon.client() as client:
+        slow = [client.submit("slow", x_slow) for _ in range(1000)]
+        client.infer("mlp", x_fast)
+        slow_done = sum(f.done() for f in slow)
+        for future in slow:
+            future.result()
+    # The fast request was served while most of the slow backlog still waited.
+    print(f"slow requests done when the fast one returned: {slow_done} of {len(slow)}")
+    assert slow_done < len(slow) // 2, slow_done
+
+
+def test_a_client_that_leaves_mid_request_costs_only_its_request(shared_daemon):
+    before = shared_daemon.status()["undelivered_replies"]
+    with RawPeer(shared_daemon.endpoint) as peer:
+        for i in range(20):
+            peer.send(i, "slow", [np.ones((4, 64), dtype=np.float32)])
+    # The peer is gone; its replies cannot be delivered, and nobody else notices.
+    with shared_daemon.client() as client:
+        assert client.infer("mlp", GOOD).shape == (1, models.MLP_OUT)
+    deadline = time.monotonic() + 10
+    while shared_daemon.status()["undelivered_replies"] < before + 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert shared_daemon.status()["undelivered_replies"] == before + 20
+
+
+def test_status_lists_models_and_workers(shared_daemon):
+    status = shared_daemon.status()
+    assert status["state"] == "serving"
+    assert status["models"]["mlp"]["live_version"] == "v2"
+    assert status["models"]["pair"]["live_version"] == "v1"
+    assert [w["device"] for w in status["workers"]] == ["cpu", "cpu"]
+    assert all(w["state"] == "ready" and w["pid"] for w in status["workers"])
+
+
+def test_many_threads_hammering_one_client(shared_daemon):
+    errors: list[BaseException] = []
+    x = np.ones((1, models.MLP_IN), dtype=np.float32)
+    with shared_daemon.client() as client:
+        def hammer():
+            try:
+                for _ in range(50):
+                    assert client.infer("mlp", x * random.random()).shape == (1, models.MLP_OUT)
+            except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=hammer) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+
+
+def test_supervisor_never_imports_torch(shared_daemon):
+    import psutil
+
+    supervisor = psutil.Process(shared_daemon.process.pid)
+    maps = open(f"/proc/{supervisor.pid}/maps").read()
+    assert "libtorch" not in maps
+    worker_pid = shared_daemon.status()["workers"][0]["pid"]
+    assert "libtorch" in open(f"/proc/{worker_pid}/maps").read()
+
+
+def test_msgspec_header_is_plain_json(shared_daemon):
+    # A client in any language can speak the protocol: nothing but JSON and raw bytes.
+    with RawPeer(shared_daemon.endpoint) as peer:
+        header = {"id": 9, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 16]}], "timeout_ms": 5000}
+        peer.send_frames([msgspec.json.encode(header), GOOD.tobytes()])
+        assert peer.recv()[0]["status"] == "ok"
