@@ -10,13 +10,13 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
 
-from inferd import __version__, config as config_module, paths, protocol
+from inferd import __version__, paths, protocol
+from inferd import config as config_module
 from inferd.errors import ERROR_BY_STATUS, InferdError
 from inferd.ipc.control import ControlClient, ControlError, encode_command
 

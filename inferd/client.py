@@ -279,7 +279,7 @@ class AsyncClient:
             try:
                 await self._socket.send_multipart(call.frames(), copy=False)
                 answer = await asyncio.wait_for(waiter, max(0.0, call.deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise call.expired() from None
             finally:
                 self._waiting.pop(call.id, None)

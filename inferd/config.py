@@ -337,3 +337,7 @@ def reference_markdown() -> str:
             out.append(f"| `{field.name}` | {_default_text(field, meta)} | {meta.description if meta else ''} |")
         out.append("")
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

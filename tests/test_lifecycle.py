@@ -7,15 +7,15 @@ import signal
 import time
 from pathlib import Path
 
+import models
 import numpy as np
 import psutil
 import pytest
-
-import models
 from conftest import FAILING, MLP, SLOW
+from wire import RawPeer
+
 from inferd import Client, RetryPolicy
 from inferd.ipc.arena import SHM_DIR
-from wire import RawPeer
 
 ONE_SLOW = {**SLOW, "max_batch_size": 1, "warmup_batch_sizes": [1]}
 X_SLOW = np.ones((1, models.SLOW_FEATURES), dtype=np.float32)

@@ -32,13 +32,12 @@ from inferd.supervisor.control import ControlServer
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher, slot_bytes_needed
 from inferd.supervisor.frontend import Frontend
-from inferd.supervisor.workers import FAILED, READY, WorkerHandle, WorkerTable
+from inferd.supervisor.workers import FAILED, READY, STOP_TIMEOUT_S, WorkerHandle, WorkerTable
 
 log = logging.getLogger("inferd.supervisor")
 
 STARTING, SERVING, DRAINING, STOPPING = "starting", "serving", "draining", "stopping"
 TICK_S = 0.5
-STOP_WORKERS_TIMEOUT_S = 10.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SIGNAL_NAMES = {s: s.name[3:].lower() for s in SIGNALS}
 
@@ -204,15 +203,12 @@ class Supervisor:
             self._check_started()
         elif self.state == DRAINING:
             if len(self.queue) == 0 and not self.dispatcher.inflight:
-                self._stop_workers(now)
+                self._stop_workers()
             elif now >= self._deadline:
                 log.warning("drain timeout passed; stopping with work left")
                 self._force_stop(now)
-        elif self.state == STOPPING:
-            if all(w.process is None for w in self.workers.workers):
-                self._done = True
-            elif now >= self._deadline:
-                self._done = True
+        elif self.state == STOPPING and all(w.process is None for w in self.workers.workers):
+            self._done = True
         self._update_refusal()
 
     def _check_started(self) -> None:
@@ -297,9 +293,8 @@ class Supervisor:
             self._check_started()
         self._update_refusal()
 
-    def _stop_workers(self, now: float) -> None:
+    def _stop_workers(self) -> None:
         self.state = STOPPING
-        self._deadline = now + STOP_WORKERS_TIMEOUT_S
         for worker in self.workers.workers:
             self.workers.stop(worker)
 
@@ -308,7 +303,7 @@ class Supervisor:
             self.frontend.reply_error(request, protocol.UNAVAILABLE, "the daemon stopped before the request ran")
         for worker in self.workers.workers:
             self.dispatcher.fail_worker(worker, "the daemon stopped before the request finished", protocol.UNAVAILABLE)
-        self._stop_workers(now)
+        self._stop_workers()
 
     # -- signals ----------------------------------------------------------------
 
@@ -402,7 +397,7 @@ class Supervisor:
             for worker in self.workers.workers:
                 if worker.process is not None and worker.process.exitcode is None:
                     self.workers.stop(worker)
-            self.workers.wait_all(STOP_WORKERS_TIMEOUT_S if self.state != STOPPING else 2.0)
+            self.workers.wait_all(STOP_TIMEOUT_S)
         if self.frontend is not None:
             self.frontend.close()
         if self.control is not None:

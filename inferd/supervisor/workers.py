@@ -32,6 +32,7 @@ BOOTING, READY, STOPPING, DEAD, FAILED = "booting", "ready", "stopping", "dead",
 PIPELINE_DEPTH = 2  # batches an executor may hold: one running, one waiting behind it
 MAX_BOOT_FAILURES = 5
 MAX_BACKOFF_S = 30.0
+STOP_TIMEOUT_S = 10.0
 
 _spawn = multiprocessing.get_context("spawn")
 
@@ -67,6 +68,7 @@ class WorkerHandle:
     failures: int = 0
     last_error: str = ""
     give_up: bool = False
+    stopping_since: float = 0.0
 
     @property
     def pid(self) -> int | None:
@@ -202,6 +204,9 @@ class WorkerTable:
                 worker.last_error = f"did not become ready within {self.config.workers.start_timeout_s:g} s"
                 log.error("worker%d %s; killing it", worker.index, worker.last_error)
                 self.kill(worker)
+            elif worker.state == STOPPING and now - worker.stopping_since > STOP_TIMEOUT_S:
+                log.warning("worker%d did not stop within %g s; killing it", worker.index, STOP_TIMEOUT_S)
+                self.kill(worker)
             elif respawn and worker.state == DEAD and worker.process is None and now >= worker.respawn_at:
                 self.spawn(worker, now)
 
@@ -223,9 +228,7 @@ class WorkerTable:
             worker.state = FAILED if worker.give_up else DEAD
             return
         worker.state = STOPPING
-        for executor in worker.executors:
-            if executor.identity is not None:
-                self.send(executor.identity, messages.Shutdown())
+        worker.stopping_since = time.monotonic()
         if worker.control is not None:
             self.send(worker.control, messages.Shutdown())
         else:

@@ -42,11 +42,13 @@ class Executor(threading.Thread):
         hello: Hello,
         arena: Arena,
         runner: ModelRunner,
+        stop_fd: int,
     ) -> None:
         super().__init__(name=f"executor-{index}", daemon=True)
         self.index = index
         self.arena = arena
         self.runner = runner
+        self.stop_fd = stop_fd
         self.socket = context.socket(zmq.DEALER)
         self.socket.linger = 0
         self.socket.connect(backend)
@@ -55,14 +57,18 @@ class Executor(threading.Thread):
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def run(self) -> None:
-        """Serve batches until the supervisor sends Shutdown."""
+        """Serve batches until `stop_fd` becomes readable."""
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.stop_fd, zmq.POLLIN)
         try:
             while True:
+                ready = dict(poller.poll())
+                if self.stop_fd in ready:
+                    return
                 message = messages.decode(self.socket.recv())
                 if isinstance(message, RunBatch):
                     self.socket.send(messages.encode(self.run_batch(message)))
-                elif isinstance(message, messages.Shutdown):
-                    return
         finally:
             self.socket.close()
 

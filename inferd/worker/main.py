@@ -89,8 +89,10 @@ def worker_main(encoded_spec: bytes) -> None:
     control.linger = 1000
     control.connect(spec.backend)
     control.send(messages.encode(messages.Hello(spec.worker, spec.generation, None)))
+    # Readable once the worker stops; every executor polls it beside its socket.
+    stop_r, stop_w = os.pipe()
     try:
-        executors, ready = _boot(spec, config, context)
+        executors, ready = _boot(spec, config, context, stop_r)
     except Exception as exc:
         log.error("boot failed: %s", exc)
         control.send(messages.encode(messages.BootFailed(str(exc))))
@@ -103,6 +105,7 @@ def worker_main(encoded_spec: bytes) -> None:
     log.info("ready on %s with %d executor(s), pid %d", spec.device, len(executors), os.getpid())
     while not isinstance(messages.decode(control.recv()), messages.Shutdown):
         pass
+    os.write(stop_w, b"\0")
     for executor in executors:
         executor.join()
     control.close()
@@ -114,7 +117,7 @@ def worker_main(encoded_spec: bytes) -> None:
     os._exit(0)
 
 
-def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context):
+def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, stop_fd: int):
     """Attach the arena, load and warm every model, create the executors (not yet started)."""
     import torch
 
@@ -132,7 +135,7 @@ def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context):
         name: runner.load(name, config.models[name], spec.versions[name]) for name in config.models
     }
     executors = [
-        Executor(k, context, spec.backend, messages.Hello(spec.worker, spec.generation, k), arena, runner)
+        Executor(k, context, spec.backend, messages.Hello(spec.worker, spec.generation, k), arena, runner, stop_fd)
         for k in range(config.workers.streams)
     ]
     return executors, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)

@@ -1,0 +1,144 @@
+"""The BatchQueue and its batching policy, driven with explicit clocks."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from inferd.protocol import RequestHeader, TensorMeta
+from inferd.supervisor.batcher import EXPIRED, TAKEN, BatchQueue, ModelPolicy, QueuedRequest
+
+
+def request(model: str = "a", samples: int = 1, received: float = 0.0, timeout: float = 10.0, rid: int = 0):
+    header = RequestHeader(id=rid, model=model, inputs=(TensorMeta("float32", (samples, 2)),))
+    return QueuedRequest(header, [b""], None, samples, received, received + timeout)
+
+
+def queue(max_size: int = 100, **policies: ModelPolicy) -> BatchQueue:
+    return BatchQueue(max_size, policies or {"a": ModelPolicy(max_batch_size=4, max_wait_s=0.005)})
+
+
+def test_put_refuses_beyond_max_size_and_changes_nothing():
+    q = queue(max_size=3)
+    assert all(q.put(request(rid=i)) for i in range(3))
+    assert not q.put(request(rid=99))
+    assert len(q) == 3 and q.depth("a") == 3
+
+
+def test_an_idle_executor_takes_a_lone_request_at_once():
+    q = queue()
+    q.put(request())
+    assert q.take(idle=True, spare=True, now=0.0) is not None
+
+
+def test_a_partial_batch_waits_while_every_executor_is_busy():
+    q = queue()
+    q.put(request(received=0.0))
+    assert q.take(idle=False, spare=True, now=0.001) is None
+    name, batch = q.take(idle=False, spare=True, now=0.005)
+    assert name == "a" and len(batch) == 1
+
+
+def test_a_full_batch_goes_behind_a_running_one_without_waiting():
+    q = queue()
+    for i in range(4):
+        q.put(request(rid=i))
+    name, batch = q.take(idle=False, spare=True, now=0.0)
+    assert [r.header.id for r in batch] == [0, 1, 2, 3]
+
+
+def test_nothing_is_taken_when_no_executor_has_room():
+    q = queue()
+    for i in range(8):
+        q.put(request(rid=i))
+    assert q.take(idle=False, spare=False, now=100.0) is None
+
+
+def test_a_batch_never_exceeds_max_batch_size_in_samples_and_keeps_order():
+    q = queue()
+    for rid, samples in enumerate([2, 1, 2, 1]):
+        q.put(request(samples=samples, rid=rid))
+    _, first = q.take(idle=True, spare=True, now=0.0)
+    assert [r.header.id for r in first] == [0, 1]  # 2 + 1; the next (2) would make 5
+    _, second = q.take(idle=True, spare=True, now=0.0)
+    assert [r.header.id for r in second] == [2, 3]
+    assert all(r.state == TAKEN for r in first + second)
+    assert len(q) == 0
+
+
+def test_expired_requests_come_back_once_and_are_never_batched():
+    q = queue()
+    q.put(request(rid=1, received=0.0, timeout=0.010))
+    q.put(request(rid=2, received=0.0, timeout=5.0))
+    q.put(request(rid=3, received=0.0, timeout=0.020))
+    expired = q.expire(now=0.015)
+    assert [r.header.id for r in expired] == [1] and expired[0].state == EXPIRED
+    assert q.expire(now=0.015) == []
+    _, batch = q.take(idle=True, spare=True, now=0.016)
+    assert [r.header.id for r in batch] == [2, 3]
+    assert q.expire(now=100.0) == [], "a request already taken expired again"
+
+
+def test_next_wakeup_is_the_nearest_batch_age_or_deadline():
+    q = queue()
+    assert q.next_wakeup(0.0) is None
+    q.put(request(received=0.0, timeout=1.0))
+    assert q.next_wakeup(0.0) == pytest.approx(0.005)
+    for _ in range(3):
+        q.put(request(received=0.0, timeout=1.0))
+    assert q.next_wakeup(0.0) == pytest.approx(1.0), "a full batch needs no age timer"
+
+
+def test_models_are_served_round_robin():
+    q = queue(a=ModelPolicy(1, 0.0), b=ModelPolicy(1, 0.0))
+    for i in range(5):
+        q.put(request("a", rid=i))
+    q.put(request("b", rid=100))
+    order = [q.take(idle=True, spare=True, now=0.0)[0] for _ in range(3)]
+    assert order == ["a", "b", "a"]
+
+
+def test_drain_returns_every_waiting_request():
+    q = queue()
+    for i in range(5):
+        q.put(request(rid=i))
+    assert len(q.drain()) == 5 and len(q) == 0 and q.take(True, True, 0.0) is None
+
+
+def test_concurrent_producers_and_a_consumer_lose_and_duplicate_nothing():
+    q = queue(max_size=10_000, a=ModelPolicy(7, 0.0), b=ModelPolicy(3, 0.0))
+    taken: list[QueuedRequest] = []
+    stop = threading.Event()
+
+    def produce(offset: int) -> None:
+        for i in range(1000):
+            while not q.put(request("ab"[i % 2], rid=offset + i)):
+                pass
+
+    def consume() -> None:
+        while not stop.is_set() or len(q):
+            batch = q.take(idle=True, spare=True, now=0.0)
+            if batch:
+                taken.extend(batch[1])
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    producers = [threading.Thread(target=produce, args=(k * 10_000,)) for k in range(8)]
+    for t in producers:
+        t.start()
+    for t in producers:
+        t.join()
+    stop.set()
+    consumer.join()
+    ids = [r.header.id for r in taken]
+    assert len(ids) == 8000 and len(set(ids)) == 8000
+    assert len(q) == 0
+
+
+def test_the_deadline_heap_stays_bounded_with_long_deadlines():
+    q = queue(max_size=10)
+    for i in range(5000):
+        q.put(request(rid=i, timeout=1e9))
+        q.take(idle=True, spare=True, now=0.0)
+    assert len(q._deadlines) <= 2 * 10 + 1024 + 1

@@ -1,0 +1,142 @@
+"""`inferd` and `inferctl` as an operator runs them: exit codes, output, one-sentence errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+import numpy as np
+import pytest
+import torch
+from conftest import MLP, Daemon, base_config, toml
+
+BIN = Path(sys.executable).parent
+
+
+def run(*argv: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def inferctl(daemon: Daemon, *argv: str) -> subprocess.CompletedProcess:
+    return run(str(BIN / "inferctl"), "--control", daemon.control, *argv)
+
+
+def assert_one_sentence(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_version():
+    result = run(str(BIN / "inferd"), "--version")
+    assert result.returncode == 0 and result.stdout.strip() == "inferd 0.1.0"
+
+
+def test_check_config_accepts_a_good_config(workdir, repo):
+    path = workdir / "good.toml"
+    path.write_text(toml(base_config(workdir, repo, {"mlp": MLP})))
+    result = run(str(BIN / "inferd"), "check-config", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "ok (1 model(s))" in result.stdout
+
+
+def test_check_config_names_every_problem(workdir, repo):
+    path = workdir / "bad.toml"
+    path.write_text('[workers]\nstreams = 0\ncolour = "red"\n[models.m]\nmax_batch_size = 4\n')
+    result = run(str(BIN / "inferd"), "check-config", "--config", str(path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    for key in ("workers.streams: Expected `int` >= 1, got 0", "workers.colour: unknown key", "models.m.inputs: required"):
+        assert key in result.stderr
+
+
+def test_serve_with_a_bad_config_is_one_sentence(workdir):
+    path = workdir / "bad.toml"
+    path.write_text("[server]\nlisten = 3\n")
+    result = run(str(BIN / "inferd"), "serve", "--config", str(path))
+    assert_one_sentence(result)
+    assert "server.listen" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def daemon(repo):
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="inferd-c"))
+    d = Daemon(path, base_config(path, repo, {"mlp": MLP, "slow": {"inputs": [{"dtype": "float32", "shape": [64]}]}}))
+    d.start()
+    yield d
+    d.kill_all()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_health_is_zero_when_serving(daemon):
+    result = inferctl(daemon, "health")
+    assert result.returncode == 0 and result.stdout.strip() == "healthy"
+
+
+def test_health_is_one_without_a_daemon(workdir):
+    result = run(str(BIN / "inferctl"), "--control", f"ipc://{workdir}/none.sock", "health")
+    assert result.returncode == 1
+    assert_one_sentence(result)
+    assert "no daemon is listening" in result.stderr
+
+
+def test_status_shows_models_and_workers(daemon):
+    result = inferctl(daemon, "status")
+    assert result.returncode == 0, result.stderr
+    assert "serving" in result.stdout
+    assert "mlp" in result.stdout and "live v2" in result.stdout
+    assert "worker0" in result.stdout and "ready" in result.stdout
+
+
+def test_status_json(daemon):
+    status = json.loads(inferctl(daemon, "status", "--json").stdout)
+    assert status["models"]["mlp"]["live_version"] == "v2"
+    assert status["workers"][0]["state"] == "ready"
+
+
+def test_inferctl_finds_the_daemon_from_a_config_file(daemon):
+    by_flag = run(str(BIN / "inferctl"), "--config", str(daemon.config_path), "health")
+    by_env = run(str(BIN / "inferctl"), "health", env={"INFERD_CONFIG": str(daemon.config_path)})
+    assert by_flag.returncode == 0 and by_env.returncode == 0
+
+
+def test_infer_writes_the_output_file(daemon, repo, workdir):
+    x = np.random.default_rng(2).standard_normal((3, models.MLP_IN), dtype=np.float32)
+    np.save(workdir / "x.npy", x)
+    result = inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "x.npy"),
+                      "--output", str(workdir / "y.npy"))
+    assert result.returncode == 0, result.stderr
+    assert "mlp v2" in result.stdout
+    expected = torch.jit.load(str(repo / "mlp" / "v2" / "model.pt"))(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(np.load(workdir / "y.npy"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_infer_prints_the_output_without_a_file(daemon, workdir):
+    np.save(workdir / "x.npy", np.zeros((1, models.MLP_IN), dtype=np.float32))
+    result = inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "x.npy"))
+    assert result.returncode == 0 and "output 0: float32 [1, 4]" in result.stdout
+
+
+def test_infer_with_a_wrong_shape_is_one_sentence(daemon, workdir):
+    np.save(workdir / "x.npy", np.zeros((1, 3), dtype=np.float32))
+    result = inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "x.npy"))
+    assert_one_sentence(result)
+    assert "InvalidRequest: input 0 has shape [1, 3]; mlp takes [N, 16]" in result.stderr
+
+
+def test_infer_with_an_unknown_model_is_one_sentence(daemon, workdir):
+    np.save(workdir / "x.npy", np.zeros((1, 3), dtype=np.float32))
+    result = inferctl(daemon, "infer", "--model", "nope", "--input", str(workdir / "x.npy"))
+    assert_one_sentence(result)
+    assert "unknown model 'nope'" in result.stderr
+
+
+def test_usage_errors_are_one_sentence():
+    assert_one_sentence(run(str(BIN / "inferctl"), "frobnicate"))
+    assert_one_sentence(run(str(BIN / "inferctl"), "infer", "--model", "m"))

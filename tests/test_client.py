@@ -1,0 +1,184 @@
+"""The client's retry, deadline and reply matching, against a scripted server on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable, protocol
+from inferd.client import _Call
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+
+class ScriptedServer:
+    """A ROUTER that answers each request with what `answer(attempt, header, buffers)` returns."""
+
+    def __init__(self, answer: Callable[[int, dict, list[bytes]], list[bytes] | None]) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.linger = 0
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.answer = answer
+        self.headers: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.socket.poll(20):
+                continue
+            identity, header, *buffers = self.socket.recv_multipart()
+            decoded = msgspec.json.decode(header)
+            self.headers.append(decoded)
+            reply = self.answer(len(self.headers), decoded, buffers)
+            if reply is not None:
+                self.socket.send_multipart([identity, *reply])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.socket.close()
+        self.context.term()
+
+
+def ok(header: dict, *outputs: np.ndarray) -> list[bytes]:
+    reply = protocol.ReplyHeader(
+        id=header["id"], status="ok", model=header["model"], version="v1",
+        outputs=tuple(protocol.TensorMeta(o.dtype.name, o.shape) for o in outputs),
+        timing_us=protocol.Timing(1, 1, 2),
+    )
+    return [protocol.encode_reply(reply), *(o.tobytes() for o in outputs)]
+
+
+def error(header: dict, status: str, message: str = "no") -> list[bytes]:
+    return [protocol.error_reply(header["id"], status, message)]
+
+
+@pytest.fixture
+def server_factory():
+    servers: list[ScriptedServer] = []
+
+    def make(answer):
+        servers.append(ScriptedServer(answer))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+FAST = RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.05, jitter=0.2)
+
+
+def test_retry_policy_defaults_of_design_md():
+    assert RetryPolicy() == RetryPolicy(max_attempts=3, initial_delay=0.1, max_delay=1.0, jitter=0.2)
+
+
+def test_backoff_doubles_up_to_the_cap_within_the_jitter():
+    policy = RetryPolicy(max_attempts=10, initial_delay=0.1, max_delay=1.0, jitter=0.2)
+    for attempt, base in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (9, 1.0)]:
+        delays = [policy.delay(attempt) for _ in range(200)]
+        assert all(base * 0.8 - 1e-9 <= d <= base * 1.2 + 1e-9 for d in delays)
+        assert max(delays) - min(delays) > 0, "no jitter"
+
+
+def test_overloaded_is_retried_until_it_gets_through(server_factory):
+    server = server_factory(lambda n, h, b: error(h, "overloaded") if n < 3 else ok(h, X * 2))
+    with Client(server.endpoint, timeout=5.0, retry=FAST) as client:
+        y = client.infer("m", X)
+    np.testing.assert_array_equal(y, X * 2)
+    assert len(server.headers) == 3
+    assert len({h["id"] for h in server.headers}) == 1, "a retry must reuse the request id"
+    timeouts = [h["timeout_ms"] for h in server.headers]
+    assert timeouts == sorted(timeouts, reverse=True) and timeouts[0] <= 5000
+
+
+def test_unavailable_is_retried_and_gives_up_after_max_attempts(server_factory):
+    server = server_factory(lambda n, h, b: error(h, "unavailable", "draining"))
+    with Client(server.endpoint, timeout=5.0, retry=FAST) as client:
+        with pytest.raises(Unavailable, match="draining"):
+            client.infer("m", X)
+    assert len(server.headers) == 3
+
+
+def test_invalid_is_not_retried(server_factory):
+    server = server_factory(lambda n, h, b: error(h, "invalid", "bad shape"))
+    with Client(server.endpoint, timeout=5.0, retry=FAST) as client:
+        with pytest.raises(InvalidRequest, match="bad shape"):
+            client.infer("m", X)
+    assert len(server.headers) == 1
+
+
+def test_no_retry_starts_once_the_deadline_cannot_be_met(server_factory):
+    server = server_factory(lambda n, h, b: error(h, "overloaded"))
+    slow_backoff = RetryPolicy(max_attempts=5, initial_delay=2.0, max_delay=2.0, jitter=0.0)
+    started = time.monotonic()
+    with Client(server.endpoint, timeout=0.5, retry=slow_backoff) as client:
+        with pytest.raises(Overloaded):
+            client.infer("m", X)
+    assert time.monotonic() - started < 0.5
+    assert len(server.headers) == 1
+
+
+def test_no_reply_at_all_is_a_timeout_at_the_deadline(server_factory):
+    server = server_factory(lambda n, h, b: None)
+    started = time.monotonic()
+    with Client(server.endpoint, timeout=0.3, retry=FAST) as client:
+        with pytest.raises(Timeout, match="no reply within 0.3 s"):
+            client.infer("m", X)
+    assert 0.25 < time.monotonic() - started < 2.0
+    assert server.headers[0]["timeout_ms"] <= 300
+
+
+def test_several_outputs_come_back_as_a_tuple_and_replies_match_by_id(server_factory):
+    server = server_factory(lambda n, h, b: ok(h, np.frombuffer(b[0], np.float32) + h["id"], X))
+    with Client(server.endpoint, timeout=5.0) as client:
+        futures = [client.submit("m", X) for _ in range(50)]
+        results = [f.result() for f in futures]
+    for request_id, (first, second) in enumerate(results, start=1):
+        np.testing.assert_array_equal(first, X.ravel() + request_id)
+        np.testing.assert_array_equal(second, X)
+
+
+def test_close_fails_what_is_in_flight(server_factory):
+    server = server_factory(lambda n, h, b: None)
+    client = Client(server.endpoint, timeout=30.0)
+    future = client.submit("m", X)
+    while not server.headers:
+        time.sleep(0.01)
+    client.close()
+    with pytest.raises(Unavailable, match="closed"):
+        future.result(timeout=5)
+
+
+def test_async_client_retries_and_times_out(server_factory):
+    retried = server_factory(lambda n, h, b: error(h, "overloaded") if n < 2 else ok(h, X))
+    silent = server_factory(lambda n, h, b: None)
+
+    async def main():
+        async with AsyncClient(retried.endpoint, timeout=5.0, retry=FAST) as client:
+            y = await client.infer("m", X)
+        async with AsyncClient(silent.endpoint, timeout=0.2, retry=FAST) as client:
+            with pytest.raises(Timeout):
+                await client.infer("m", X)
+        return y
+
+    np.testing.assert_array_equal(asyncio.run(main()), X)
+    assert len(retried.headers) == 2
+
+
+def test_a_call_with_no_attempts_left_reports_the_dropped_connection():
+    call = _Call(1, "m", [X], None, 5.0, RetryPolicy(max_attempts=1))
+    call.frames()
+    outcome = call.missed()
+    assert isinstance(outcome, Unavailable) and "connection" in outcome.message

@@ -1,0 +1,124 @@
+"""Config: defaults, every problem named with its key and value, docs generated from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inferd import config, paths
+
+MINIMAL = {"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4]}]}}}
+
+
+def problems_of(raw) -> list[str]:
+    with pytest.raises(config.ConfigError) as info:
+        config.parse(raw)
+    return info.value.problems
+
+
+def test_defaults_of_design_md():
+    c = config.parse({**MINIMAL, "server": {"state_dir": "/srv/state", "control": "ipc:///tmp/x.sock"}})
+    assert c.server.listen == ("tcp://127.0.0.1:5555",)
+    assert c.server.metrics == "127.0.0.1:9464"
+    assert c.server.max_message_mb == 64 and c.server.drain_timeout_s == 30
+    assert (c.workers.devices, c.workers.streams, c.workers.shm_mb, c.workers.cpu_threads) == ("auto", 2, 256, 1)
+    assert (c.queue.max_size, c.queue.default_timeout_ms) == (1024, 1000)
+    m = c.models["m"]
+    assert (m.version, m.max_batch_size, m.max_wait_ms, m.warmup_batch_sizes) == ("latest", 32, 2, (1, 32))
+    assert m.repository == "/srv/state/models/m"
+
+
+def test_control_and_state_default_by_the_writability_rule(monkeypatch, tmp_path):
+    monkeypatch.setattr(paths, "_writable", lambda folder: False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    c = config.parse(MINIMAL)
+    assert c.server.control == f"ipc://{tmp_path}/inferd/control.sock"
+    assert c.server.state_dir == str(tmp_path / "state" / "inferd")
+    monkeypatch.setattr(paths, "_writable", lambda folder: True)
+    c = config.parse(MINIMAL)
+    assert c.server.control == "ipc:///run/inferd/control.sock"
+    assert c.server.state_dir == "/var/lib/inferd"
+
+
+def test_inferctl_finds_an_existing_socket_before_applying_the_rule(monkeypatch, tmp_path):
+    monkeypatch.setattr(paths, "SYSTEM_RUNTIME_DIR", tmp_path / "system")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    (tmp_path / "inferd").mkdir()
+    (tmp_path / "inferd" / "control.sock").touch()
+    assert paths.find_control() == f"ipc://{tmp_path}/inferd/control.sock"
+    (tmp_path / "system").mkdir()
+    (tmp_path / "system" / "control.sock").touch()
+    assert paths.find_control() == f"ipc://{tmp_path}/system/control.sock"
+
+
+def test_without_xdg_the_runtime_dir_is_per_uid_under_tmp(monkeypatch):
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert str(paths.user_runtime_dir()).startswith("/tmp/inferd-")
+
+
+@pytest.mark.parametrize(
+    "raw, expected",
+    [
+        ({**MINIMAL, "server": {"listen": "tcp://x:1"}}, "server.listen: Expected `array`, got `str` 'tcp://x:1'"),
+        ({**MINIMAL, "server": {"listen": ["http://x:1"]}}, "server.listen: 'http://x:1' is not an endpoint"),
+        ({**MINIMAL, "server": {"metrics": "nope"}}, "server.metrics: 'nope' is not HOST:PORT"),
+        ({**MINIMAL, "server": {"max_message_mb": 0}}, "server.max_message_mb: Expected `float` > 0.0, got 0"),
+        ({**MINIMAL, "server": {"colour": 1}}, "server.colour: unknown key"),
+        ({**MINIMAL, "workers": {"devices": "gpu"}}, "workers.devices: 'gpu': use \"auto\""),
+        ({**MINIMAL, "workers": {"devices": ["cuda:x"]}}, "workers.devices: 'cuda:x' is not a device"),
+        ({**MINIMAL, "workers": {"streams": 0}}, "workers.streams: Expected `int` >= 1, got 0"),
+        ({**MINIMAL, "queue": {"max_size": "big"}}, "queue.max_size: Expected `int`, got `str` 'big'"),
+        ({**MINIMAL, "extra": {}}, "extra: unknown section"),
+        ({"models": {}}, "models: no model is configured"),
+        ({"models": {"m": {}}}, "models.m.inputs: required, and missing"),
+        ({"models": {"a/b": MINIMAL["models"]["m"]}}, "models.a/b: a model name is"),
+        ({"models": {"m": {"inputs": [{"dtype": "f32", "shape": [4]}]}}}, "models.m.inputs: unknown dtype 'f32'"),
+        ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4, 0]}]}}},
+         "models.m.inputs[0].shape[1]: Expected `int` >= 1, got 0"),
+        ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4], "name": "x"}]}}},
+         "models.m.inputs[0]: Object contains unknown field `name`"),
+        ({"models": {"m": {**MINIMAL["models"]["m"], "version": "../v1"}}}, "models.m.version: '../v1' is not"),
+        ({"models": {"m": {**MINIMAL["models"]["m"], "max_batch_size": 4, "warmup_batch_sizes": [1, 8]}}},
+         "models.m.warmup_batch_sizes: 8 is over max_batch_size (4)"),
+    ],
+)
+def test_each_problem_names_its_key_and_value(raw, expected):
+    problems = problems_of(raw)
+    assert any(expected in p for p in problems), problems
+
+
+def test_every_problem_is_named_not_just_the_first():
+    problems = problems_of(
+        {"server": {"listen": 1, "drain_timeout_s": -1}, "workers": {"shm_mb": 0},
+         "models": {"m": {"inputs": [], "max_batch_size": 0}}}
+    )
+    keys = {p.split(":")[0] for p in problems}
+    assert {"server.listen", "server.drain_timeout_s", "workers.shm_mb", "models.m.inputs",
+            "models.m.max_batch_size"} <= keys
+
+
+def test_load_reports_a_toml_syntax_error_and_a_missing_file(tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(config.ConfigError, match="is not valid TOML"):
+        config.load(bad)
+    with pytest.raises(config.ConfigError, match="cannot read"):
+        config.load(tmp_path / "missing.toml")
+
+
+def test_config_survives_the_trip_to_a_worker():
+    c = config.parse(MINIMAL)
+    assert config.decode(config.encode(c)) == c
+
+
+def test_readme_config_reference_is_generated_from_the_declarations():
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert config.reference_markdown() in readme, "README's config reference is stale: paste config.reference_markdown()"
+
+
+def test_example_config_is_valid():
+    example = Path(__file__).parent.parent / "systemd" / "inferd.toml"
+    c = config.load(example)
+    assert c.models

@@ -1,0 +1,25 @@
+"""`make demo`: the daemon starts with no config, answers correctly, and stops cleanly."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from inferd.demo import DEMO_ENDPOINT
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.skipif(port_in_use(int(DEMO_ENDPOINT.rsplit(":", 1)[1])), reason="the demo's port is taken")
+def test_demo_runs_answers_correctly_and_stops_cleanly():
+    result = subprocess.run([sys.executable, "-m", "inferd.demo", "run"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("matches the in-process model") == 3, result.stdout
+    assert "DIFFERS" not in result.stdout
+    assert "daemon stopped cleanly (exit code 0)" in result.stdout

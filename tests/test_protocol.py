@@ -1,0 +1,172 @@
+"""The wire format: round trips, every bad-input case, and random garbage."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inferd import protocol
+from inferd.errors import InvalidRequest
+
+LIMIT = 1 << 20
+
+
+def test_request_round_trip_keeps_dtype_shape_and_bytes():
+    a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    b = np.array([[1, 2], [3, 4]], dtype=np.int64)
+    frames = protocol.encode_request(5, "m", [a, b], version="v1", timeout_ms=250)
+    request = protocol.decode_request([bytes(f) for f in frames], LIMIT)
+    assert request.header.id == 5 and request.header.model == "m"
+    assert request.header.version == "v1" and request.header.timeout_ms == 250
+    assert [m.dtype for m in request.header.inputs] == ["float32", "int64"]
+    assert [m.shape for m in request.header.inputs] == [(2, 3, 4), (2, 2)]
+    assert bytes(request.buffers[0]) == a.tobytes() and bytes(request.buffers[1]) == b.tobytes()
+
+
+def test_big_endian_and_strided_arrays_travel_little_endian_and_contiguous():
+    a = np.arange(12, dtype=">f8").reshape(3, 4)[:, ::2]
+    frames = protocol.encode_request(1, "m", [a])
+    request = protocol.decode_request([bytes(f) for f in frames], LIMIT)
+    assert request.header.inputs[0].dtype == "float64"
+    decoded = np.frombuffer(request.buffers[0], dtype="<f8").reshape(3, 2)
+    np.testing.assert_array_equal(decoded, a)
+
+
+def test_a_dtype_the_wire_cannot_carry_is_refused_by_the_encoder():
+    with pytest.raises(InvalidRequest, match="cannot travel"):
+        protocol.encode_request(1, "m", [np.zeros(2, dtype=np.complex64)])
+
+
+def test_reply_round_trip_gives_views_of_the_frames():
+    header = protocol.ReplyHeader(
+        id=3, status="ok", model="m", version="v2",
+        outputs=(protocol.TensorMeta("float32", (2, 2)),), timing_us=protocol.Timing(1, 2, 3),
+    )
+    data = bytearray(np.ones((2, 2), dtype=np.float32).tobytes())
+    decoded, outputs = protocol.decode_reply([protocol.encode_reply(header), memoryview(data)])
+    assert decoded == header
+    np.testing.assert_array_equal(outputs[0], np.ones((2, 2)))
+    data[:4] = np.float32(7).tobytes()
+    assert outputs[0][0, 0] == 7, "the output should be a view, not a copy"
+
+
+def test_error_reply_carries_no_outputs():
+    header, outputs = protocol.decode_reply([protocol.error_reply(4, "invalid", "bad", "m")])
+    assert (header.status, header.error, header.model, outputs) == ("invalid", "bad", "m", [])
+    assert b"outputs" not in protocol.error_reply(4, "invalid", "bad")
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"id", b""],
+        [b"id", b"", b"header"],
+    ],
+)
+def test_envelope_keeps_a_req_delimiter(frames):
+    envelope, body = protocol.split_envelope(frames)
+    assert envelope == frames[:2] and body == frames[2:]
+
+
+def test_envelope_of_a_dealer_is_its_identity_only():
+    envelope, body = protocol.split_envelope([b"id", b"header", b"buf"])
+    assert envelope == [b"id"] and body == [b"header", b"buf"]
+
+
+HEADER = b'{"id": 1, "model": "m", "inputs": [{"dtype": "float32", "shape": [2, 3]}]}'
+GOOD = b"\0" * 24
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ([], "the message is empty"),
+        ([b"nope", GOOD], "not a JSON object"),
+        ([b'"a string"', GOOD], "Expected `object`, got `str`"),
+        ([b'{"id": 1, "model": "m"}'], "missing required field `inputs`"),
+        ([b'{"id": [1], "model": "m", "inputs": []}'], "at `$.id`"),
+        ([b'{"id": 1, "model": "m", "inputs": [{"dtype": "float32", "shape": []}]}', b""], "length >= 1"),
+        ([b'{"id": 1, "model": "m", "inputs": [{"dtype": "int4", "shape": [1]}]}', b"\0"], "unknown dtype 'int4'"),
+        ([b'{"id": 1, "model": "m", "inputs": [{"dtype": "uint8", "shape": [2, 0]}]}', b""], "at least 1"),
+        ([b'{"id": 1, "model": "m", "timeout_ms": -5, "inputs": []}'], "timeout_ms must be positive"),
+        ([HEADER], "declares 1 input(s) but 0 buffer(s)"),
+        ([HEADER, GOOD, GOOD], "declares 1 input(s) but 2 buffer(s)"),
+        ([HEADER, GOOD[:-1]], "is 23 bytes, but float32 [2, 3] needs 24 bytes"),
+        ([HEADER, b"\0" * (LIMIT + 1)], "over the limit"),
+    ],
+)
+def test_every_bad_request_is_an_invalid_request_with_a_sentence(body, message):
+    with pytest.raises(InvalidRequest) as info:
+        protocol.decode_request(body, LIMIT)
+    assert message in info.value.message
+    assert info.value.status == "invalid"
+
+
+def test_an_oversized_message_is_refused_before_its_header_is_read():
+    body = [b"\xff not even json", b"\0" * (LIMIT + 1)]
+    with pytest.raises(InvalidRequest, match="over the limit of 1048576 bytes"):
+        protocol.decode_request(body, LIMIT)
+
+
+def test_the_error_names_the_request_id_where_the_header_gives_one():
+    with pytest.raises(InvalidRequest) as info:
+        protocol.decode_request([b'{"id": "abc", "model": 3, "inputs": []}'], LIMIT)
+    assert info.value.request_id == "abc"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=20,
+)
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "id": json_values,
+        "model": st.text(max_size=5) | json_values,
+        "version": st.none() | st.text(max_size=3),
+        "timeout_ms": st.integers(-10, 10**20) | json_values,
+        "inputs": st.lists(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "dtype": st.sampled_from([*protocol.DTYPES, "bad"]) | json_values,
+                    "shape": st.lists(st.integers(-3, 2**64), max_size=10) | json_values,
+                },
+            ),
+            max_size=4,
+        )
+        | json_values,
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(header=headers, buffers=st.lists(st.binary(max_size=64), max_size=5))
+def test_random_headers_never_raise_anything_but_invalid_request(header, buffers):
+    try:
+        request = protocol.decode_request([msgspec.json.encode(header), *buffers], LIMIT)
+    except InvalidRequest as exc:
+        assert exc.message
+        return
+    # What gets through is self-consistent: one exact-size buffer per input.
+    for meta, buffer in zip(request.header.inputs, request.buffers, strict=True):
+        assert len(buffer) == int(np.prod(meta.shape)) * protocol.DTYPES[meta.dtype].itemsize
+
+
+@settings(max_examples=300, deadline=None)
+@given(frames=st.lists(st.binary(max_size=200), max_size=6))
+def test_random_bytes_never_raise_anything_but_invalid_request(frames):
+    try:
+        protocol.decode_request(frames, LIMIT)
+    except InvalidRequest:
+        pass
+
+
+def test_deeply_nested_json_is_an_invalid_request():
+    deep = b'{"id": ' + b"[" * 100_000 + b"]" * 100_000 + b', "model": "m", "inputs": []}'
+    with pytest.raises(InvalidRequest):
+        protocol.decode_request([deep], LIMIT)
