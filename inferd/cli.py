@@ -20,6 +20,8 @@ from inferd import config as config_module
 from inferd.errors import ERROR_BY_STATUS, InferdError
 from inferd.ipc.control import ControlClient, ControlError, encode_command
 
+DEFAULT_TIMEOUT_S = 5.0
+
 
 class CliError(click.ClickException):
     """An error printed as one sentence."""
@@ -111,18 +113,22 @@ def _control_endpoint(control: str | None, config_path: str | None) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Find the daemon from this config.")
 @click.option("--control", help="The daemon's control endpoint, e.g. ipc:///run/inferd/control.sock.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True,
-              help="Seconds to wait for the daemon.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help=f"Seconds to wait for the daemon [default: {DEFAULT_TIMEOUT_S:g}; reload and rollback: until done].")
 @click.pass_context
-def inferctl(ctx: click.Context, config_path: str | None, control: str | None, timeout: float) -> None:
+def inferctl(ctx: click.Context, config_path: str | None, control: str | None, timeout: float | None) -> None:
     """Operate a running inferd."""
     ctx.obj = {"config_path": config_path, "control": control, "timeout": timeout}
+
+
+def _timeout(ctx: click.Context) -> float:
+    return ctx.obj["timeout"] or DEFAULT_TIMEOUT_S
 
 
 def _client(ctx: click.Context) -> ControlClient:
     endpoint = _control_endpoint(ctx.obj["control"], ctx.obj["config_path"])
     try:
-        return ControlClient(endpoint, timeout=ctx.obj["timeout"])
+        return ControlClient(endpoint, timeout=_timeout(ctx))
     except ControlError as exc:
         raise CliError(str(exc)) from None
 
@@ -133,6 +139,22 @@ def _call(ctx: click.Context, command: str, **args: Any) -> Any:
             return client.call(command, **args)
         except ControlError as exc:
             raise CliError(str(exc)) from None
+
+
+def _switch(ctx: click.Context, command: str, **args: Any) -> None:
+    """Run reload or rollback, printing its progress; wait until done unless --timeout was given."""
+    started = time.perf_counter()
+
+    def progress(line: str) -> None:
+        click.echo(f"[{time.perf_counter() - started:6.2f} s] {line}")
+
+    with _client(ctx) as client:
+        try:
+            result = client.call(command, on_progress=progress, wait_forever=ctx.obj["timeout"] is None, **args)
+        except ControlError as exc:
+            raise CliError(str(exc)) from None
+    click.echo(f"{result['model']} {result['version']} is live (was {result['previous']}): load {result['load_s']:.2f} s, "
+               f"warm-up {result['warm_s']:.2f} s, switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
 
 
 @inferctl.command()
@@ -172,6 +194,38 @@ def status(ctx: click.Context, as_json: bool) -> None:
 
 
 @inferctl.command()
+@click.option("--version", required=True, help="The version folder to make live.")
+@click.option("--model", help="Model name (may be left out when the daemon serves one model).")
+@click.option("--allow-signature-change", is_flag=True, help="Accept outputs of another dtype or shape.")
+@click.pass_context
+def reload(ctx: click.Context, version: str, model: str | None, allow_signature_change: bool) -> None:
+    """Blue-green: load VERSION beside the live one, warm it, then switch; exit 0 once it is live."""
+    _switch(ctx, "reload", version=version, model=model, allow_signature_change=allow_signature_change)
+
+
+@inferctl.command()
+@click.option("--model", help="Model name (may be left out when the daemon serves one model).")
+@click.pass_context
+def rollback(ctx: click.Context, model: str | None) -> None:
+    """Blue-green back to the version live before the last reload."""
+    _switch(ctx, "rollback", model=model)
+
+
+@inferctl.command()
+@click.option("--model", help="Model name (default: every model).")
+@click.pass_context
+def versions(ctx: click.Context, model: str | None) -> None:
+    """The versions in the repository, with sizes and dates, and which is live."""
+    result = _call(ctx, "versions", model=model)
+    for name, found in result.items():
+        click.echo(f"{name}:")
+        for entry in found:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["modified"]))
+            click.echo(f"  {'*' if entry['live'] else ' '} {entry['version']:<16} {entry['file']:<10} "
+                       f"{entry['size_bytes'] / 2**20:10.2f} MiB  {stamp}{'  (live)' if entry['live'] else ''}")
+
+
+@inferctl.command()
 @click.option("--model", required=True, help="Model name.")
 @click.option("--input", "inputs", required=True, multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="A .npy file, batch dim first; repeat for a model with several inputs.")
@@ -184,7 +238,7 @@ def infer(ctx: click.Context, model: str, inputs: tuple[str, ...], output: str |
     except (OSError, ValueError) as exc:
         raise CliError(f"cannot read the input: {exc}") from None
     try:
-        request = protocol.encode_request(1, model, arrays, timeout_ms=int(ctx.obj["timeout"] * 1000))
+        request = protocol.encode_request(1, model, arrays, timeout_ms=int(_timeout(ctx) * 1000))
     except InferdError as exc:
         raise CliError(exc.message) from None
     with _client(ctx) as client:

@@ -74,6 +74,11 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, Meta(ge=1, le=65536), _doc("Shared-memory arena per worker, in MiB; it holds every batch in flight.")
     ] = 256
     cpu_threads: Annotated[int, Meta(ge=1, le=1024), _doc("torch intra-op threads in a CPU worker.")] = 1
+    reload_memory_factor: Annotated[
+        float,
+        Meta(ge=0),
+        _doc("Memory guard: before a new version loads, the device must have this many times its file size free."),
+    ] = 2.0
     start_timeout_s: Annotated[
         float, Meta(gt=0), _doc("How long a worker may take to load and warm its models before it counts as failed.")
     ] = 300
@@ -339,5 +344,22 @@ def reference_markdown() -> str:
     return "\n".join(out)
 
 
+README_BEGIN = "<!-- config reference: python -m inferd.config -->\n"
+README_END = "<!-- end of config reference -->"
+
+
+def update_readme(path: Path) -> None:
+    """Replace the config reference between README's markers with a fresh one."""
+    text = path.read_text(encoding="utf-8")
+    head, _, rest = text.partition(README_BEGIN)
+    _, _, tail = rest.partition(README_END)
+    path.write_text(head + README_BEGIN + reference_markdown() + README_END + tail, encoding="utf-8")
+
+
 if __name__ == "__main__":
-    print(reference_markdown())
+    import sys
+
+    if sys.argv[1:2] == ["--update"]:
+        update_readme(Path(sys.argv[2]))
+    else:
+        print(reference_markdown())

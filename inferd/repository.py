@@ -79,31 +79,40 @@ def check(config: Config) -> list[str]:
 
 
 class LiveVersions:
-    """The live version of each model, kept in `state_dir` so a restart serves it again."""
+    """Which version of each model is live, and which was live before the last reload.
+
+    Kept in `state_dir` so a restart serves the live versions again and a
+    rollback still knows where to go back to.
+    """
 
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / LIVE_FILE
 
-    def load(self) -> dict[str, str]:
-        """The saved versions; an unreadable file is logged and treated as empty."""
+    def load(self) -> tuple[dict[str, str], dict[str, str]]:
+        """(live, previous); an unreadable file is logged and treated as empty."""
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except (OSError, ValueError) as exc:
             log.warning("ignoring %s: %s", self.path, exc)
-            return {}
+            return {}, {}
         if not isinstance(data, dict):
-            return {}
-        return {str(k): str(v) for k, v in data.items()}
+            return {}, {}
 
-    def save(self, live: dict[str, str]) -> None:
+        def table(key: str) -> dict[str, str]:
+            value = data.get(key)
+            return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+        return table("live"), table("previous")
+
+    def save(self, live: dict[str, str], previous: dict[str, str]) -> None:
         """Write atomically: a crash leaves the old file or the new one, never half of one."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".live-", dir=self.path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump(live, out, indent=2, sort_keys=True)
+                json.dump({"live": live, "previous": previous}, out, indent=2, sort_keys=True)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.path)
@@ -115,3 +124,13 @@ class LiveVersions:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def describe_versions(repository: str | Path) -> list[dict[str, object]]:
+    """Each version of a repository with its model file, size in bytes and modification time."""
+    described = []
+    for version in versions(repository):
+        path = model_file(repository, version)
+        stat = path.stat()
+        described.append({"version": version, "file": path.name, "size_bytes": stat.st_size, "modified": stat.st_mtime})
+    return described

@@ -101,3 +101,73 @@ def build_repository(root: Path) -> dict[str, Path]:
     torch.manual_seed(7)
     files["exported/v1"] = save_export(Mlp(), (torch.randn(2, MLP_IN),), root, "exported", "v1")
     return files
+
+
+class MlpRefusingBigBatches(Mlp):
+    """An Mlp whose warm-up fails: it raises on any batch of more than 8 samples."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 8:
+            raise RuntimeError("batches over 8 are not supported by this version")
+        return self.net(x)
+
+
+class Wide(torch.nn.Module):
+    """float32 [16] -> [8]: the Mlp's input, another output shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(MLP_IN, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class SlowToWarm(Mlp):
+    """An Mlp that spends a while on every batch, so loading and warming it takes seconds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.randn(256, 256)
+        for _ in range(400):
+            h = torch.tanh(h @ h)
+        return self.net(x) + 0.0 * h.sum()
+
+
+class HugeFailing(torch.nn.Module):
+    """300 MB of weights and a forward that always fails: memory must come back after the refusal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(75_000_000))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this version never works")
+
+
+def build_reload_repository(root: Path) -> dict[str, Path]:
+    """Versions of one model `mlp`, good and bad, for blue-green reload tests."""
+    files = {}
+    for version, seed in (("v1", 1), ("v2", 2), ("v3", 3)):
+        torch.manual_seed(seed)
+        files[version] = save_script(Mlp(), root, "mlp", version, seed)
+    (root / "mlp" / "corrupt").mkdir(parents=True)
+    (root / "mlp" / "corrupt" / "model.pt").write_bytes(b"PK\x03\x04 this is not a TorchScript archive")
+    torch.manual_seed(4)
+    files["refuses_big"] = save_script(MlpRefusingBigBatches(), root, "mlp", "refuses_big", 4)
+    torch.manual_seed(5)
+    files["wide"] = save_script(Wide(), root, "mlp", "wide", 5)
+    torch.manual_seed(6)
+    files["slow_warm"] = save_script(SlowToWarm(), root, "mlp", "slow_warm", 6)
+    files["huge_failing"] = save_script(HugeFailing(), root, "mlp", "huge_failing", 7)
+    for version, seed, honest in (("canary_good", 8, True), ("canary_bad", 9, False)):
+        torch.manual_seed(seed)
+        module = Mlp().eval()
+        files[version] = save_script(module, root, "mlp", version, seed)
+        example = torch.randn(3, MLP_IN)
+        with torch.no_grad():
+            expected = module(example) if honest else module(example) + 0.5
+        import numpy as np
+
+        np.save(root / "mlp" / version / "example_input.npy", example.numpy())
+        np.save(root / "mlp" / version / "expected_output.npy", expected.numpy())
+    return files

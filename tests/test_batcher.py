@@ -15,6 +15,11 @@ def request(model: str = "a", samples: int = 1, received: float = 0.0, timeout: 
     return QueuedRequest(header, [b""], None, samples, received, received + timeout)
 
 
+def cap(idle: bool, spare: bool):
+    """Capacity that is the same for every model."""
+    return lambda model: (idle, spare)
+
+
 def queue(max_size: int = 100, **policies: ModelPolicy) -> BatchQueue:
     return BatchQueue(max_size, policies or {"a": ModelPolicy(max_batch_size=4, max_wait_s=0.005)})
 
@@ -29,14 +34,14 @@ def test_put_refuses_beyond_max_size_and_changes_nothing():
 def test_an_idle_executor_takes_a_lone_request_at_once():
     q = queue()
     q.put(request())
-    assert q.take(idle=True, spare=True, now=0.0) is not None
+    assert q.take(cap(True, True), 0.0) is not None
 
 
 def test_a_partial_batch_waits_while_every_executor_is_busy():
     q = queue()
     q.put(request(received=0.0))
-    assert q.take(idle=False, spare=True, now=0.001) is None
-    name, batch = q.take(idle=False, spare=True, now=0.005)
+    assert q.take(cap(False, True), 0.001) is None
+    name, batch = q.take(cap(False, True), 0.005)
     assert name == "a" and len(batch) == 1
 
 
@@ -44,7 +49,7 @@ def test_a_full_batch_goes_behind_a_running_one_without_waiting():
     q = queue()
     for i in range(4):
         q.put(request(rid=i))
-    name, batch = q.take(idle=False, spare=True, now=0.0)
+    name, batch = q.take(cap(False, True), 0.0)
     assert [r.header.id for r in batch] == [0, 1, 2, 3]
 
 
@@ -52,16 +57,16 @@ def test_nothing_is_taken_when_no_executor_has_room():
     q = queue()
     for i in range(8):
         q.put(request(rid=i))
-    assert q.take(idle=False, spare=False, now=100.0) is None
+    assert q.take(cap(False, False), 100.0) is None
 
 
 def test_a_batch_never_exceeds_max_batch_size_in_samples_and_keeps_order():
     q = queue()
     for rid, samples in enumerate([2, 1, 2, 1]):
         q.put(request(samples=samples, rid=rid))
-    _, first = q.take(idle=True, spare=True, now=0.0)
+    _, first = q.take(cap(True, True), 0.0)
     assert [r.header.id for r in first] == [0, 1]  # 2 + 1; the next (2) would make 5
-    _, second = q.take(idle=True, spare=True, now=0.0)
+    _, second = q.take(cap(True, True), 0.0)
     assert [r.header.id for r in second] == [2, 3]
     assert all(r.state == TAKEN for r in first + second)
     assert len(q) == 0
@@ -75,7 +80,7 @@ def test_expired_requests_come_back_once_and_are_never_batched():
     expired = q.expire(now=0.015)
     assert [r.header.id for r in expired] == [1] and expired[0].state == EXPIRED
     assert q.expire(now=0.015) == []
-    _, batch = q.take(idle=True, spare=True, now=0.016)
+    _, batch = q.take(cap(True, True), 0.016)
     assert [r.header.id for r in batch] == [2, 3]
     assert q.expire(now=100.0) == [], "a request already taken expired again"
 
@@ -95,15 +100,24 @@ def test_models_are_served_round_robin():
     for i in range(5):
         q.put(request("a", rid=i))
     q.put(request("b", rid=100))
-    order = [q.take(idle=True, spare=True, now=0.0)[0] for _ in range(3)]
+    order = [q.take(cap(True, True), 0.0)[0] for _ in range(3)]
     assert order == ["a", "b", "a"]
+
+
+def test_a_model_without_capacity_does_not_block_one_with_capacity():
+    q = queue(a=ModelPolicy(4, 0.0), b=ModelPolicy(4, 0.0))
+    q.put(request("a", rid=1))
+    q.put(request("b", rid=2))
+    only_b = {"a": (False, False), "b": (True, True)}
+    name, batch = q.take(only_b.__getitem__, 0.0)
+    assert name == "b" and q.depth("a") == 1
 
 
 def test_drain_returns_every_waiting_request():
     q = queue()
     for i in range(5):
         q.put(request(rid=i))
-    assert len(q.drain()) == 5 and len(q) == 0 and q.take(True, True, 0.0) is None
+    assert len(q.drain()) == 5 and len(q) == 0 and q.take(cap(True, True), 0.0) is None
 
 
 def test_concurrent_producers_and_a_consumer_lose_and_duplicate_nothing():
@@ -118,7 +132,7 @@ def test_concurrent_producers_and_a_consumer_lose_and_duplicate_nothing():
 
     def consume() -> None:
         while not stop.is_set() or len(q):
-            batch = q.take(idle=True, spare=True, now=0.0)
+            batch = q.take(cap(True, True), 0.0)
             if batch:
                 taken.extend(batch[1])
 
@@ -140,5 +154,5 @@ def test_the_deadline_heap_stays_bounded_with_long_deadlines():
     q = queue(max_size=10)
     for i in range(5000):
         q.put(request(rid=i, timeout=1e9))
-        q.take(idle=True, spare=True, now=0.0)
+        q.take(cap(True, True), 0.0)
     assert len(q._deadlines) <= 2 * 10 + 1024 + 1

@@ -6,11 +6,10 @@ what a GPU changes. They skip where CUDA is not available.
 
 from __future__ import annotations
 
+import models
 import numpy as np
 import pytest
 import torch
-
-import models
 from conftest import MLP, PAIR
 
 pytestmark = pytest.mark.gpu

@@ -223,7 +223,7 @@ def test_torch_export_model_is_served(start_daemon, repo):
 
 def test_saved_live_version_wins_over_the_config(start_daemon, workdir):
     (workdir / "state").mkdir()
-    (workdir / "state" / "live_versions.json").write_text('{"mlp": "v1"}')
+    (workdir / "state" / "live_versions.json").write_text('{"live": {"mlp": "v1"}}')
     daemon = start_daemon({"mlp": {**MLP, "version": "v2"}})
     assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
 

@@ -10,11 +10,13 @@ one decoder and one validator.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, Union
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from inferd.protocol import Buffer
 
@@ -27,11 +29,12 @@ class Command(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
-    """The answer to one control command."""
+    """The answer to one control command, or (with `progress`) a step towards it."""
 
     ok: bool
     result: Any = None
     error: Union[str, None] = None
+    progress: Union[str, None] = None
 
 
 _encoder = msgspec.json.Encoder()
@@ -69,10 +72,13 @@ class ControlClient:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.linger = 0
+        # A command may wait for minutes (a reload); a dropped connection means the daemon went away.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._socket.connect(endpoint)
 
     def close(self) -> None:
         """Close the connection."""
+        self._monitor.close()
         self._socket.close()
         self._context.term()
 
@@ -83,17 +89,45 @@ class ControlClient:
         self.close()
 
     def exchange(self, frames: Sequence[Buffer], timeout: float | None = None) -> list[zmq.Frame]:
-        """Send one multipart message, wait for its answer; raise ControlError when none comes."""
-        timeout = self.timeout if timeout is None else timeout
+        """Send one multipart message and wait for one message back."""
+        limit = self.timeout if timeout is None else timeout
         self._socket.send_multipart(frames, copy=False)
-        if not self._socket.poll(None if timeout is None else int(timeout * 1000)):
-            raise ControlError(f"the daemon at {self.endpoint} did not answer within {timeout:g} s")
-        return self._socket.recv_multipart(copy=False)
+        return self._receive(limit)
 
-    def call(self, command: str, timeout: float | None = None, **args: Any) -> Any:
-        """Run a command and return its result; raise ControlError with the daemon's sentence."""
-        reply = self.exchange([encode_command(command, **args)], timeout)
-        answer = _answer_decoder.decode(reply[0].buffer)
+    def call(self, command: str, timeout: float | None = None, on_progress: Callable[[str], None] | None = None,
+             wait_forever: bool = False, **args: Any) -> Any:
+        """Run a command and return its result; raise ControlError with the daemon's sentence.
+
+        Progress answers go to `on_progress` until the final answer comes. With
+        `wait_forever`, only a dropped connection ends the wait.
+        """
+        limit = None if wait_forever else self.timeout if timeout is None else timeout
+        self._socket.send(encode_command(command, **args))
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            answer = _answer_decoder.decode(self._receive(left, limit)[0].buffer)
+            if answer.progress is None:
+                break
+            if on_progress is not None:
+                on_progress(answer.progress)
         if not answer.ok:
             raise ControlError(answer.error or f"{command} failed")
         return answer.result
+
+    def _receive(self, wait: float | None, limit: float | None = None) -> list[zmq.Frame]:
+        """The next message; `wait` seconds at most (None: until the connection drops)."""
+        deadline = None if wait is None else time.monotonic() + wait
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
+            ready = dict(poller.poll(left))
+            if self._socket in ready:
+                return self._socket.recv_multipart(copy=False)
+            if self._monitor in ready:
+                if parse_monitor_message(self._monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
+                    raise ControlError(f"the daemon at {self.endpoint} went away before it answered")
+                continue
+            raise ControlError(f"the daemon at {self.endpoint} did not answer within {limit or wait:g} s")

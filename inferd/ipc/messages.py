@@ -85,7 +85,47 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Finish what is running, then exit."""
 
 
-Message = Union[Hello, Ready, BootFailed, RunBatch, BatchDone, BatchFailed, Shutdown]
+class LoadVersion(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Load and warm `version` of `model` beside what is loaded.
+
+    `expect`: the output signature the version must have (None: any).
+    `memory_factor`: the room to find before loading, as a multiple of the file's size.
+    """
+
+    model: str
+    version: str
+    expect: Union[tuple[TensorSpec, ...], None]
+    memory_factor: float
+
+
+class VersionLoaded(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """`version` of `model` is loaded and warmed; how long each step took."""
+
+    model: str
+    loaded: LoadedModel
+    load_s: float
+    warm_s: float
+
+
+class VersionFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """`version` of `model` could not be loaded; whatever was loaded of it is freed."""
+
+    model: str
+    version: str
+    error: str
+
+
+class UnloadVersion(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Free `version` of `model`; no batch of it will come again."""
+
+    model: str
+    version: str
+
+
+Message = Union[
+    Hello, Ready, BootFailed, RunBatch, BatchDone, BatchFailed, Shutdown,
+    LoadVersion, VersionLoaded, VersionFailed, UnloadVersion,
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

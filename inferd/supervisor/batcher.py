@@ -14,6 +14,7 @@ import heapq
 import itertools
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,22 +106,22 @@ class BatchQueue:
             self._drop_settled_deadlines()
         return expired
 
-    def take(self, idle: bool, spare: bool, now: float) -> tuple[str, list[QueuedRequest]] | None:
+    def take(self, capacity: Callable[[str], tuple[bool, bool]], now: float) -> tuple[str, list[QueuedRequest]] | None:
         """The next batch to send, or None when the policy says wait.
 
-        `idle`: some executor runs nothing; `spare`: some executor could queue one
-        more batch behind the one it runs. Lanes are served round-robin, so a
-        model with a long backlog cannot starve another model's requests.
+        `capacity(model)` says whether an executor that can run the model is idle,
+        and whether one could queue one more batch behind the one it runs. Lanes
+        are served round-robin, so a model with a long backlog cannot starve
+        another model's requests.
         """
-        if not (idle or spare):
-            return None
         with self._lock:
             for step in range(len(self._order)):
                 name = self._order[(self._next_lane + step) % len(self._order)]
                 lane = self._lanes[name]
                 if not lane.requests:
                     continue
-                if idle or self._full_or_aged(lane, now):
+                idle, spare = capacity(name)
+                if idle or (spare and self._full_or_aged(lane, now)):
                     self._next_lane = (self._next_lane + step + 1) % len(self._order)
                     return name, self._pop_batch(lane)
         return None

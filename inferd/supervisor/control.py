@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,39 @@ def _check_not_running(endpoint: str) -> None:
     except (ControlError, KeyError, TypeError, zmq.ZMQError):
         return
     raise AlreadyRunning(f"another inferd (pid {pid}) is already running with control socket {endpoint}")
+
+
+def deferred(handler: Callable[..., None]) -> Callable[..., None]:
+    """Mark a `command_<name>` handler that answers later, through the ControlReply it is given."""
+    handler.deferred = True  # type: ignore[attr-defined]
+    return handler
+
+
+class ControlReply:
+    """The way back to one waiting `inferctl`: progress lines, then one final answer."""
+
+    def __init__(self, server: ControlServer, envelope: list[bytes]) -> None:
+        self._server = server
+        self._envelope = envelope
+        self.done = False
+
+    def progress(self, text: str) -> None:
+        """Tell the waiting command how far it got."""
+        if not self.done:
+            self._server.answer(self._envelope, Answer(ok=True, progress=text))
+
+    def finish(self, result: Any) -> None:
+        """The command succeeded with `result`."""
+        self._final(Answer(ok=True, result=result))
+
+    def fail(self, error: str) -> None:
+        """The command failed; `error` is one sentence."""
+        self._final(Answer(ok=False, error=error))
+
+    def _final(self, answer: Answer) -> None:
+        if not self.done:
+            self.done = True
+            self._server.answer(self._envelope, answer)
 
 
 class ControlServer:
@@ -82,26 +116,29 @@ class ControlServer:
             self._serve(envelope, frames[1].buffer, [f.buffer for f in frames[2:]])
 
     def _serve(self, envelope: list[bytes], command_frame: memoryview, body: list[memoryview]) -> None:
+        reply = ControlReply(self, envelope)
         try:
             command = decode_command(command_frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._answer(envelope, Answer(ok=False, error=f"malformed command: {exc}"))
+            reply.fail(f"malformed command: {exc}")
             return
         if command.command == "infer":
             self.frontend.submit(ReplyTo(self.socket, envelope), body)
             return
         method = getattr(self.handler, f"command_{command.command}", None)
         if method is None:
-            self._answer(envelope, Answer(ok=False, error=f"unknown command {command.command!r}"))
+            reply.fail(f"unknown command {command.command!r}")
             return
         try:
-            result = method(**command.args)
+            if getattr(method, "deferred", False):
+                method(reply, **command.args)
+            else:
+                reply.finish(method(**command.args))
         except (TypeError, ValueError) as exc:
-            self._answer(envelope, Answer(ok=False, error=str(exc)))
-            return
-        self._answer(envelope, Answer(ok=True, result=result))
+            reply.fail(str(exc))
 
-    def _answer(self, envelope: list[bytes], answer: Answer) -> None:
+    def answer(self, envelope: list[bytes], answer: Answer) -> None:
+        """Send one answer frame to a waiting command."""
         try:
             self.socket.send_multipart([*envelope, encode_answer(answer)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:

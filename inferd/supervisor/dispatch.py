@@ -51,26 +51,27 @@ def slot_bytes_needed(config: Config, model: str, outputs: tuple) -> int:
 class Dispatcher:
     """Sends batches to executors and turns their answers into replies."""
 
-    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend) -> None:
+    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: dict[str, str]) -> None:
         self.config = config
         self.workers = workers
         self.frontend = frontend
+        self.live = live
         self.inflight: dict[int, Batch] = {}
         self._ids = itertools.count(1)
         self._rotation = 0
 
-    def capacity(self) -> tuple[bool, bool]:
-        """(some executor is idle, some executor can take one more batch)."""
+    def capacity(self, model: str) -> tuple[bool, bool]:
+        """For `model`'s live version: (some executor is idle, some executor can take one more batch)."""
         idle = spare = False
-        for executor in self.workers.ready_executors():
+        for executor in self.workers.executors_for(model, self.live[model]):
             idle = idle or executor.inflight == 0
             spare = spare or executor.inflight < PIPELINE_DEPTH
         return idle, spare
 
     def dispatch(self, model: str, requests: list[QueuedRequest]) -> None:
-        """Copy `requests` into a slot of the least busy executor and send it the descriptor."""
-        executor = self._pick_executor()
-        version = self.frontend.live[model]
+        """Copy `requests` into a slot of the least busy executor of the live version and send it there."""
+        version = self.live[model]
+        executor = self._pick_executor(model, version)
         if executor is None:
             for request in requests:
                 self.frontend.reply_error(request, protocol.UNAVAILABLE, "no worker is ready")
@@ -118,8 +119,14 @@ class Dispatcher:
         del self.inflight[batch.id]
         batch.executor.inflight -= 1
 
-    def _pick_executor(self) -> ExecutorHandle | None:
-        executors = self.workers.ready_executors()
+    def has_inflight(self, worker: WorkerHandle, model: str, version: str) -> bool:
+        """True while a batch of `version` of `model` runs on `worker`."""
+        return any(
+            b.executor.worker is worker and b.model == model and b.version == version for b in self.inflight.values()
+        )
+
+    def _pick_executor(self, model: str, version: str) -> ExecutorHandle | None:
+        executors = self.workers.executors_for(model, version)
         if not executors:
             return None
         # Least busy first; the rotating start spreads equal ones over workers.

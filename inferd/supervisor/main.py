@@ -26,13 +26,15 @@ from inferd import __version__, paths, protocol
 from inferd.config import Config
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, owner_alive, sweep_stale
-from inferd.repository import LiveVersions, resolve_version
+from inferd.repository import LiveVersions, RepositoryError, describe_versions, resolve_version
 from inferd.supervisor.batcher import BatchQueue, ModelPolicy
-from inferd.supervisor.control import ControlServer
+from inferd.supervisor.control import ControlReply, ControlServer, deferred
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher, slot_bytes_needed
 from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.workers import FAILED, READY, STOP_TIMEOUT_S, WorkerHandle, WorkerTable
+from inferd.systemd import notify
 
 log = logging.getLogger("inferd.supervisor")
 
@@ -79,6 +81,7 @@ class Supervisor:
         self.control: ControlServer | None = None
         self.workers: WorkerTable | None = None
         self.dispatcher: Dispatcher | None = None
+        self.reload: ReloadManager | None = None
         self.backend: zmq.Socket | None = None
         self.backend_path: Path | None = None
         self.queue = BatchQueue(
@@ -111,10 +114,11 @@ class Supervisor:
         config = self.config
         for name in sweep_stale():
             log.info("removed arena %s of a supervisor that is gone", name)
-        saved = LiveVersions(config.server.state_dir).load()
+        state = LiveVersions(config.server.state_dir)
+        saved, previous = state.load()
         try:
             self.live = {name: resolve_version(m, saved.get(name)) for name, m in config.models.items()}
-        except Exception as exc:
+        except RepositoryError as exc:
             raise StartupError(f"cannot resolve model versions: {exc}") from None
         devices = resolve_devices(config.workers.devices)
         size = config.workers.shm_mb << 20
@@ -144,7 +148,9 @@ class Supervisor:
             raise StartupError(str(exc)) from None
         self.workers = WorkerTable(config, self.backend, endpoint, self.arenas, devices)
         self.workers.versions = self.live
-        self.dispatcher = Dispatcher(config, self.workers, self.frontend)
+        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live)
+        self.reload = ReloadManager(config, self.workers, self.dispatcher, self.live,
+                                    {m: v for m, v in previous.items() if m in self.live}, state)
 
         self._install_signals()
         for sock in [*self.frontend.sockets, self.control.socket, self.backend]:
@@ -188,8 +194,7 @@ class Supervisor:
     def _dispatch(self) -> None:
         now = time.monotonic()
         while True:
-            idle, spare = self.dispatcher.capacity()
-            batch = self.queue.take(idle, spare, now)
+            batch = self.queue.take(self.dispatcher.capacity, now)
             if batch is None:
                 return
             self.dispatcher.dispatch(*batch)
@@ -219,6 +224,7 @@ class Supervisor:
             errors = {w.last_error for w in workers if w.last_error}
             raise StartupError(f"no worker could start: {'; '.join(sorted(errors)) or 'see the log above'}")
         self.state = SERVING
+        notify("READY=1")
         failed = [w.index for w in workers if w.state == FAILED]
         if failed:
             log.warning("serving without worker(s) %s, which failed to start", failed)
@@ -249,6 +255,7 @@ class Supervisor:
         del self._sentinels[sentinel]
         reason = self.workers.reap(worker, time.monotonic(), retry=self.state == SERVING)
         self.dispatcher.fail_worker(worker, f"worker{worker.index} died ({reason}) while running the batch")
+        self.reload.on_worker_exit(worker)
         if self.state == STARTING:
             self._check_started()
         elif self.state == STOPPING and all(w.process is None for w in self.workers.workers):
@@ -272,13 +279,20 @@ class Supervisor:
                 executor = self.workers.executor_of(identity)
                 if executor is not None:
                     self.dispatcher.on_result(executor, message)
+                    if self.reload.retiring:
+                        self.reload.retire_idle()
+                continue
+            if isinstance(message, (messages.VersionLoaded, messages.VersionFailed)):
+                sender = self.workers.worker_of(identity)
+                if sender is not None:
+                    self.reload.on_message(sender, message)
                 continue
             worker = self.workers.on_message(identity, message)
             if worker is not None:
                 self._on_worker_ready(worker)
 
     def _on_worker_ready(self, worker: WorkerHandle) -> None:
-        for name, loaded in worker.models.items():
+        for (name, _), loaded in worker.loaded.items():
             needed = slot_bytes_needed(self.config, name, loaded.outputs)
             if needed > worker.slots.slot_size:
                 worker.last_error = (
@@ -289,6 +303,7 @@ class Supervisor:
                 log.error("worker%d: %s", worker.index, worker.last_error)
                 self.workers.stop(worker, give_up=True)
                 return
+        self.reload.catch_up(worker)
         if self.state == STARTING:
             self._check_started()
         self._update_refusal()
@@ -334,6 +349,7 @@ class Supervisor:
             log.info("stopping: finishing %d queued and %d running batch(es), at most %g s",
                      len(self.queue), len(self.dispatcher.inflight), self.config.server.drain_timeout_s)
             self.state = DRAINING
+            notify("STOPPING=1")
             self._deadline = now + self.config.server.drain_timeout_s
             self._next_tick = now
         elif self.state == DRAINING:
@@ -354,8 +370,7 @@ class Supervisor:
         if self.state != SERVING:
             return {"healthy": False, "reason": f"the daemon is {self.state}"}
         for name, version in self.live.items():
-            if not any(w.state == READY and name in w.models and w.models[name].version == version
-                       for w in self.workers.workers):
+            if not any(w.serves(name, version) for w in self.workers.workers):
                 return {"healthy": False, "reason": f"no ready worker serves {name} {version}"}
         return {"healthy": True, "reason": "serving"}
 
@@ -368,7 +383,12 @@ class Supervisor:
             "uptime_s": round(time.monotonic() - self.started, 3),
             "listen": list(self.config.server.listen),
             "models": {
-                name: {"live_version": version, "queue_depth": self.queue.depth(name)}
+                name: {
+                    "live_version": version,
+                    "previous_version": self.reload.previous.get(name),
+                    "reloading_to": self.reload.active[name].version if name in self.reload.active else None,
+                    "queue_depth": self.queue.depth(name),
+                }
                 for name, version in self.live.items()
             },
             "workers": [
@@ -381,6 +401,7 @@ class Supervisor:
                     "restarts": w.restarts,
                     "batches": w.batches,
                     "busy_executors": sum(1 for e in w.executors if e.inflight),
+                    "loaded": sorted(f"{m} {v}" for m, v in w.loaded),
                     "last_error": w.last_error or None,
                 }
                 for w in self.workers.workers
@@ -388,6 +409,46 @@ class Supervisor:
             "replies": dict(self.frontend.replies),
             "undelivered_replies": self.frontend.undelivered,
         }
+
+    @deferred
+    def command_reload(self, reply: ControlReply, version: str, model: str | None = None,
+                       allow_signature_change: bool = False) -> None:
+        """Blue-green: load `version` beside the live one on every worker, then flip; answer when done."""
+        self.reload.start(self._model(model), version, allow_signature_change, reply)
+
+    @deferred
+    def command_rollback(self, reply: ControlReply, model: str | None = None) -> None:
+        """Blue-green back to the version live before the last reload."""
+        name = self._model(model)
+        previous = self.reload.previous.get(name)
+        if previous is None:
+            reply.fail(f"{name} has not been reloaded; there is nothing to roll back to")
+            return
+        self.reload.start(name, previous, True, reply)
+
+    def command_versions(self, model: str | None = None) -> dict[str, Any]:
+        """The versions in each repository, with file sizes and dates, and which is live."""
+        names = [self._model(model)] if model is not None or len(self.live) == 1 else sorted(self.live)
+        result = {}
+        for name in names:
+            try:
+                found = describe_versions(self.config.models[name].repository)
+            except RepositoryError as exc:
+                raise ValueError(str(exc)) from None
+            for entry in found:
+                entry["live"] = entry["version"] == self.live[name]
+            result[name] = found
+        return result
+
+    def _model(self, model: str | None) -> str:
+        """The model a command is about: the one named, or the only one served."""
+        if model is None:
+            if len(self.live) == 1:
+                return next(iter(self.live))
+            raise ValueError(f"this daemon serves several models ({', '.join(sorted(self.live))}); name one with --model")
+        if model not in self.live:
+            raise ValueError(f"unknown model {model!r}; this daemon serves {', '.join(sorted(self.live))}")
+        return model
 
     # -- cleanup ----------------------------------------------------------------
 

@@ -60,7 +60,7 @@ class WorkerHandle:
     process: BaseProcess | None = None
     control: bytes | None = None
     executors: list[ExecutorHandle] = field(default_factory=list)
-    models: dict[str, LoadedModel] = field(default_factory=dict)
+    loaded: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)  # (model, version) -> signature
     started: float = 0.0
     respawn_at: float = 0.0
     restarts: int = 0
@@ -74,6 +74,10 @@ class WorkerHandle:
     def pid(self) -> int | None:
         """The pid of the current process, if one runs."""
         return self.process.pid if self.process is not None else None
+
+    def serves(self, model: str, version: str) -> bool:
+        """True when this worker is ready and has `version` of `model` loaded and warmed."""
+        return self.state == READY and (model, version) in self.loaded
 
 
 class WorkerTable:
@@ -111,7 +115,7 @@ class WorkerTable:
         worker.state = BOOTING
         worker.started = now
         worker.control = None
-        worker.models = {}
+        worker.loaded = {}
         worker.executors = [ExecutorHandle(worker, k) for k in range(self.config.workers.streams)]
         log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device, process.pid)
 
@@ -124,17 +128,23 @@ class WorkerTable:
             log.warning("cannot reach worker socket %r: %s", identity, exc.strerror)
             return False
 
-    def on_message(self, identity: bytes, message: messages.Message) -> WorkerHandle | None:
-        """Handle a lifecycle message; return the worker whose state changed, if any."""
-        if isinstance(message, messages.Hello):
-            self._on_hello(identity, message)
-            return None
+    def worker_of(self, identity: bytes) -> WorkerHandle | None:
+        """The worker behind a socket identity, if it belongs to a live generation."""
         role = self._roles.get(identity)
         if role is None or role[0].generation != role[1]:
             return None
-        worker = role[0]
+        return role[0]
+
+    def on_message(self, identity: bytes, message: messages.Message) -> WorkerHandle | None:
+        """Handle a lifecycle message; return the worker that became ready, if any."""
+        if isinstance(message, messages.Hello):
+            self._on_hello(identity, message)
+            return None
+        worker = self.worker_of(identity)
+        if worker is None:
+            return None
         if isinstance(message, messages.Ready) and worker.state == BOOTING:
-            worker.models = dict(message.models)
+            worker.loaded = {(name, m.version): m for name, m in message.models.items()}
             worker.state = READY
             worker.failures = 0
             log.info("worker%d ready on %s (pid %d)", worker.index, worker.device, message.pid)
@@ -151,15 +161,19 @@ class WorkerTable:
             return None
         return role[2]
 
-    def ready_executors(self) -> list[ExecutorHandle]:
-        """Executors of ready workers that have said hello, in worker order."""
+    def executors_for(self, model: str, version: str) -> list[ExecutorHandle]:
+        """Executors that can run `version` of `model` now (said hello, on a ready worker that has it)."""
         return [
             executor
             for worker in self.workers
-            if worker.state == READY
+            if worker.serves(model, version)
             for executor in worker.executors
             if executor.identity is not None
         ]
+
+    def send_control(self, worker: WorkerHandle, message: messages.Message) -> bool:
+        """Send to a worker's main thread (load, unload, shutdown)."""
+        return worker.control is not None and self.send(worker.control, message)
 
     def reap(self, worker: WorkerHandle, now: float, retry: bool) -> str:
         """Collect an exited process; schedule its replacement with backoff, or give up.
@@ -229,9 +243,7 @@ class WorkerTable:
             return
         worker.state = STOPPING
         worker.stopping_since = time.monotonic()
-        if worker.control is not None:
-            self.send(worker.control, messages.Shutdown())
-        else:
+        if not self.send_control(worker, messages.Shutdown()):
             self.kill(worker)
 
     def wait_all(self, timeout: float) -> None:

@@ -21,7 +21,7 @@ from inferd.ipc import messages
 from inferd.ipc.arena import Arena, align_up
 from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RunBatch, TensorRef
 from inferd.protocol import DTYPES
-from inferd.worker.runner import DTYPE_NAMES, ModelRunner
+from inferd.worker.runner import DTYPE_NAMES, ModelRunner, describe_error
 
 log = logging.getLogger("inferd.worker.executor")
 
@@ -78,8 +78,9 @@ class Executor(threading.Thread):
         try:
             outputs = self._compute(batch)
         except Exception as exc:
-            log.error("batch %d of %s %s failed: %s", batch.batch_id, batch.model, batch.version, exc)
-            return BatchFailed(batch.batch_id, f"{type(exc).__name__}: {exc}")
+            error = describe_error(exc)
+            log.error("batch %d of %s %s failed: %s", batch.batch_id, batch.model, batch.version, error)
+            return BatchFailed(batch.batch_id, error)
         return BatchDone(batch.batch_id, outputs, int((time.perf_counter() - started) * 1e6))
 
     def _compute(self, batch: RunBatch) -> tuple[TensorRef, ...]:

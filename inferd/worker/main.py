@@ -92,7 +92,7 @@ def worker_main(encoded_spec: bytes) -> None:
     # Readable once the worker stops; every executor polls it beside its socket.
     stop_r, stop_w = os.pipe()
     try:
-        executors, ready = _boot(spec, config, context, stop_r)
+        executors, runner, ready = _boot(spec, config, context, stop_r)
     except Exception as exc:
         log.error("boot failed: %s", exc)
         control.send(messages.encode(messages.BootFailed(str(exc))))
@@ -103,8 +103,7 @@ def worker_main(encoded_spec: bytes) -> None:
         executor.start()
     control.send(messages.encode(ready))
     log.info("ready on %s with %d executor(s), pid %d", spec.device, len(executors), os.getpid())
-    while not isinstance(messages.decode(control.recv()), messages.Shutdown):
-        pass
+    _serve_control(control, runner, config)
     os.write(stop_w, b"\0")
     for executor in executors:
         executor.join()
@@ -132,10 +131,38 @@ def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, 
     _pin(arena, device)
     runner = ModelRunner(device)
     loaded = {
-        name: runner.load(name, config.models[name], spec.versions[name]) for name in config.models
+        name: runner.load(name, config.models[name], spec.versions[name])[0] for name in config.models
     }
     executors = [
         Executor(k, context, spec.backend, messages.Hello(spec.worker, spec.generation, k), arena, runner, stop_fd)
         for k in range(config.workers.streams)
     ]
-    return executors, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
+    return executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
+
+
+def _serve_control(control: zmq.Socket, runner, config: config_module.Config) -> None:
+    """Load and unload versions as the supervisor asks, until it says Shutdown.
+
+    Loading runs here, in the main thread, while the executors go on serving the
+    live version; a version becomes usable only once the supervisor flips to it.
+    """
+    from inferd.worker.runner import describe_error
+
+    while True:
+        message = messages.decode(control.recv())
+        if isinstance(message, messages.Shutdown):
+            return
+        if isinstance(message, messages.LoadVersion):
+            try:
+                loaded, load_s, warm_s = runner.load(
+                    message.model, config.models[message.model], message.version,
+                    message.expect, message.memory_factor,
+                )
+                reply = messages.VersionLoaded(message.model, loaded, load_s, warm_s)
+            except Exception as exc:  # a model may raise anything; the worker must live on
+                error = describe_error(exc)
+                log.error("cannot load %s %s: %s", message.model, message.version, error)
+                reply = messages.VersionFailed(message.model, message.version, error)
+            control.send(messages.encode(reply))
+        elif isinstance(message, messages.UnloadVersion):
+            runner.unload(message.model, message.version)

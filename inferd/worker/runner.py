@@ -6,11 +6,14 @@ Files are read with TorchScript (`torch.jit.load`) or torch.export
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import psutil
 import torch
 
 from inferd.config import ModelConfig
@@ -28,6 +31,13 @@ class ModelError(Exception):
     """A model cannot be loaded, warmed up or run; the message says why."""
 
 
+def describe_error(exc: BaseException) -> str:
+    """One line for an exception: TorchScript errors carry a whole traceback; keep its last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[-1] if lines else type(exc).__name__
+    return text.removeprefix("builtins.")
+
+
 def load_module(path: Path, device: torch.device) -> Any:
     """Load a TorchScript or torch.export file onto `device`, in eval mode."""
     try:
@@ -36,7 +46,7 @@ def load_module(path: Path, device: torch.device) -> Any:
         else:
             module = torch.jit.load(str(path), map_location=device)
     except Exception as exc:  # torch raises many types for a bad archive
-        raise ModelError(f"{path} is not a loadable TorchScript or torch.export file: {exc}") from None
+        raise ModelError(f"{path} is not a loadable TorchScript or torch.export file: {describe_error(exc)}") from None
     # torch.export modules reject .eval(); they are traced in eval mode already.
     if isinstance(module, torch.jit.ScriptModule):
         module.eval()
@@ -52,6 +62,10 @@ def as_outputs(result: Any) -> tuple[torch.Tensor, ...]:
     raise ModelError(f"the model returned {type(result).__name__}; return a tensor or a tuple of tensors")
 
 
+CANARY_INPUT, CANARY_OUTPUT = "example_input.npy", "expected_output.npy"
+CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
+
+
 class ModelRunner:
     """The models loaded on one device, by name and version."""
 
@@ -59,33 +73,57 @@ class ModelRunner:
         self.device = device
         self._modules: dict[tuple[str, str], Any] = {}
 
-    def load(self, name: str, config: ModelConfig, version: str) -> LoadedModel:
-        """Load `version` of model `name`, warm it on the configured batch sizes, return its signature."""
+    def load(
+        self,
+        name: str,
+        config: ModelConfig,
+        version: str,
+        expect: tuple[TensorSpec, ...] | None = None,
+        memory_factor: float | None = None,
+    ) -> tuple[LoadedModel, float, float]:
+        """Load and warm `version` of model `name`; return its signature and the seconds each step took.
+
+        With `memory_factor`, first check that the device has that many times the
+        file's size free. With `expect`, the outputs must have that signature. A
+        version folder holding a canary (example input and expected output) must
+        reproduce it. Whatever fails, nothing of the version stays loaded.
+        """
         started = time.perf_counter()
         try:
             path = model_file(config.repository, version)
         except Exception as exc:
             raise ModelError(str(exc)) from None
-        module = load_module(path, self.device)
-        self._modules[(name, version)] = module
-        outputs: tuple[TensorSpec, ...] = ()
-        for batch in config.warmup_batch_sizes or (1,):
-            inputs = [
-                torch.zeros((batch, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-                for spec in config.inputs
-            ]
-            try:
-                results = self.infer(name, version, inputs)
-            except ModelError:
-                raise
-            except Exception as exc:
-                raise ModelError(f"warm-up of {name} {version} at batch {batch} failed: {exc}") from None
-            outputs = self.signature(results)
+        if memory_factor is not None:
+            self._check_room(name, version, path, memory_factor)
+        key = (name, version)
+        try:
+            self._modules[key] = load_module(path, self.device)
+            loaded = time.perf_counter()
+            outputs = self._warm_up(name, config, version)
+            if expect is not None and outputs != expect:
+                raise ModelError(
+                    f"{name} {version} outputs {_describe(outputs)}, but the live version outputs "
+                    f"{_describe(expect)} (allow it with --allow-signature-change)"
+                )
+            self._check_canary(name, version, path.parent)
+        except BaseException:
+            self.unload(name, version)
+            raise
+        warmed = time.perf_counter()
         log.info(
-            "loaded %s %s from %s, warmed on batch sizes %s in %.2f s",
-            name, version, path, list(config.warmup_batch_sizes or (1,)), time.perf_counter() - started,
+            "loaded %s %s from %s in %.2f s, warmed on batch sizes %s in %.2f s",
+            name, version, path, loaded - started, list(config.warmup_batch_sizes or (1,)), warmed - loaded,
         )
-        return LoadedModel(version=version, outputs=outputs)
+        return LoadedModel(version=version, outputs=outputs), loaded - started, warmed - loaded
+
+    def unload(self, name: str, version: str) -> None:
+        """Free a version, and on a GPU give its cached memory back to the device."""
+        if self._modules.pop((name, version), None) is None:
+            return
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.info("unloaded %s %s", name, version)
 
     def infer(self, name: str, version: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run one batch; every output keeps the inputs' batch dim."""
@@ -110,3 +148,61 @@ class ModelRunner:
                 raise ModelError(f"output {index} is {output.dtype}, which the wire cannot carry")
             specs.append(TensorSpec(name, tuple(output.shape[1:])))
         return tuple(specs)
+
+    def _warm_up(self, name: str, config: ModelConfig, version: str) -> tuple[TensorSpec, ...]:
+        outputs: tuple[TensorSpec, ...] = ()
+        for batch in config.warmup_batch_sizes or (1,):
+            inputs = [
+                torch.zeros((batch, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                for spec in config.inputs
+            ]
+            try:
+                outputs = self.signature(self.infer(name, version, inputs))
+            except ModelError:
+                raise
+            except Exception as exc:
+                raise ModelError(f"warm-up of {name} {version} at batch {batch} failed: {describe_error(exc)}") from None
+        return outputs
+
+    def _check_room(self, name: str, version: str, path: Path, factor: float) -> None:
+        """The memory guard: refuse to load unless the device has `factor` x the file's size free."""
+        size = path.stat().st_size
+        need = int(size * factor)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            where = str(self.device)
+        else:
+            free = psutil.virtual_memory().available
+            where = "host memory"
+        if free < need:
+            raise ModelError(
+                f"{where} has {free / 2**20:.0f} MiB free, but {name} {version} ({size / 2**20:.1f} MiB on disk) "
+                f"needs {need / 2**20:.0f} MiB beside the live version (workers.reload_memory_factor = {factor:g})"
+            )
+
+    def _check_canary(self, name: str, version: str, folder: Path) -> None:
+        """If the version folder holds an example input and its expected output, reproduce it."""
+        example, expected = folder / CANARY_INPUT, folder / CANARY_OUTPUT
+        if not (example.exists() and expected.exists()):
+            return
+        try:
+            x = np.load(example, allow_pickle=False)
+            want = np.load(expected, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot read the canary of {name} {version}: {exc}") from None
+        got = self.infer(name, version, [torch.from_numpy(x).to(self.device)])[0].cpu().numpy()
+        if got.shape != want.shape or not np.allclose(got, want, rtol=CANARY_RTOL, atol=CANARY_ATOL):
+            raise ModelError(
+                f"{name} {version} does not reproduce {CANARY_OUTPUT}: its output differs by up to "
+                f"{_max_difference(got, want)} (rtol {CANARY_RTOL:g}, atol {CANARY_ATOL:g})"
+            )
+
+
+def _describe(specs: tuple[TensorSpec, ...]) -> str:
+    return ", ".join(f"{s.dtype} [N, {', '.join(map(str, s.shape))}]".replace(", ]", "]") for s in specs)
+
+
+def _max_difference(got: np.ndarray, want: np.ndarray) -> str:
+    if got.shape != want.shape:
+        return f"shape {list(got.shape)} instead of {list(want.shape)}"
+    return f"{float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64)))):.3g}"

@@ -1,0 +1,213 @@
+"""Blue-green reload: load a version beside the live one everywhere, then flip in one step.
+
+    reload V ──▶ LoadVersion(V) to every ready worker ──▶ all VersionLoaded ──▶ live[model] = V (saved)
+                                     │ any VersionFailed / worker death            │
+                                     ▼                                             ▼
+                 UnloadVersion(V) where it loaded; the old version serves on   old version unloaded on each
+                                                                               worker once its last batch is back
+
+Batches already sent finish on the version they were sent with; every batch
+formed after the flip uses V. A worker that was starting during the reload
+comes up with the old version and is brought up to the live one ("catch-up")
+before it gets that model's batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from inferd.config import Config
+from inferd.ipc import messages
+from inferd.repository import LiveVersions, RepositoryError, model_file
+from inferd.supervisor.control import ControlReply
+from inferd.supervisor.dispatch import Dispatcher
+from inferd.supervisor.workers import READY, WorkerHandle, WorkerTable
+from inferd.systemd import notify
+
+log = logging.getLogger("inferd.reload")
+
+
+@dataclass(eq=False)
+class Reload:
+    """One reload of one model, from its start to its flip or its refusal."""
+
+    model: str
+    version: str
+    previous: str
+    reply: ControlReply
+    started: float
+    pending: set[WorkerHandle]
+    loaded: dict[WorkerHandle, messages.VersionLoaded] = field(default_factory=dict)
+    failure: str | None = None
+
+
+class ReloadManager:
+    """Runs reloads and rollbacks, and keeps every worker on the live versions."""
+
+    def __init__(self, config: Config, workers: WorkerTable, dispatcher: Dispatcher,
+                 live: dict[str, str], previous: dict[str, str], state: LiveVersions) -> None:
+        self.config = config
+        self.workers = workers
+        self.dispatcher = dispatcher
+        self.live = live
+        self.previous = previous
+        self.state = state
+        self.active: dict[str, Reload] = {}
+        # Versions waiting to be unloaded from a worker once its last batch of them is back.
+        self.retiring: set[tuple[WorkerHandle, str, str]] = set()
+        # Loads that bring a worker to the live version outside any reload.
+        self.catching_up: set[tuple[WorkerHandle, str, str]] = set()
+
+    def start(self, model: str, version: str, allow_signature_change: bool, reply: ControlReply) -> None:
+        """Begin a reload of `model` to `version`; refusals answer `reply` at once."""
+        if model in self.active:
+            reply.fail(f"a reload of {model} (to {self.active[model].version}) is already running; wait for it")
+            return
+        live = self.live[model]
+        if version == live:
+            reply.fail(f"{model} {version} is already live")
+            return
+        try:
+            model_file(self.config.models[model].repository, version)
+        except RepositoryError as exc:
+            reply.fail(f"cannot reload {model}: {exc}")
+            return
+        targets = {w for w in self.workers.workers if w.serves(model, live)}
+        if not targets:
+            reply.fail(f"no ready worker serves {model}; nothing can load {version}")
+            return
+        expect = None if allow_signature_change else self._signature(model, live)
+        load = messages.LoadVersion(model, version, expect, self.config.workers.reload_memory_factor)
+        for worker in targets:
+            self.workers.send_control(worker, load)
+        self.active[model] = Reload(model, version, live, reply, time.monotonic(), targets)
+        notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        log.info("reloading %s: %s -> %s on %d worker(s)", model, live, version, len(targets))
+        reply.progress(f"loading {model} {version} beside {live} on {len(targets)} worker(s)")
+
+    def on_message(self, worker: WorkerHandle, message: messages.VersionLoaded | messages.VersionFailed) -> None:
+        """A worker finished loading a version (or could not)."""
+        version = message.loaded.version if isinstance(message, messages.VersionLoaded) else message.version
+        key = (worker, message.model, version)
+        if key in self.catching_up:
+            self.catching_up.discard(key)
+            self._caught_up(worker, message)
+            return
+        reload = self.active.get(message.model)
+        if reload is None or reload.version != version or worker not in reload.pending:
+            return
+        reload.pending.discard(worker)
+        if isinstance(message, messages.VersionLoaded):
+            reload.loaded[worker] = message
+            worker.loaded[(message.model, version)] = message.loaded
+            reload.reply.progress(
+                f"worker{worker.index}: loaded in {message.load_s:.2f} s, warmed up in {message.warm_s:.2f} s"
+            )
+        elif reload.failure is None:
+            reload.failure = f"worker{worker.index} refused {message.model} {version}: {message.error}"
+        self._settle(reload)
+
+    def on_worker_exit(self, worker: WorkerHandle) -> None:
+        """A worker died: a reload waiting on it is abandoned; its retiring versions are gone with it."""
+        self.retiring = {r for r in self.retiring if r[0] is not worker}
+        self.catching_up = {c for c in self.catching_up if c[0] is not worker}
+        for reload in list(self.active.values()):
+            if worker in reload.pending:
+                reload.pending.discard(worker)
+                reload.failure = reload.failure or f"worker{worker.index} died while loading {reload.version}"
+                self._settle(reload)
+            reload.loaded.pop(worker, None)
+
+    def catch_up(self, worker: WorkerHandle) -> None:
+        """Bring a worker that came up with an old version to the live version of each model."""
+        if worker.state != READY:
+            return
+        for model, version in self.live.items():
+            if (model, version) in worker.loaded or (worker, model, version) in self.catching_up:
+                continue
+            if model in self.active and worker in self.active[model].pending:
+                continue
+            self.catching_up.add((worker, model, version))
+            self.workers.send_control(
+                worker, messages.LoadVersion(model, version, None, self.config.workers.reload_memory_factor)
+            )
+            log.info("worker%d: catching up %s to the live version %s", worker.index, model, version)
+
+    def retire_idle(self) -> None:
+        """Unload each retiring version from workers where its last batch is back."""
+        for worker, model, version in list(self.retiring):
+            if self.dispatcher.has_inflight(worker, model, version):
+                continue
+            self.retiring.discard((worker, model, version))
+            if version != self.live.get(model):
+                self._unload(worker, model, version)
+
+    def _settle(self, reload: Reload) -> None:
+        """Once every worker has answered: flip, or give up and free what was loaded."""
+        if reload.pending:
+            return
+        del self.active[reload.model]
+        if reload.failure is not None or not reload.loaded:
+            for worker in reload.loaded:
+                self._unload(worker, reload.model, reload.version)
+            reason = reload.failure or "no worker loaded it"
+            log.error("reload of %s to %s abandoned: %s; %s keeps serving", reload.model, reload.version,
+                      reason, reload.previous)
+            notify("READY=1")
+            reload.reply.fail(f"{reload.version} was not made live: {reason}; {reload.previous} keeps serving")
+            return
+        switch_started = time.perf_counter()
+        self.live[reload.model] = reload.version
+        self.previous[reload.model] = reload.previous
+        switch_ms = (time.perf_counter() - switch_started) * 1000
+        try:
+            self.state.save(self.live, self.previous)
+        except OSError as exc:
+            log.error("cannot save the live versions to %s: %s", self.state.path, exc)
+        for worker in self.workers.workers:
+            if (reload.model, reload.previous) in worker.loaded:
+                self.retiring.add((worker, reload.model, reload.previous))
+            self.catch_up(worker)
+        self.retire_idle()
+        total = time.monotonic() - reload.started
+        log.info("%s is now %s (was %s), %.2f s after the reload began", reload.model, reload.version,
+                 reload.previous, total)
+        notify("READY=1")
+        reload.reply.progress(f"switched {reload.model} from {reload.previous} to {reload.version} in {switch_ms:.3f} ms")
+        reload.reply.finish({
+            "model": reload.model,
+            "version": reload.version,
+            "previous": reload.previous,
+            "load_s": round(max(m.load_s for m in reload.loaded.values()), 3),
+            "warm_s": round(max(m.warm_s for m in reload.loaded.values()), 3),
+            "switch_ms": round(switch_ms, 3),
+            "total_s": round(total, 3),
+        })
+
+    def _caught_up(self, worker: WorkerHandle, message: messages.VersionLoaded | messages.VersionFailed) -> None:
+        if isinstance(message, messages.VersionFailed):
+            log.error("worker%d cannot load the live %s %s: %s; it will not serve %s",
+                      worker.index, message.model, message.version, message.error, message.model)
+            worker.last_error = message.error
+            return
+        model, version = message.model, message.loaded.version
+        if version != self.live.get(model):
+            self._unload(worker, model, version)
+            return
+        worker.loaded[(model, version)] = message.loaded
+        for _, stale in [k for k in worker.loaded if k[0] == model and k[1] != version]:
+            self.retiring.add((worker, model, stale))
+        self.retire_idle()
+
+    def _unload(self, worker: WorkerHandle, model: str, version: str) -> None:
+        worker.loaded.pop((model, version), None)
+        self.workers.send_control(worker, messages.UnloadVersion(model, version))
+
+    def _signature(self, model: str, version: str) -> tuple[messages.TensorSpec, ...] | None:
+        for worker in self.workers.workers:
+            loaded = worker.loaded.get((model, version))
+            if loaded is not None:
+                return loaded.outputs
+        return None
