@@ -81,37 +81,26 @@ def demo_config(state_dir: str | Path) -> dict[str, Any]:
 
 def run_demo() -> int:
     """Start the demo daemon, query it, check and print the answers, stop it."""
+    import tempfile
+
     import numpy as np
     import torch
 
-    from inferd import Client, paths
-    from inferd.ipc.control import ControlClient, ControlError
+    from inferd import paths
+    from inferd.harness import DaemonProcess
 
-    daemon = subprocess.Popen([sys.executable, "-m", "inferd.cli", "serve"])
+    daemon = DaemonProcess(Path(tempfile.mkdtemp(prefix="inferd-demo-")), None)
     try:
-        control = paths.find_control()
-        deadline = time.monotonic() + 120
-        while True:
-            if daemon.poll() is not None:
-                print(f"the daemon exited with code {daemon.returncode} before it was ready")
-                return 1
-            try:
-                with ControlClient(paths.find_control(), timeout=1.0) as ctl:
-                    health = ctl.call("health")
-                    if health["healthy"]:
-                        status = ctl.call("status")
-                        break
-            except ControlError:
-                pass
-            if time.monotonic() > deadline:
-                print("the daemon did not become ready within 120 s")
-                return 1
-            time.sleep(0.2)
-        live = status["models"][DEMO_MODEL]["live_version"]
-        print(f"\ninferd is serving {DEMO_MODEL} {live} on {DEMO_ENDPOINT} (control: {control})")
+        daemon.start(timeout=120)
+    except RuntimeError as exc:
+        print(exc)
+        return 1
+    try:
+        live = daemon.status()["models"][DEMO_MODEL]["live_version"]
+        print(f"\ninferd is serving {DEMO_MODEL} {live} on {DEMO_ENDPOINT} (control: {paths.find_control()})")
         reference = torch.jit.load(str(repository_path(paths.state_dir()) / DEMO_MODEL / live / "model.pt"))
         rng = np.random.default_rng(0)
-        with Client(DEMO_ENDPOINT, timeout=5.0) as client:
+        with daemon.client(timeout=5.0) as client:
             for samples in (1, 4, 16):
                 x = rng.standard_normal((samples, IN_FEATURES), dtype=np.float32)
                 started = time.perf_counter()
@@ -130,8 +119,7 @@ def run_demo() -> int:
             print(f"  200 concurrent requests answered in {elapsed * 1000:.1f} ms")
         return 0
     finally:
-        daemon.terminate()
-        code = daemon.wait(timeout=60)
+        code = daemon.stop()
         print(f"daemon stopped cleanly (exit code {code})" if code == 0 else f"daemon exit code {code}")
 
 

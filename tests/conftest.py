@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import models  # noqa: E402
 
-from inferd import Client  # noqa: E402
-from inferd.ipc.control import ControlClient, ControlError  # noqa: E402
+from inferd.harness import DaemonProcess  # noqa: E402
 
 START_TIMEOUT_S = 90
 
@@ -44,116 +39,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def toml(value: dict[str, Any]) -> str:
-    """The small subset of TOML the tests write: tables of scalars, lists and inline tables."""
-
-    def scalar(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(scalar(x) for x in v) + "]"
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {scalar(x)}" for k, x in v.items()) + " }"
-        raise TypeError(type(v))
-
-    lines: list[str] = []
-
-    def table(name: str, body: dict[str, Any]) -> None:
-        lines.append(f"[{name}]")
-        nested = {k: v for k, v in body.items() if isinstance(v, dict) and k != "inputs"}
-        lines.extend(f"{k} = {scalar(v)}" for k, v in body.items() if k not in nested)
-        for key, sub in nested.items():
-            table(f"{name}.{key}", sub)
-
-    for name, body in value.items():
-        table(name, body)
-    return "\n".join(lines) + "\n"
-
-
-class Daemon:
-    """An `inferd serve` process with its own folder, config and log."""
-
-    def __init__(self, workdir: Path, config: dict[str, Any]) -> None:
-        self.workdir = workdir
-        self.config = config
-        self.config_path = workdir / "inferd.toml"
-        self.config_path.write_text(toml(config))
-        self.endpoint = config["server"]["listen"][0]
-        self.control = config["server"]["control"]
-        self.log_path = workdir / "daemon.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self, wait: bool = True) -> Daemon:
-        """Start the daemon; with `wait`, return once `health` says it serves."""
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "inferd.cli", "serve", "--config", str(self.config_path)],
-                stdout=log, stderr=log, start_new_session=True,
-            )
-        if wait:
-            self.wait_healthy()
-        return self
+class Daemon(DaemonProcess):
+    """A daemon under test; its start waits at most START_TIMEOUT_S and fails the test with the log."""
 
     def wait_healthy(self, timeout: float = START_TIMEOUT_S) -> None:
-        """Block until the daemon reports healthy; fail with its log if it exits or takes too long."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(f"daemon exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                with ControlClient(self.control, timeout=1.0) as ctl:
-                    if ctl.call("health")["healthy"]:
-                        return
-            except ControlError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"daemon not healthy within {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        """Everything the daemon has written to stderr so far."""
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def client(self, **kwargs: Any) -> Client:
-        """A Client connected to the daemon's first data endpoint."""
-        kwargs.setdefault("timeout", 20.0)
-        return Client(self.endpoint, **kwargs)
-
-    def call(self, command: str, **args: Any) -> Any:
-        """One control command."""
-        with ControlClient(self.control, timeout=10.0) as ctl:
-            return ctl.call(command, **args)
-
-    def status(self) -> dict[str, Any]:
-        """The `status` command's result."""
-        return self.call("status")
-
-    def signal(self, signum: int) -> None:
-        """Send a signal to the supervisor only."""
-        os.kill(self.process.pid, signum)
-
-    def wait(self, timeout: float = 60) -> int:
-        """Wait for the supervisor to exit; return its exit code."""
-        return self.process.wait(timeout=timeout)
-
-    def stop(self, timeout: float = 60) -> int:
-        """SIGTERM, and wait for a clean exit."""
-        if self.process.poll() is None:
-            self.signal(signal.SIGTERM)
-        return self.wait(timeout)
-
-    def kill_all(self) -> None:
-        """Kill the supervisor and every process of its session (the workers)."""
-        if self.process is None:
-            return
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait(timeout=10)
+            super().wait_healthy(timeout)
+        except RuntimeError as exc:
+            raise AssertionError(str(exc)) from None
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,9 @@ import models
 import numpy as np
 import pytest
 import torch
-from conftest import MLP, Daemon, base_config, toml
+from conftest import MLP, Daemon, base_config
+
+from inferd.harness import to_toml
 
 BIN = Path(sys.executable).parent
 
@@ -38,7 +40,7 @@ def test_version():
 
 def test_check_config_accepts_a_good_config(workdir, repo):
     path = workdir / "good.toml"
-    path.write_text(toml(base_config(workdir, repo, {"mlp": MLP})))
+    path.write_text(to_toml(base_config(workdir, repo, {"mlp": MLP})))
     result = run(str(BIN / "inferd"), "check-config", "--config", str(path))
     assert result.returncode == 0, result.stderr
     assert "ok (1 model(s))" in result.stdout

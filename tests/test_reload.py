@@ -10,12 +10,11 @@ import threading
 import time
 from pathlib import Path
 
+import models
 import numpy as np
 import psutil
 import pytest
 import torch
-
-import models
 from conftest import Daemon, base_config
 from wire import RawPeer
 

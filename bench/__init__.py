@@ -1,0 +1,1 @@
+"""Benchmarks of inferd: load generator, references, and the runs that compare them."""

@@ -1,0 +1,114 @@
+"""A closed-loop load generator: `--concurrency` requests in flight on one socket, for `--seconds`.
+
+It speaks the wire protocol directly (one DEALER, one thread), so what it
+measures is the daemon and the transport, not a client library. It prints one
+JSON line: samples/s, latency percentiles in ms, and the count of each status.
+
+    python -m bench.loadgen --endpoint tcp://127.0.0.1:5555 --model mlp --shape 256 --concurrency 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+import zmq
+
+from inferd import protocol
+
+
+def percentiles(latencies_s: list[float]) -> dict[str, float]:
+    """p50/p90/p99/max of latencies given in seconds, in milliseconds."""
+    if not latencies_s:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "max": float("nan")}
+    ms = np.asarray(latencies_s) * 1000
+    return {
+        "p50": round(float(np.percentile(ms, 50)), 3),
+        "p90": round(float(np.percentile(ms, 90)), 3),
+        "p99": round(float(np.percentile(ms, 99)), 3),
+        "max": round(float(ms.max()), 3),
+    }
+
+
+def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurrency: int, seconds: float,
+        warmup: float, samples: int = 1, timeout_ms: int = 10_000) -> dict:
+    """Drive the endpoint and return the measurements of the timed part."""
+    rng = np.random.default_rng(0)
+    inputs = [rng.standard_normal((samples, *shape)).astype(dtype) for _ in range(16)]
+    context = zmq.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.linger = 0
+    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.RCVHWM, 0)
+    socket.connect(endpoint)
+    sent_at: dict[int, float] = {}
+    latencies: list[float] = []
+    statuses: Counter[str] = Counter()
+    next_id = 0
+    start = time.perf_counter()
+    measure_from = start + warmup
+    stop_at = measure_from + seconds
+    measured_from = None
+    while True:
+        now = time.perf_counter()
+        if now < stop_at:
+            while len(sent_at) < concurrency:
+                frames = protocol.encode_request(next_id, model, [inputs[next_id % len(inputs)]], timeout_ms=timeout_ms)
+                socket.send_multipart(frames, copy=False)
+                sent_at[next_id] = time.perf_counter()
+                next_id += 1
+        elif not sent_at:
+            break
+        if not socket.poll(1000):
+            if time.perf_counter() > stop_at + timeout_ms / 1000:
+                statuses["lost"] += len(sent_at)
+                break
+            continue
+        while socket.poll(0):
+            header, _ = protocol.decode_reply([f.buffer for f in socket.recv_multipart(copy=False)])
+            done = time.perf_counter()
+            sent = sent_at.pop(header.id)
+            if measure_from <= sent < stop_at:
+                measured_from = measured_from or sent
+                statuses[header.status] += 1
+                if header.status == protocol.OK:
+                    latencies.append(done - sent)
+    socket.close()
+    context.term()
+    ok = statuses.get(protocol.OK, 0)
+    return {
+        "endpoint": endpoint,
+        "model": model,
+        "concurrency": concurrency,
+        "samples_per_request": samples,
+        "seconds": seconds,
+        "requests": sum(statuses.values()),
+        "samples_per_s": round(ok * samples / seconds, 1),
+        "latency_ms": percentiles(latencies),
+        "statuses": dict(statuses),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--endpoint", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--shape", required=True, help="per-sample shape, e.g. 256 or 3,64,64")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--samples", type=int, default=1, help="samples per request")
+    args = parser.parse_args(argv)
+    shape = tuple(int(d) for d in args.shape.split(","))
+    result = run(args.endpoint, args.model, shape, args.dtype, args.concurrency, args.seconds, args.warmup, args.samples)
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""A daemon run as a child process, for the demo, the tests and the benchmarks.
+
+It writes the config, starts `inferd serve` in its own session (so the daemon
+and its workers can be killed together), waits for `health`, and stops it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from inferd.client import Client
+from inferd.ipc.control import ControlClient, ControlError
+
+
+def to_toml(config: dict[str, Any]) -> str:
+    """A config dict as TOML: tables of scalars, lists and inline tables (what configs use)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+    lines: list[str] = []
+
+    def table(name: str, body: dict[str, Any]) -> None:
+        lines.append(f"[{name}]")
+        nested = {k: v for k, v in body.items() if isinstance(v, dict)}
+        lines.extend(f"{k} = {value(v)}" for k, v in body.items() if k not in nested)
+        for key, sub in nested.items():
+            table(f"{name}.{key}", sub)
+
+    for name, body in config.items():
+        table(name, body)
+    return "\n".join(lines) + "\n"
+
+
+class DaemonProcess:
+    """`inferd serve` as a child process, with its config and log in `workdir`."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any] | None, control: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.config = config
+        self.config_path: Path | None = None
+        if config is not None:
+            self.config_path = self.workdir / "inferd.toml"
+            self.config_path.write_text(to_toml(config))
+        self.endpoint = config["server"]["listen"][0] if config else "tcp://127.0.0.1:5555"
+        self.control = control or (config["server"]["control"] if config else None)
+        self.env = env
+        self.log_path = self.workdir / "daemon.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, wait: bool = True, timeout: float = 120) -> DaemonProcess:
+        """Start the daemon; with `wait`, return once `health` says it serves."""
+        argv = [sys.executable, "-m", "inferd.cli", "serve"]
+        if self.config_path is not None:
+            argv += ["--config", str(self.config_path)]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True,
+                                            env={**os.environ, **(self.env or {})})
+        if wait:
+            self.wait_healthy(timeout)
+        return self
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        """Block until the daemon reports healthy; raise with its log if it exits or takes too long."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if self.call("health", timeout=1.0)["healthy"]:
+                    return
+            except ControlError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"the daemon was not healthy within {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        """Everything the daemon has written to stderr so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def client(self, **kwargs: Any) -> Client:
+        """A Client connected to the daemon's first data endpoint."""
+        kwargs.setdefault("timeout", 20.0)
+        return Client(self.endpoint, **kwargs)
+
+    def call(self, command: str, timeout: float = 10.0, **args: Any) -> Any:
+        """One control command."""
+        from inferd import paths
+
+        with ControlClient(self.control or paths.find_control(), timeout=timeout) as ctl:
+            return ctl.call(command, **args)
+
+    def status(self) -> dict[str, Any]:
+        """The `status` command's result."""
+        return self.call("status")
+
+    def signal(self, signum: int) -> None:
+        """Send a signal to the supervisor only."""
+        os.kill(self.process.pid, signum)
+
+    def wait(self, timeout: float = 60) -> int:
+        """Wait for the supervisor to exit; return its exit code."""
+        return self.process.wait(timeout=timeout)
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, and wait for a clean exit."""
+        if self.process.poll() is None:
+            self.signal(signal.SIGTERM)
+        return self.wait(timeout)
+
+    def kill_all(self) -> None:
+        """Kill the supervisor and every process of its session (the workers)."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(timeout=10)
