@@ -35,8 +35,13 @@ def percentiles(latencies_s: list[float]) -> dict[str, float]:
 
 
 def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurrency: int, seconds: float,
-        warmup: float, samples: int = 1, timeout_ms: int = 10_000) -> dict:
-    """Drive the endpoint and return the measurements of the timed part."""
+        warmup: float, samples: int = 1, timeout_ms: int = 10_000, trace: str | None = None) -> dict:
+    """Drive the endpoint and return the measurements of the timed part.
+
+    With `trace`, also save every timed request (time.monotonic() at send,
+    latency in seconds, ok or not) to that .npz file, for benchmarks that split
+    one run into phases.
+    """
     rng = np.random.default_rng(0)
     inputs = [rng.standard_normal((samples, *shape)).astype(dtype) for _ in range(16)]
     context = zmq.Context()
@@ -48,37 +53,40 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
     sent_at: dict[int, float] = {}
     latencies: list[float] = []
     statuses: Counter[str] = Counter()
+    traced: list[tuple[float, float, bool]] = []
     next_id = 0
-    start = time.perf_counter()
-    measure_from = start + warmup
+    measure_from = time.monotonic() + warmup
     stop_at = measure_from + seconds
-    measured_from = None
     while True:
-        now = time.perf_counter()
+        now = time.monotonic()
         if now < stop_at:
             while len(sent_at) < concurrency:
                 frames = protocol.encode_request(next_id, model, [inputs[next_id % len(inputs)]], timeout_ms=timeout_ms)
                 socket.send_multipart(frames, copy=False)
-                sent_at[next_id] = time.perf_counter()
+                sent_at[next_id] = time.monotonic()
                 next_id += 1
         elif not sent_at:
             break
         if not socket.poll(1000):
-            if time.perf_counter() > stop_at + timeout_ms / 1000:
+            if time.monotonic() > stop_at + timeout_ms / 1000:
                 statuses["lost"] += len(sent_at)
                 break
             continue
         while socket.poll(0):
             header, _ = protocol.decode_reply([f.buffer for f in socket.recv_multipart(copy=False)])
-            done = time.perf_counter()
+            done = time.monotonic()
             sent = sent_at.pop(header.id)
             if measure_from <= sent < stop_at:
-                measured_from = measured_from or sent
                 statuses[header.status] += 1
                 if header.status == protocol.OK:
                     latencies.append(done - sent)
+                if trace:
+                    traced.append((sent, done - sent, header.status == protocol.OK))
     socket.close()
     context.term()
+    if trace:
+        columns = np.array(traced, dtype=np.float64).reshape(-1, 3)
+        np.savez(trace, sent=columns[:, 0], latency=columns[:, 1], ok=columns[:, 2].astype(bool))
     ok = statuses.get(protocol.OK, 0)
     return {
         "endpoint": endpoint,
@@ -103,9 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--samples", type=int, default=1, help="samples per request")
+    parser.add_argument("--trace", help="save every timed request to this .npz file")
     args = parser.parse_args(argv)
     shape = tuple(int(d) for d in args.shape.split(","))
-    result = run(args.endpoint, args.model, shape, args.dtype, args.concurrency, args.seconds, args.warmup, args.samples)
+    result = run(args.endpoint, args.model, shape, args.dtype, args.concurrency, args.seconds, args.warmup,
+                 args.samples, trace=args.trace)
     print(json.dumps(result), flush=True)
     return 0
 

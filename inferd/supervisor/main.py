@@ -10,12 +10,14 @@ batching or deadline event, or the housekeeping tick: an idle daemon sleeps.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
 import socket as pysocket
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +92,7 @@ class Supervisor:
         )
         self.exit_code = 0
         self._signals: deque[int] = deque()
+        self._callbacks: deque[Callable[[], None]] = deque()
         self._wakeup_r, self._wakeup_w = pysocket.socketpair()
         self._sentinels: dict[int, WorkerHandle] = {}
         self._deadline = 0.0
@@ -150,12 +153,15 @@ class Supervisor:
         self.workers.versions = self.live
         self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live)
         self.reload = ReloadManager(config, self.workers, self.dispatcher, self.live,
-                                    {m: v for m, v in previous.items() if m in self.live}, state)
+                                    {m: v for m, v in previous.items() if m in self.live}, state,
+                                    self.call_soon_threadsafe)
 
         self._install_signals()
         for sock in [*self.frontend.sockets, self.control.socket, self.backend]:
             self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self._wakeup_r.fileno(), zmq.POLLIN)
+        # What exists now lives as long as the daemon; keep it out of every later collection.
+        gc.freeze()
         now = time.monotonic()
         for worker in self.workers.workers:
             self.workers.spawn(worker, now)
@@ -185,7 +191,7 @@ class Supervisor:
         elif target is self.control.socket:
             self.control.on_readable()
         elif target == self._wakeup_r.fileno():
-            self._on_signals()
+            self._on_wakeup()
         elif target in self._sentinels:
             self._on_worker_exit(self._sentinels[target])
         else:
@@ -333,7 +339,15 @@ class Supervisor:
         # Handlers run between any two bytecodes: no logging, no I/O, only queue it.
         self._signals.append(signum)
 
-    def _on_signals(self) -> None:
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the loop's thread; any thread may call this."""
+        self._callbacks.append(callback)
+        try:
+            self._wakeup_w.send(b"\0")
+        except BlockingIOError:
+            pass  # the loop has wake-ups pending already
+
+    def _on_wakeup(self) -> None:
         try:
             while self._wakeup_r.recv(4096):
                 pass
@@ -341,6 +355,8 @@ class Supervisor:
             pass
         while self._signals:
             getattr(self, f"handle_{SIGNAL_NAMES[self._signals.popleft()]}")()
+        while self._callbacks:
+            self._callbacks.popleft()()
 
     def handle_term(self) -> None:
         """SIGTERM: stop taking requests, finish the queued ones, exit; a second one hurries."""
@@ -454,6 +470,8 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         """Release everything this process made, whatever state it got to."""
+        if self.reload is not None:
+            self.reload.close()
         if self.workers is not None:
             for worker in self.workers.workers:
                 if worker.process is not None and worker.process.exitcode is None:

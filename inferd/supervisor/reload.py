@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from inferd.config import Config
@@ -47,8 +49,12 @@ class ReloadManager:
     """Runs reloads and rollbacks, and keeps every worker on the live versions."""
 
     def __init__(self, config: Config, workers: WorkerTable, dispatcher: Dispatcher,
-                 live: dict[str, str], previous: dict[str, str], state: LiveVersions) -> None:
+                 live: dict[str, str], previous: dict[str, str], state: LiveVersions,
+                 call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
         self.config = config
+        # fsync takes milliseconds, sometimes tens: never on the loop that serves requests.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
+        self._call_soon_threadsafe = call_soon_threadsafe
         self.workers = workers
         self.dispatcher = dispatcher
         self.live = live
@@ -80,6 +86,9 @@ class ReloadManager:
             return
         expect = None if allow_signature_change else self._signature(model, live)
         load = messages.LoadVersion(model, version, expect, self.config.workers.reload_memory_factor)
+        # A version reloaded soon after it was replaced may still be waiting to be
+        # unloaded; it is wanted again, and an unload sent after this load would undo it.
+        self.retiring = {r for r in self.retiring if r[1:] != (model, version)}
         for worker in targets:
             self.workers.send_control(worker, load)
         self.active[model] = Reload(model, version, live, reply, time.monotonic(), targets)
@@ -130,19 +139,34 @@ class ReloadManager:
             if model in self.active and worker in self.active[model].pending:
                 continue
             self.catching_up.add((worker, model, version))
+            self.retiring.discard((worker, model, version))
             self.workers.send_control(
                 worker, messages.LoadVersion(model, version, None, self.config.workers.reload_memory_factor)
             )
             log.info("worker%d: catching up %s to the live version %s", worker.index, model, version)
 
     def retire_idle(self) -> None:
-        """Unload each retiring version from workers where its last batch is back."""
+        """Unload each retiring version from workers where its last batch is back.
+
+        Only here is UnloadVersion sent, so no version is freed under a batch
+        that still runs on it, nor while it is live or being loaded again.
+        """
         for worker, model, version in list(self.retiring):
-            if self.dispatcher.has_inflight(worker, model, version):
-                continue
-            self.retiring.discard((worker, model, version))
-            if version != self.live.get(model):
-                self._unload(worker, model, version)
+            if self._wanted(worker, model, version):
+                self.retiring.discard((worker, model, version))
+            elif not self.dispatcher.has_inflight(worker, model, version):
+                self.retiring.discard((worker, model, version))
+                worker.loaded.pop((model, version), None)
+                self.workers.send_control(worker, messages.UnloadVersion(model, version))
+
+    def _wanted(self, worker: WorkerHandle, model: str, version: str) -> bool:
+        """True for a live version, and for one a reload or catch-up is loading on `worker`."""
+        reload = self.active.get(model)
+        return (
+            self.live.get(model) == version
+            or (reload is not None and reload.version == version)
+            or (worker, model, version) in self.catching_up
+        )
 
     def _settle(self, reload: Reload) -> None:
         """Once every worker has answered: flip, or give up and free what was loaded."""
@@ -151,7 +175,7 @@ class ReloadManager:
         del self.active[reload.model]
         if reload.failure is not None or not reload.loaded:
             for worker in reload.loaded:
-                self._unload(worker, reload.model, reload.version)
+                self._retire(worker, reload.model, reload.version)
             reason = reload.failure or "no worker loaded it"
             log.error("reload of %s to %s abandoned: %s; %s keeps serving", reload.model, reload.version,
                       reason, reload.previous)
@@ -162,29 +186,48 @@ class ReloadManager:
         self.live[reload.model] = reload.version
         self.previous[reload.model] = reload.previous
         switch_ms = (time.perf_counter() - switch_started) * 1000
-        try:
-            self.state.save(self.live, self.previous)
-        except OSError as exc:
-            log.error("cannot save the live versions to %s: %s", self.state.path, exc)
+        saving = self._writer.submit(self._save, dict(self.live), dict(self.previous))
         for worker in self.workers.workers:
             if (reload.model, reload.previous) in worker.loaded:
-                self.retiring.add((worker, reload.model, reload.previous))
+                self._retire(worker, reload.model, reload.previous)
             self.catch_up(worker)
-        self.retire_idle()
-        total = time.monotonic() - reload.started
         log.info("%s is now %s (was %s), %.2f s after the reload began", reload.model, reload.version,
-                 reload.previous, total)
+                 reload.previous, time.monotonic() - reload.started)
         notify("READY=1")
         reload.reply.progress(f"switched {reload.model} from {reload.previous} to {reload.version} in {switch_ms:.3f} ms")
-        reload.reply.finish({
+        result = {
             "model": reload.model,
             "version": reload.version,
             "previous": reload.previous,
             "load_s": round(max(m.load_s for m in reload.loaded.values()), 3),
             "warm_s": round(max(m.warm_s for m in reload.loaded.values()), 3),
             "switch_ms": round(switch_ms, 3),
-            "total_s": round(total, 3),
-        })
+        }
+        # The command returns once the new live version is on disk too.
+        saving.add_done_callback(lambda done: self._call_soon_threadsafe(
+            lambda: self._saved(reload, result, done.result())))
+
+    def _save(self, live: dict[str, str], previous: dict[str, str]) -> tuple[float, str | None]:
+        """In the writer thread: save, and return (milliseconds it took, error or None)."""
+        started = time.perf_counter()
+        try:
+            self.state.save(live, previous)
+            error = None
+        except OSError as exc:
+            error = f"cannot save the live versions to {self.state.path}: {exc}"
+        return (time.perf_counter() - started) * 1000, error
+
+    def _saved(self, reload: Reload, result: dict, outcome: tuple[float, str | None]) -> None:
+        save_ms, error = outcome
+        if error is not None:
+            log.error("%s; a restart would serve the versions saved before", error)
+            reload.reply.progress(f"warning: {error}")
+        reload.reply.finish({**result, "save_ms": round(save_ms, 3),
+                             "total_s": round(time.monotonic() - reload.started, 3)})
+
+    def close(self) -> None:
+        """Wait for the last save to reach the disk."""
+        self._writer.shutdown(wait=True)
 
     def _caught_up(self, worker: WorkerHandle, message: messages.VersionLoaded | messages.VersionFailed) -> None:
         if isinstance(message, messages.VersionFailed):
@@ -193,17 +236,17 @@ class ReloadManager:
             worker.last_error = message.error
             return
         model, version = message.model, message.loaded.version
-        if version != self.live.get(model):
-            self._unload(worker, model, version)
-            return
         worker.loaded[(model, version)] = message.loaded
+        if version != self.live.get(model):
+            self._retire(worker, model, version)
+            return
         for _, stale in [k for k in worker.loaded if k[0] == model and k[1] != version]:
-            self.retiring.add((worker, model, stale))
-        self.retire_idle()
+            self._retire(worker, model, stale)
 
-    def _unload(self, worker: WorkerHandle, model: str, version: str) -> None:
-        worker.loaded.pop((model, version), None)
-        self.workers.send_control(worker, messages.UnloadVersion(model, version))
+    def _retire(self, worker: WorkerHandle, model: str, version: str) -> None:
+        """Unload `version` from `worker` as soon as nothing runs on it and nothing wants it."""
+        self.retiring.add((worker, model, version))
+        self.retire_idle()
 
     def _signature(self, model: str, version: str) -> tuple[messages.TensorSpec, ...] | None:
         for worker in self.workers.workers:

@@ -8,6 +8,7 @@ the supervisor is gone.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -27,6 +28,7 @@ log = logging.getLogger("inferd.worker")
 
 EXIT_BOOT_ERROR = 3
 EXIT_PARENT_GONE = 4
+LOADER_NICENESS = 10
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -99,10 +101,17 @@ def worker_main(encoded_spec: bytes) -> None:
         control.close()
         context.term()
         sys.exit(EXIT_BOOT_ERROR)
+    # torch brings ~170k long-lived Python objects; a full collection over them
+    # holds the GIL for ~130 ms and stalls every executor. Freezing them keeps
+    # later collections (automatic, or after an unload) down to what is new.
+    gc.freeze()
     for executor in executors:
         executor.start()
     control.send(messages.encode(ready))
     log.info("ready on %s with %d executor(s), pid %d", spec.device, len(executors), os.getpid())
+    # From now on this thread only loads and warms new versions: let the
+    # executors, which serve the live one, have the CPU first.
+    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
     _serve_control(control, runner, config)
     os.write(stop_w, b"\0")
     for executor in executors:
@@ -163,6 +172,8 @@ def _serve_control(control: zmq.Socket, runner, config: config_module.Config) ->
                 error = describe_error(exc)
                 log.error("cannot load %s %s: %s", message.model, message.version, error)
                 reply = messages.VersionFailed(message.model, message.version, error)
+            if isinstance(reply, messages.VersionFailed):
+                runner.release_memory()  # only now is the failed version's traceback gone
             control.send(messages.encode(reply))
         elif isinstance(message, messages.UnloadVersion):
             runner.unload(message.model, message.version)

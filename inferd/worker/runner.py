@@ -86,7 +86,9 @@ class ModelRunner:
         With `memory_factor`, first check that the device has that many times the
         file's size free. With `expect`, the outputs must have that signature. A
         version folder holding a canary (example input and expected output) must
-        reproduce it. Whatever fails, nothing of the version stays loaded.
+        reproduce it. The module becomes visible to the executors only once every
+        check has passed; whatever fails, nothing of it stays loaded, and a copy of
+        the same version loaded before is left as it was.
         """
         started = time.perf_counter()
         try:
@@ -95,20 +97,22 @@ class ModelRunner:
             raise ModelError(str(exc)) from None
         if memory_factor is not None:
             self._check_room(name, version, path, memory_factor)
-        key = (name, version)
+        module = load_module(path, self.device)
         try:
-            self._modules[key] = load_module(path, self.device)
             loaded = time.perf_counter()
-            outputs = self._warm_up(name, config, version)
+            outputs = self._warm_up(module, name, config, version)
             if expect is not None and outputs != expect:
                 raise ModelError(
                     f"{name} {version} outputs {_describe(outputs)}, but the live version outputs "
                     f"{_describe(expect)} (allow it with --allow-signature-change)"
                 )
-            self._check_canary(name, version, path.parent)
+            self._check_canary(module, name, version, path.parent)
         except BaseException:
-            self.unload(name, version)
+            # The traceback keeps `module` alive until the caller has handled it;
+            # the caller then calls release_memory() to give the memory back.
+            del module
             raise
+        self._modules[(name, version)] = module
         warmed = time.perf_counter()
         log.info(
             "loaded %s %s from %s in %.2f s, warmed on batch sizes %s in %.2f s",
@@ -120,14 +124,24 @@ class ModelRunner:
         """Free a version, and on a GPU give its cached memory back to the device."""
         if self._modules.pop((name, version), None) is None:
             return
+        self.release_memory()
+        log.info("unloaded %s %s", name, version)
+
+    def release_memory(self) -> None:
+        """Collect what no longer has an owner, and on a GPU return cached blocks to the device."""
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        log.info("unloaded %s %s", name, version)
 
     def infer(self, name: str, version: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Run one batch; every output keeps the inputs' batch dim."""
-        module = self._modules[(name, version)]
+        """Run one batch of a loaded version; every output keeps the inputs' batch dim."""
+        module = self._modules.get((name, version))
+        if module is None:
+            raise ModelError(f"{name} {version} is not loaded on this worker")
+        return self._run(module, inputs)
+
+    @staticmethod
+    def _run(module: Any, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         with torch.inference_mode():
             outputs = as_outputs(module(*inputs))
         batch = inputs[0].shape[0]
@@ -149,7 +163,7 @@ class ModelRunner:
             specs.append(TensorSpec(name, tuple(output.shape[1:])))
         return tuple(specs)
 
-    def _warm_up(self, name: str, config: ModelConfig, version: str) -> tuple[TensorSpec, ...]:
+    def _warm_up(self, module: Any, name: str, config: ModelConfig, version: str) -> tuple[TensorSpec, ...]:
         outputs: tuple[TensorSpec, ...] = ()
         for batch in config.warmup_batch_sizes or (1,):
             inputs = [
@@ -157,7 +171,7 @@ class ModelRunner:
                 for spec in config.inputs
             ]
             try:
-                outputs = self.signature(self.infer(name, version, inputs))
+                outputs = self.signature(self._run(module, inputs))
             except ModelError:
                 raise
             except Exception as exc:
@@ -180,7 +194,7 @@ class ModelRunner:
                 f"needs {need / 2**20:.0f} MiB beside the live version (workers.reload_memory_factor = {factor:g})"
             )
 
-    def _check_canary(self, name: str, version: str, folder: Path) -> None:
+    def _check_canary(self, module: Any, name: str, version: str, folder: Path) -> None:
         """If the version folder holds an example input and its expected output, reproduce it."""
         example, expected = folder / CANARY_INPUT, folder / CANARY_OUTPUT
         if not (example.exists() and expected.exists()):
@@ -190,7 +204,7 @@ class ModelRunner:
             want = np.load(expected, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot read the canary of {name} {version}: {exc}") from None
-        got = self.infer(name, version, [torch.from_numpy(x).to(self.device)])[0].cpu().numpy()
+        got = self._run(module, [torch.from_numpy(x).to(self.device)])[0].cpu().numpy()
         if got.shape != want.shape or not np.allclose(got, want, rtol=CANARY_RTOL, atol=CANARY_ATOL):
             raise ModelError(
                 f"{name} {version} does not reproduce {CANARY_OUTPUT}: its output differs by up to "

@@ -1,0 +1,76 @@
+"""What the benchmarks share: a daemon to measure, the load generator in its own process, results."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from inferd.harness import DaemonProcess
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_daemon(workdir: Path, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> DaemonProcess:
+    """Start a daemon serving `models` with its sockets and state in `workdir`."""
+    config: dict[str, Any] = {
+        "server": {
+            "listen": [f"tcp://127.0.0.1:{free_port()}"],
+            "control": f"ipc://{workdir}/control.sock",
+            "state_dir": str(workdir / "state"),
+            "metrics": "",
+        },
+        "workers": {"devices": ["cpu"], "streams": 2, "cpu_threads": 1},
+        "queue": {"max_size": 4096},
+        "models": models,
+    }
+    for section, values in sections.items():
+        config[section].update(values)
+    return DaemonProcess(workdir, config).start()
+
+
+def loadgen_command(endpoint: str, model: str, shape: tuple[int, ...], concurrency: int, seconds: float,
+                    warmup: float = 2.0, trace: Path | None = None) -> list[str]:
+    """The command line of one load generator run."""
+    command = [sys.executable, "-m", "bench.loadgen", "--endpoint", endpoint, "--model", model,
+               "--shape", ",".join(map(str, shape)), "--concurrency", str(concurrency),
+               "--seconds", str(seconds), "--warmup", str(warmup)]
+    return command + (["--trace", str(trace)] if trace else [])
+
+
+def run_loadgen(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Run the load generator in its own process and return its JSON line."""
+    out = subprocess.run(loadgen_command(*args, **kwargs), cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def record(name: str, rows: list[dict[str, Any]]) -> Path:
+    """Print each row as a JSON line and append them to bench/results/NAME.jsonl."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.jsonl"
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    with path.open("a") as out:
+        for row in rows:
+            line = json.dumps({"when": stamp, **row})
+            print(line)
+            out.write(line + "\n")
+    return path
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
