@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs clean
+.PHONY: demo test docs bench-reload clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -22,6 +22,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+bench-reload: $(STAMP)
+	$(PY) -m bench.reload
 
 docs: $(STAMP)
 	$(PY) -m inferd.config --update README.md

@@ -1,6 +1,6 @@
 """Latency and throughput in steady state and during reloads, from one run, side by side.
 
-    python -m bench.reload [--concurrency 16] [--seconds 30] [--every 3]
+    python -m bench.reload [--concurrency 16] [--seconds 30] [--every 2]
 
 One daemon (one CPU worker, 2 streams, 1 torch thread) serves the benchmark
 `mlp`. One load generator run drives it at the given concurrency while this
@@ -47,7 +47,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=30.0)
-    parser.add_argument("--every", type=float, default=3.0, help="seconds from one reload's start to the next")
+    parser.add_argument("--every", type=float, default=2.0, help="seconds from one reload's start to the next")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="inferd-bench-"))
     models.build(workdir / "repo")

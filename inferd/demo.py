@@ -67,7 +67,8 @@ def demo_config(state_dir: str | Path) -> dict[str, Any]:
     """The config `inferd serve` runs with when given none."""
     root = repository_path(state_dir)
     return {
-        "server": {"listen": [DEMO_ENDPOINT]},
+        # Its own state folder: the demo's live versions must never mix with a real daemon's.
+        "server": {"listen": [DEMO_ENDPOINT], "state_dir": str(Path(state_dir) / "demo")},
         "models": {
             DEMO_MODEL: {
                 "repository": str(root / DEMO_MODEL),
