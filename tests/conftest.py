@@ -57,6 +57,14 @@ def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def reload_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model `mlp` in many versions, good and bad, for reload tests."""
+    root = tmp_path_factory.mktemp("reload-repo")
+    models.build_reload_repository(root)
+    return root
+
+
 @pytest.fixture
 def workdir() -> Iterator[Path]:
     """A short folder under /tmp (ipc:// paths are limited to about 100 bytes)."""
@@ -88,6 +96,7 @@ def base_config(workdir: Path, repo: Path, models_: dict[str, dict[str, Any]], *
 MLP = {"inputs": [{"dtype": "float32", "shape": [models.MLP_IN]}], "max_batch_size": 16, "warmup_batch_sizes": [1, 16]}
 PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4]}, {"dtype": "int64", "shape": [2]}], "max_batch_size": 8}
 SLOW = {"inputs": [{"dtype": "float32", "shape": [models.SLOW_FEATURES]}], "max_batch_size": 4}
+RELOAD_MLP = {**MLP, "version": "v1"}  # the reload repository's mlp, pinned to its first version
 FAILING = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
 
 

@@ -15,19 +15,11 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import Daemon, base_config
+from conftest import RELOAD_MLP, Daemon, base_config
 from wire import RawPeer
 
 BIN = Path(sys.executable).parent
-MLP = {"inputs": [{"dtype": "float32", "shape": [models.MLP_IN]}], "max_batch_size": 16,
-       "warmup_batch_sizes": [1, 16], "version": "v1"}
-
-
-@pytest.fixture(scope="session")
-def reload_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("reload-repo")
-    models.build_reload_repository(root)
-    return root
+MLP = RELOAD_MLP
 
 
 @pytest.fixture(scope="session")
@@ -258,11 +250,12 @@ def test_a_crashed_worker_comes_back_on_the_live_version(reload_daemon):
 def test_a_worker_that_starts_during_a_reload_catches_up(reload_daemon, references):
     daemon = reload_daemon(workers={"devices": ["cpu", "cpu"]})
     os.kill(daemon.status()["workers"][1]["pid"], signal.SIGKILL)
-    time.sleep(0.1)
+    while (w := daemon.status()["workers"][1])["generation"] < 2 or w["state"] != "booting":
+        time.sleep(0.02)
     # worker1 now boots on v1 (the live version when it was spawned) while v2 goes live.
-    result = inferctl(daemon, "reload", "--version", "v2")
-    assert result.returncode == 0, result.stderr
-    assert "on 1 worker(s)" in result.stdout
+    result = daemon.call("reload", timeout=60, version="v2")
+    assert result["version"] == "v2"
+    assert daemon.status()["workers"][1]["state"] == "booting", "the test needs the reload to win the race"
     deadline = time.monotonic() + 60
     while daemon.status()["workers"][1]["loaded"] != ["mlp v2"]:
         assert time.monotonic() < deadline, daemon.status()["workers"]
