@@ -66,7 +66,7 @@ def inferd() -> None:
 def serve(config_path: str | None) -> int:
     """Run the daemon in the foreground (what systemd starts)."""
     from inferd import demo
-    from inferd.logs import setup_logging
+    from inferd.logs import set_level, setup_logging
     from inferd.supervisor.main import Supervisor
 
     setup_logging("inferd")
@@ -76,6 +76,7 @@ def serve(config_path: str | None) -> int:
         config = config_module.parse(demo.demo_config(state_dir), source="demo")
     else:
         config = _load_config(config_path)
+    set_level(config.server.log_level)
     return Supervisor(config).run()
 
 

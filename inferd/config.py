@@ -58,6 +58,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: Annotated[
         float, Meta(ge=0), _doc("On SIGTERM, how long queued and running work may take to finish, in seconds.")
     ] = 30
+    log_level: Annotated[
+        str, _doc("debug, info, warning or error; INFERD_LOG_LEVEL in the environment overrides it.")
+    ] = "info"
 
 
 class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,6 +82,11 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
         Meta(ge=0),
         _doc("Memory guard: before a new version loads, the device must have this many times its file size free."),
     ] = 2.0
+    batch_timeout_s: Annotated[
+        float,
+        Meta(gt=0),
+        _doc("A batch running longer than this means its worker is hung; the systemd watchdog stops until it ends."),
+    ] = 60
     start_timeout_s: Annotated[
         float, Meta(gt=0), _doc("How long a worker may take to load and warm its models before it counts as failed.")
     ] = 300
@@ -192,7 +200,10 @@ def _check_version(value: str) -> str | None:
     return None
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
 CHECKS: dict[tuple[type, str], Callable[[Any], Union[str, None]]] = {
+    (ServerConfig, "log_level"): lambda v: None if v in LOG_LEVELS else f"{v!r}: use one of {', '.join(LOG_LEVELS)}",
     (ServerConfig, "listen"): _check_listen,
     (ServerConfig, "control"): lambda v: None if v is None else _check_endpoint(v),
     (ServerConfig, "metrics"): _check_metrics,

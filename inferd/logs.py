@@ -19,4 +19,10 @@ def setup_logging(component: str, level: int | str = logging.INFO) -> None:
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(os.environ.get("INFERD_LOG_LEVEL", level))
+    set_level(level)
+
+
+def set_level(level: int | str) -> None:
+    """Set this process's log level; INFERD_LOG_LEVEL, when set, wins."""
+    chosen = os.environ.get("INFERD_LOG_LEVEL", level)
+    logging.getLogger().setLevel(chosen.upper() if isinstance(chosen, str) else chosen)

@@ -27,3 +27,24 @@ def notify(*fields: str) -> bool:
     except OSError as exc:
         log.warning("sd_notify to %s failed: %s", address, exc)
         return False
+
+
+class Watchdog:
+    """WATCHDOG=1 pings at half the period systemd asked for ($WATCHDOG_USEC), if it asked this process."""
+
+    def __init__(self) -> None:
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        pid = os.environ.get("WATCHDOG_PID", "")
+        mine = not pid or (pid.isdigit() and int(pid) == os.getpid())
+        self.interval = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and mine else None
+        self._next = 0.0
+
+    def wait(self, now: float) -> float | None:
+        """Seconds until the next ping is due; None without a watchdog."""
+        return None if self.interval is None else max(0.0, self._next - now)
+
+    def ping(self, now: float) -> None:
+        """Ping if one is due."""
+        if self.interval is not None and now >= self._next:
+            notify("WATCHDOG=1")
+            self._next = now + self.interval

@@ -100,6 +100,8 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["wrongbatch/v1"] = save_script(WrongBatch(), root, "wrongbatch", "v1", 6)
     torch.manual_seed(7)
     files["exported/v1"] = save_export(Mlp(), (torch.randn(2, MLP_IN),), root, "exported", "v1")
+    files["sleepy/v1"] = save_script(Sleepy(1_000), root, "sleepy", "v1", 8)  # ~5 ms a batch
+    files["stuck/v1"] = save_script(Sleepy(150_000), root, "stuck", "v1", 9)  # ~0.7 s a batch
     return files
 
 
@@ -171,3 +173,17 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
         np.save(root / "mlp" / version / "example_input.npy", example.numpy())
         np.save(root / "mlp" / version / "expected_output.npy", expected.numpy())
     return files
+
+
+class Sleepy(torch.nn.Module):
+    """float32 [2] -> [2], computing for about `ms` milliseconds per batch (a busy loop of tiny ops)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(1)
+        for _ in range(self.steps):
+            acc = acc + 1.0
+        return x + acc * 0.0

@@ -39,6 +39,18 @@ class FakeSystemd:
                 return self.messages
         raise AssertionError(f"no {field} within {timeout} s; got {self.messages}")
 
+    def drain(self) -> list[str]:
+        """Receive whatever has arrived, without waiting; return the messages received so far."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                self.messages.append(self.sock.recv(4096).decode())
+        except BlockingIOError:
+            pass
+        finally:
+            self.sock.setblocking(True)
+        return self.messages
+
     def close(self) -> None:
         self.sock.close()
 

@@ -10,6 +10,8 @@ from typing import Union
 
 import msgspec
 
+from inferd.config import ModelConfig
+
 
 class TensorRef(msgspec.Struct, frozen=True, array_like=True):
     """A tensor in an arena: dtype name, full shape, byte offset from the arena's start."""
@@ -88,12 +90,14 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
 class LoadVersion(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Load and warm `version` of `model` beside what is loaded.
 
+    `config`: the model's config now (a model added by a config reload is new to the worker).
     `expect`: the output signature the version must have (None: any).
     `memory_factor`: the room to find before loading, as a multiple of the file's size.
     """
 
     model: str
     version: str
+    config: ModelConfig
     expect: Union[tuple[TensorSpec, ...], None]
     memory_factor: float
 
@@ -122,9 +126,15 @@ class UnloadVersion(msgspec.Struct, frozen=True, tag=True, array_like=True):
     version: str
 
 
+class SetLogLevel(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Log at `level` from now on."""
+
+    level: str
+
+
 Message = Union[
     Hello, Ready, BootFailed, RunBatch, BatchDone, BatchFailed, Shutdown,
-    LoadVersion, VersionLoaded, VersionFailed, UnloadVersion,
+    LoadVersion, VersionLoaded, VersionFailed, UnloadVersion, SetLogLevel,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

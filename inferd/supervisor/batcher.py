@@ -66,6 +66,17 @@ class BatchQueue:
         self._size = 0
         self._lock = threading.Lock()
 
+    def configure(self, max_size: int, policies: dict[str, ModelPolicy]) -> None:
+        """New bounds and knobs, applied from the next request on; a new model gets its lane."""
+        with self._lock:
+            self.max_size = max_size
+            for name, policy in policies.items():
+                if name in self._lanes:
+                    self._lanes[name].policy = policy
+                else:
+                    self._lanes[name] = _ModelQueue(policy)
+                    self._order.append(name)
+
     def __len__(self) -> int:
         return self._size
 

@@ -77,6 +77,28 @@ class ControlReply:
             self._server.answer(self._envelope, answer)
 
 
+class LoggedReply:
+    """A reply nobody waits for (a reload a config change started): its lines go to the log."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.done = False
+
+    def progress(self, text: str) -> None:
+        """Log a step."""
+        log.info("%s: %s", self.what, text)
+
+    def finish(self, result: Any) -> None:
+        """Log the success."""
+        self.done = True
+        log.info("%s: done: %s", self.what, result)
+
+    def fail(self, error: str) -> None:
+        """Log the failure."""
+        self.done = True
+        log.error("%s: %s", self.what, error)
+
+
 class ControlServer:
     """Owns the control socket and routes each command to its handler."""
 

@@ -36,6 +36,7 @@ class Batch:
     requests: list[QueuedRequest]
     executor: ExecutorHandle
     slot: int
+    started: float
 
 
 def slot_bytes_needed(config: Config, model: str, outputs: tuple) -> int:
@@ -82,9 +83,9 @@ class Dispatcher:
             for request in requests:
                 self.frontend.reply_error(request, protocol.INTERNAL, "no free arena slot")
             return
-        batch = Batch(next(self._ids), model, version, requests, executor, slot)
-        message = self._stack(batch, worker)
         now = time.monotonic()
+        batch = Batch(next(self._ids), model, version, requests, executor, slot, now)
+        message = self._stack(batch, worker)
         for request in requests:
             request.dispatched = now
         if not self.workers.send(executor.identity, message):
@@ -118,6 +119,10 @@ class Dispatcher:
     def _finish(self, batch: Batch) -> None:
         del self.inflight[batch.id]
         batch.executor.inflight -= 1
+
+    def oldest(self) -> Batch | None:
+        """The batch that has been running longest, if any runs."""
+        return min(self.inflight.values(), key=lambda b: b.started, default=None)
 
     def has_inflight(self, worker: WorkerHandle, model: str, version: str) -> bool:
         """True while a batch of `version` of `model` runs on `worker`."""

@@ -67,19 +67,24 @@ class Frontend:
     """Client-facing sockets, request admission, and reply delivery."""
 
     def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue) -> None:
-        self.config = config
         self.queue = queue
         self.max_message_bytes = int(config.server.max_message_mb * (1 << 20))
-        self.default_timeout_s = config.queue.default_timeout_ms / 1000
+        self.configure(config)
         # Refuse before ZeroMQ buffers absurd frames; between the limit and this
         # ceiling a message is received and answered `invalid` with its size.
         self.hard_limit = 2 * self.max_message_bytes + (1 << 20)
         self.sockets: list[zmq.Socket] = []
         self.live: dict[str, str] = {}
         self.refusal: str | None = "the daemon is starting"
+        self.unserved: set[str] = set()  # models no ready worker has loaded yet
         self.undelivered = 0
         self.replies: Counter[str] = Counter()
         self._context = context
+
+    def configure(self, config: Config) -> None:
+        """Take a new config: models and their limits, the default deadline."""
+        self.config = config
+        self.default_timeout_s = config.queue.default_timeout_ms / 1000
 
     def bind(self) -> None:
         """Bind a ROUTER on every `server.listen` endpoint."""
@@ -127,8 +132,9 @@ class Frontend:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message)
             return
-        if self.refusal is not None:
-            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, self.refusal, header.model)
+        if self.refusal is not None or header.model in self.unserved:
+            refusal = self.refusal or f"no worker has {header.model} {self.live.get(header.model)} loaded yet"
+            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, refusal, header.model)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
         queued = QueuedRequest(header, request.buffers, reply_to, samples, now, now + timeout)

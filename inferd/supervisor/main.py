@@ -25,23 +25,28 @@ import msgspec
 import zmq
 
 from inferd import __version__, paths, protocol
+from inferd import config as config_module
 from inferd.config import Config
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, owner_alive, sweep_stale
-from inferd.repository import LiveVersions, RepositoryError, describe_versions, resolve_version
+from inferd.logs import set_level
+from inferd.repository import LiveVersions, RepositoryError, resolve_version
+from inferd.supervisor import reconfigure
 from inferd.supervisor.batcher import BatchQueue, ModelPolicy
-from inferd.supervisor.control import ControlReply, ControlServer, deferred
+from inferd.supervisor.commands import Commands
+from inferd.supervisor.control import ControlServer, LoggedReply
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher, slot_bytes_needed
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.reload import ReloadManager
+from inferd.supervisor.state import DRAINING, SERVING, STARTING, STOPPING
 from inferd.supervisor.workers import FAILED, READY, STOP_TIMEOUT_S, WorkerHandle, WorkerTable
-from inferd.systemd import notify
+from inferd.systemd import Watchdog, notify
 
 log = logging.getLogger("inferd.supervisor")
 
-STARTING, SERVING, DRAINING, STOPPING = "starting", "serving", "draining", "stopping"
 TICK_S = 0.5
+STATUS_EVERY_S = 2.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SIGNAL_NAMES = {s: s.name[3:].lower() for s in SIGNALS}
 
@@ -68,6 +73,10 @@ def _sweep_stale_backends(folder: Path) -> None:
             path.unlink(missing_ok=True)
 
 
+def _policies(config: Config) -> dict[str, ModelPolicy]:
+    return {name: ModelPolicy(m.max_batch_size, m.max_wait_ms / 1000) for name, m in config.models.items()}
+
+
 class Supervisor:
     """The daemon's main process."""
 
@@ -76,6 +85,7 @@ class Supervisor:
         self.state = STARTING
         self.started = time.monotonic()
         self.live: dict[str, str] = {}
+        self.saved_live: dict[str, str] = {}
         self.context = zmq.Context()
         self.poller = zmq.Poller()
         self.arenas: list[Arena] = []
@@ -86,10 +96,7 @@ class Supervisor:
         self.reload: ReloadManager | None = None
         self.backend: zmq.Socket | None = None
         self.backend_path: Path | None = None
-        self.queue = BatchQueue(
-            config.queue.max_size,
-            {name: ModelPolicy(m.max_batch_size, m.max_wait_ms / 1000) for name, m in config.models.items()},
-        )
+        self.queue = BatchQueue(config.queue.max_size, _policies(config))
         self.exit_code = 0
         self._signals: deque[int] = deque()
         self._callbacks: deque[Callable[[], None]] = deque()
@@ -98,6 +105,10 @@ class Supervisor:
         self._deadline = 0.0
         self._next_tick = 0.0
         self._done = False
+        self._watchdog = Watchdog()
+        self._stall: str | None = None
+        self._next_status = 0.0
+        self._replies_at_status = 0
 
     # -- life cycle -------------------------------------------------------------
 
@@ -118,9 +129,9 @@ class Supervisor:
         for name in sweep_stale():
             log.info("removed arena %s of a supervisor that is gone", name)
         state = LiveVersions(config.server.state_dir)
-        saved, previous = state.load()
+        self.saved_live, previous = state.load()
         try:
-            self.live = {name: resolve_version(m, saved.get(name)) for name, m in config.models.items()}
+            self.live = {name: resolve_version(m, self.saved_live.get(name)) for name, m in config.models.items()}
         except RepositoryError as exc:
             raise StartupError(f"cannot resolve model versions: {exc}") from None
         devices = resolve_devices(config.workers.devices)
@@ -143,7 +154,7 @@ class Supervisor:
         self.frontend = Frontend(self.context, config, self.queue)
         self.frontend.live = self.live
         try:
-            self.control = ControlServer(self.context, config.server.control, self, self.frontend)
+            self.control = ControlServer(self.context, config.server.control, Commands(self), self.frontend)
             self.frontend.bind()
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind: {exc.strerror}") from None
@@ -172,7 +183,8 @@ class Supervisor:
     def _loop(self) -> None:
         while not self._done:
             now = time.monotonic()
-            wait = min(self.queue.next_wakeup(now) or TICK_S, max(0.0, self._next_tick - now))
+            wait = min(self.queue.next_wakeup(now) or TICK_S, max(0.0, self._next_tick - now),
+                       self._watchdog.wait(now) or TICK_S)
             events = self.poller.poll(int(wait * 1000) + (wait > 0))
             # Signals first: a request that arrives with a SIGTERM is already refused.
             for target, _ in sorted(events, key=lambda event: event[0] != self._wakeup_r.fileno()):
@@ -184,6 +196,7 @@ class Supervisor:
             if now >= self._next_tick:
                 self._next_tick = now + TICK_S
                 self._housekeeping(now)
+            self._report(now)
 
     def _on_readable(self, target: Any) -> None:
         if target is self.backend:
@@ -247,6 +260,35 @@ class Supervisor:
         else:
             refusal = None
         self.frontend.refusal = refusal
+        self.frontend.unserved = {
+            name for name, version in self.live.items()
+            if not any(w.serves(name, version) for w in self.workers.workers)
+        }
+
+    def _report(self, now: float) -> None:
+        """Tell systemd we are alive (only while no batch is stuck) and what we are doing."""
+        oldest = self.dispatcher.oldest()
+        stuck = oldest if oldest is not None and now - oldest.started > self.config.workers.batch_timeout_s else None
+        stall = None if stuck is None else (
+            f"batch {stuck.id} of {stuck.model} on worker{stuck.executor.worker.index} has run longer than "
+            f"workers.batch_timeout_s ({self.config.workers.batch_timeout_s:g} s)")
+        changed = stall != self._stall
+        if changed:
+            if stall:
+                log.error("watchdog pings stop: %s", stall)
+            else:
+                log.info("watchdog pings resume")
+            self._stall = stall
+        if stall is None:
+            self._watchdog.ping(now)
+        if now >= self._next_status or changed:
+            replies = sum(self.frontend.replies.values())
+            rate = (replies - self._replies_at_status) / (now - self._next_status + STATUS_EVERY_S)
+            self._replies_at_status, self._next_status = replies, now + STATUS_EVERY_S
+            ready = sum(w.state == READY for w in self.workers.workers)
+            notify(f"STATUS={self.state}; {ready}/{len(self.workers.workers)} workers ready; "
+                   + ", ".join(f"{n} {v}" for n, v in self.live.items()) + f"; {rate:.0f} requests/s"
+                   + (f"; STALLED: {stall}" if stall else ""))
 
     # -- workers ----------------------------------------------------------------
 
@@ -292,6 +334,7 @@ class Supervisor:
                 sender = self.workers.worker_of(identity)
                 if sender is not None:
                     self.reload.on_message(sender, message)
+                    self._update_refusal()
                 continue
             worker = self.workers.on_message(identity, message)
             if worker is not None:
@@ -376,95 +419,76 @@ class Supervisor:
     handle_int = handle_term
 
     def handle_hup(self) -> None:
-        """SIGHUP: re-reading the config while running is not supported yet; say so."""
-        log.warning("SIGHUP received: live config reload is not supported yet; nothing changed")
+        """SIGHUP: re-read the config; apply what can change live, name what needs a restart."""
+        notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            self.reconfigure()
+        finally:
+            notify("READY=1")
 
-    # -- control commands ---------------------------------------------------------
-
-    def command_health(self) -> dict[str, Any]:
-        """Ready to serve: accepting requests, and every model live on a ready worker."""
-        if self.state != SERVING:
-            return {"healthy": False, "reason": f"the daemon is {self.state}"}
-        for name, version in self.live.items():
-            if not any(w.serves(name, version) for w in self.workers.workers):
-                return {"healthy": False, "reason": f"no ready worker serves {name} {version}"}
-        return {"healthy": True, "reason": "serving"}
-
-    def command_status(self) -> dict[str, Any]:
-        """The daemon's state, its workers and the live version of each model."""
-        return {
-            "pid": os.getpid(),
-            "version": __version__,
-            "state": self.state,
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "listen": list(self.config.server.listen),
-            "models": {
-                name: {
-                    "live_version": version,
-                    "previous_version": self.reload.previous.get(name),
-                    "reloading_to": self.reload.active[name].version if name in self.reload.active else None,
-                    "queue_depth": self.queue.depth(name),
-                }
-                for name, version in self.live.items()
-            },
-            "workers": [
-                {
-                    "worker": w.index,
-                    "pid": w.pid,
-                    "device": w.device,
-                    "state": w.state,
-                    "generation": w.generation,
-                    "restarts": w.restarts,
-                    "batches": w.batches,
-                    "busy_executors": sum(1 for e in w.executors if e.inflight),
-                    "loaded": sorted(f"{m} {v}" for m, v in w.loaded),
-                    "last_error": w.last_error or None,
-                }
-                for w in self.workers.workers
-            ],
-            "replies": dict(self.frontend.replies),
-            "undelivered_replies": self.frontend.undelivered,
-        }
-
-    @deferred
-    def command_reload(self, reply: ControlReply, version: str, model: str | None = None,
-                       allow_signature_change: bool = False) -> None:
-        """Blue-green: load `version` beside the live one on every worker, then flip; answer when done."""
-        self.reload.start(self._model(model), version, allow_signature_change, reply)
-
-    @deferred
-    def command_rollback(self, reply: ControlReply, model: str | None = None) -> None:
-        """Blue-green back to the version live before the last reload."""
-        name = self._model(model)
-        previous = self.reload.previous.get(name)
-        if previous is None:
-            reply.fail(f"{name} has not been reloaded; there is nothing to roll back to")
+    def reconfigure(self) -> None:
+        """Re-read the config file and apply it as far as it can be applied while running."""
+        if self.config.source is None or self.config.source == "demo":
+            log.warning("SIGHUP: the demo has no config file to re-read; nothing changed")
             return
-        self.reload.start(name, previous, True, reply)
-
-    def command_versions(self, model: str | None = None) -> dict[str, Any]:
-        """The versions in each repository, with file sizes and dates, and which is live."""
-        names = [self._model(model)] if model is not None or len(self.live) == 1 else sorted(self.live)
-        result = {}
-        for name in names:
+        try:
+            new = config_module.load(self.config.source)
+        except config_module.ConfigError as exc:
+            log.error("SIGHUP: %s has %d problem(s), nothing changed: %s", self.config.source,
+                      len(exc.problems), "; ".join(exc.problems))
+            return
+        plan = reconfigure.plan(self.config, new)
+        plan = self._keep_slots_large_enough(plan)
+        for name in plan.added_models:
             try:
-                found = describe_versions(self.config.models[name].repository)
+                self.live[name] = resolve_version(plan.config.models[name], self.saved_live.get(name))
             except RepositoryError as exc:
-                raise ValueError(str(exc)) from None
-            for entry in found:
-                entry["live"] = entry["version"] == self.live[name]
-            result[name] = found
-        return result
+                log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
+                plan.config.models.pop(name)
+        self._configure(plan.config)
+        for name in plan.version_changed:
+            try:
+                target = resolve_version(plan.config.models[name])
+            except RepositoryError as exc:
+                log.error("SIGHUP: models.%s.version: %s", name, exc)
+                continue
+            if target != self.live[name]:
+                self.reload.start(name, target, False, LoggedReply(f"reload of {name} to {target} (SIGHUP)"))
+        for worker in self.workers.workers:
+            self.reload.catch_up(worker)
+        self._update_refusal()
+        log.info("SIGHUP: applied %s", "; ".join(plan.applied) or "nothing (no live change)")
+        if plan.need_restart:
+            log.warning("SIGHUP: these changes need a restart and were not applied: %s",
+                        "; ".join(plan.need_restart))
 
-    def _model(self, model: str | None) -> str:
-        """The model a command is about: the one named, or the only one served."""
-        if model is None:
-            if len(self.live) == 1:
-                return next(iter(self.live))
-            raise ValueError(f"this daemon serves several models ({', '.join(sorted(self.live))}); name one with --model")
-        if model not in self.live:
-            raise ValueError(f"unknown model {model!r}; this daemon serves {', '.join(sorted(self.live))}")
-        return model
+    def _keep_slots_large_enough(self, plan: reconfigure.Plan) -> reconfigure.Plan:
+        """Refuse a larger max_batch_size whose full batch would not fit an arena slot."""
+        for name, model in list(plan.config.models.items()):
+            old = self.config.models.get(name)
+            if old is None or model.max_batch_size <= old.max_batch_size:
+                continue
+            trial = msgspec.structs.replace(plan.config, models={**plan.config.models, name: model})
+            for worker in self.workers.workers:
+                loaded = worker.loaded.get((name, self.live[name]))
+                if loaded and slot_bytes_needed(trial, name, loaded.outputs) > worker.slots.slot_size:
+                    plan.config.models[name] = msgspec.structs.replace(model, max_batch_size=old.max_batch_size)
+                    plan.need_restart.append(f"models.{name}.max_batch_size {model.max_batch_size}: a full "
+                                             "batch would not fit an arena slot; raise workers.shm_mb too")
+                    break
+        return plan
+
+    def _configure(self, config: Config) -> None:
+        """Hand a new config to every part that reads one."""
+        self.config = config
+        self.queue.configure(config.queue.max_size, _policies(config))
+        self.frontend.configure(config)
+        self.dispatcher.config = config
+        self.workers.config = config
+        self.reload.config = config
+        set_level(config.server.log_level)
+        for worker in self.workers.workers:
+            self.workers.send_control(worker, messages.SetLogLevel(config.server.log_level))
 
     # -- cleanup ----------------------------------------------------------------
 

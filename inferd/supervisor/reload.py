@@ -85,7 +85,8 @@ class ReloadManager:
             reply.fail(f"no ready worker serves {model}; nothing can load {version}")
             return
         expect = None if allow_signature_change else self._signature(model, live)
-        load = messages.LoadVersion(model, version, expect, self.config.workers.reload_memory_factor)
+        load = messages.LoadVersion(model, version, self.config.models[model], expect,
+                                    self.config.workers.reload_memory_factor)
         # A version reloaded soon after it was replaced may still be waiting to be
         # unloaded; it is wanted again, and an unload sent after this load would undo it.
         self.retiring = {r for r in self.retiring if r[1:] != (model, version)}
@@ -140,9 +141,9 @@ class ReloadManager:
                 continue
             self.catching_up.add((worker, model, version))
             self.retiring.discard((worker, model, version))
-            self.workers.send_control(
-                worker, messages.LoadVersion(model, version, None, self.config.workers.reload_memory_factor)
-            )
+            self.workers.send_control(worker, messages.LoadVersion(
+                model, version, self.config.models[model], None, self.config.workers.reload_memory_factor
+            ))
             log.info("worker%d: catching up %s to the live version %s", worker.index, model, version)
 
     def retire_idle(self) -> None:

@@ -22,7 +22,7 @@ import zmq
 
 from inferd import config as config_module
 from inferd.ipc import messages
-from inferd.logs import setup_logging
+from inferd.logs import set_level, setup_logging
 
 log = logging.getLogger("inferd.worker")
 
@@ -80,12 +80,12 @@ def _pin(arena, device) -> None:
 def worker_main(encoded_spec: bytes) -> None:
     """Entry point of a spawned worker process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
-    setup_logging(f"worker{spec.worker}")
+    config = config_module.decode(spec.config)
+    setup_logging(f"worker{spec.worker}", config.server.log_level)
     # The supervisor decides when workers stop; a Ctrl-C in the terminal reaches
     # the whole process group, and must not kill batches the drain still needs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
-    config = config_module.decode(spec.config)
     context = zmq.Context()
     control = context.socket(zmq.DEALER)
     control.linger = 1000
@@ -112,7 +112,7 @@ def worker_main(encoded_spec: bytes) -> None:
     # From now on this thread only loads and warms new versions: let the
     # executors, which serve the live one, have the CPU first.
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
-    _serve_control(control, runner, config)
+    _serve_control(control, runner)
     os.write(stop_w, b"\0")
     for executor in executors:
         executor.join()
@@ -149,7 +149,7 @@ def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, 
     return executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
 
 
-def _serve_control(control: zmq.Socket, runner, config: config_module.Config) -> None:
+def _serve_control(control: zmq.Socket, runner) -> None:
     """Load and unload versions as the supervisor asks, until it says Shutdown.
 
     Loading runs here, in the main thread, while the executors go on serving the
@@ -164,8 +164,7 @@ def _serve_control(control: zmq.Socket, runner, config: config_module.Config) ->
         if isinstance(message, messages.LoadVersion):
             try:
                 loaded, load_s, warm_s = runner.load(
-                    message.model, config.models[message.model], message.version,
-                    message.expect, message.memory_factor,
+                    message.model, message.config, message.version, message.expect, message.memory_factor
                 )
                 reply = messages.VersionLoaded(message.model, loaded, load_s, warm_s)
             except Exception as exc:  # a model may raise anything; the worker must live on
@@ -177,3 +176,5 @@ def _serve_control(control: zmq.Socket, runner, config: config_module.Config) ->
             control.send(messages.encode(reply))
         elif isinstance(message, messages.UnloadVersion):
             runner.unload(message.model, message.version)
+        elif isinstance(message, messages.SetLogLevel):
+            set_level(message.level)

@@ -1,0 +1,113 @@
+"""The control commands `inferctl` sends, each a `command_<name>` method.
+
+They read the supervisor's state and start what it already knows how to do; a
+command and the signal that means the same run the same code.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from inferd import __version__
+from inferd.repository import RepositoryError, describe_versions
+from inferd.supervisor.control import ControlReply, deferred
+from inferd.supervisor.state import SERVING
+
+if TYPE_CHECKING:
+    from inferd.supervisor.main import Supervisor
+
+
+class Commands:
+    """The handler object of the ControlServer."""
+
+    def __init__(self, daemon: Supervisor) -> None:
+        self.daemon = daemon
+
+    def command_health(self) -> dict[str, Any]:
+        """Ready to serve: accepting requests, and every model live on a ready worker."""
+        if self.daemon.state != SERVING:
+            return {"healthy": False, "reason": f"the daemon is {self.daemon.state}"}
+        for name, version in self.daemon.live.items():
+            if not any(w.serves(name, version) for w in self.daemon.workers.workers):
+                return {"healthy": False, "reason": f"no ready worker serves {name} {version}"}
+        return {"healthy": True, "reason": "serving"}
+
+    def command_status(self) -> dict[str, Any]:
+        """The daemon's state, its workers and the live version of each model."""
+        return {
+            "pid": os.getpid(),
+            "version": __version__,
+            "state": self.daemon.state,
+            "uptime_s": round(time.monotonic() - self.daemon.started, 3),
+            "listen": list(self.daemon.config.server.listen),
+            "models": {
+                name: {
+                    "live_version": version,
+                    "previous_version": self.daemon.reload.previous.get(name),
+                    "reloading_to": self.daemon.reload.active[name].version if name in self.daemon.reload.active else None,
+                    "queue_depth": self.daemon.queue.depth(name),
+                    "max_batch_size": self.daemon.config.models[name].max_batch_size,
+                    "max_wait_ms": self.daemon.config.models[name].max_wait_ms,
+                }
+                for name, version in self.daemon.live.items()
+            },
+            "workers": [
+                {
+                    "worker": w.index,
+                    "pid": w.pid,
+                    "device": w.device,
+                    "state": w.state,
+                    "generation": w.generation,
+                    "restarts": w.restarts,
+                    "batches": w.batches,
+                    "busy_executors": sum(1 for e in w.executors if e.inflight),
+                    "loaded": sorted(f"{m} {v}" for m, v in w.loaded),
+                    "last_error": w.last_error or None,
+                }
+                for w in self.daemon.workers.workers
+            ],
+            "replies": dict(self.daemon.frontend.replies),
+            "undelivered_replies": self.daemon.frontend.undelivered,
+        }
+
+    @deferred
+    def command_reload(self, reply: ControlReply, version: str, model: str | None = None,
+                       allow_signature_change: bool = False) -> None:
+        """Blue-green: load `version` beside the live one on every worker, then flip; answer when done."""
+        self.daemon.reload.start(self._model(model), version, allow_signature_change, reply)
+
+    @deferred
+    def command_rollback(self, reply: ControlReply, model: str | None = None) -> None:
+        """Blue-green back to the version live before the last reload."""
+        name = self._model(model)
+        previous = self.daemon.reload.previous.get(name)
+        if previous is None:
+            reply.fail(f"{name} has not been reloaded; there is nothing to roll back to")
+            return
+        self.daemon.reload.start(name, previous, True, reply)
+
+    def command_versions(self, model: str | None = None) -> dict[str, Any]:
+        """The versions in each repository, with file sizes and dates, and which is live."""
+        names = [self._model(model)] if model is not None or len(self.daemon.live) == 1 else sorted(self.daemon.live)
+        result = {}
+        for name in names:
+            try:
+                found = describe_versions(self.daemon.config.models[name].repository)
+            except RepositoryError as exc:
+                raise ValueError(str(exc)) from None
+            for entry in found:
+                entry["live"] = entry["version"] == self.daemon.live[name]
+            result[name] = found
+        return result
+
+    def _model(self, model: str | None) -> str:
+        """The model a command is about: the one named, or the only one served."""
+        if model is None:
+            if len(self.daemon.live) == 1:
+                return next(iter(self.daemon.live))
+            raise ValueError(f"this daemon serves several models ({', '.join(sorted(self.daemon.live))}); name one with --model")
+        if model not in self.daemon.live:
+            raise ValueError(f"unknown model {model!r}; this daemon serves {', '.join(sorted(self.daemon.live))}")
+        return model
