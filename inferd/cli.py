@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import click
+import msgspec
 import numpy as np
 
 from inferd import __version__, paths, protocol
@@ -63,7 +64,9 @@ def inferd() -> None:
 
 @inferd.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config; none: the demo.")
-def serve(config_path: str | None) -> int:
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              help="Overrides server.log_level.")
+def serve(config_path: str | None, log_level: str | None) -> int:
     """Run the daemon in the foreground (what systemd starts)."""
     from inferd import demo
     from inferd.logs import set_level, setup_logging
@@ -76,6 +79,8 @@ def serve(config_path: str | None) -> int:
         config = config_module.parse(demo.demo_config(state_dir), source="demo")
     else:
         config = _load_config(config_path)
+    if log_level is not None:
+        config = msgspec.structs.replace(config, server=msgspec.structs.replace(config.server, log_level=log_level))
     set_level(config.server.log_level)
     return Supervisor(config).run()
 
@@ -193,6 +198,75 @@ def status(ctx: click.Context, as_json: bool) -> None:
         if w["last_error"]:
             line += f"  last error: {w['last_error']}"
         click.echo(line)
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _stats_table(stats: dict[str, Any]) -> str:
+    """The stats object as a few aligned lines a person reads in a terminal."""
+    lines = [f"inferd {stats['state']}, up {stats['uptime_s']:.0f} s; latencies over the last minute, "
+             "throughput over the last 10 s"]
+    header = (f"{'model':<14}{'version':<10}{'requests':>9}{'not ok':>8}{'samples':>9}{'p50 ms':>9}{'p99 ms':>9}"
+              f"{'queue p99':>10}{'compute p99':>12}{'samples/s':>10}{'batch':>7}{'queued':>7}{'peak':>6}")
+    lines += ["", header]
+    for name, model in stats["models"].items():
+        for version, part in [("all", model), *model["versions"].items()]:
+            requests = sum(part["requests"].values())
+            latency = part["latency_ms"]
+            live = version == model["live_version"]
+            lines.append(
+                f"{(name if version == 'all' else ''):<14}{version + ('*' if live else ''):<10}{requests:>9}"
+                f"{requests - part['requests'].get('ok', 0):>8}{part['samples']:>9}{latency['total']['p50']:>9.2f}"
+                f"{latency['total']['p99']:>9.2f}{latency['queue']['p99']:>10.2f}{latency['compute']['p99']:>12.2f}"
+                f"{part['throughput']['samples_per_s_10s']:>10.1f}{part['batch_size']['mean']:>7.1f}"
+                + (f"{model['queue_depth']:>7}{part['queue_depth_peak_60s']:>6}" if version == "all" else "")
+            )
+    lines += ["", f"{'worker':<8}{'pid':>8}  {'device':<8}{'state':<10}{'busy':>5}{'batches':>9}{'restarts':>9}"
+                  f"{'rss MiB':>9}{'cpu %':>7}{'growth MiB':>11}  gpu"]
+    for w in stats["workers"]:
+        gpu = ""
+        if "gpu_memory_used_bytes" in w:
+            gpu = (f"{_mib(w['gpu_memory_used_bytes'])}/{_mib(w['gpu_memory_total_bytes'])} MiB, "
+                   f"{w['gpu_utilization']:.0%} busy")
+        if "torch_reserved_bytes" in w:
+            gpu += f"{', ' if gpu else ''}torch {_mib(w['torch_allocated_bytes'])}/{_mib(w['torch_reserved_bytes'])} MiB, " \
+                   f"fragmentation {w['fragmentation']:.0%}"
+        warn = "  LEAK?" if w["leak_warning"] else ""
+        lines.append(f"{'worker' + str(w['worker']):<8}{str(w['pid']):>8}  {w['device']:<8}{w['state']:<10}"
+                     f"{w['executors_busy']:>5}{w['batches']:>9}{w['restarts']:>9}{_mib(w.get('rss_bytes')):>9}"
+                     f"{w.get('cpu_percent', 0):>7.0f}{_mib(w['memory_growth_bytes']):>11}  {gpu}{warn}")
+    return "\n".join(lines)
+
+
+@inferctl.command()
+@click.pass_context
+def stacks(ctx: click.Context) -> None:
+    """Print the thread stacks of the supervisor and of every worker (where is a stuck daemon?)."""
+    result = _call(ctx, "stacks")
+    click.echo("== supervisor ==\n" + result["supervisor"])
+    for name, text in result["workers"].items():
+        click.echo(f"== {name} ==\n" + (text or "(no answer)"))
+
+
+@inferctl.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in README).")
+@click.option("--watch", type=click.FloatRange(min=0.1), help="Refresh every SECONDS until Ctrl-C.")
+@click.pass_context
+def stats(ctx: click.Context, as_json: bool, watch: float | None) -> None:
+    """Requests, latency, throughput and batches per model; processes, memory and GPUs per worker."""
+    while True:
+        result = _call(ctx, "stats")
+        text = json.dumps(result, indent=2) if as_json else _stats_table(result)
+        if watch is None:
+            click.echo(text)
+            return
+        click.echo("\033[2J\033[H" + text)
+        try:
+            time.sleep(watch)
+        except KeyboardInterrupt:
+            return
 
 
 @inferctl.command()

@@ -87,6 +87,16 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
         Meta(gt=0),
         _doc("A batch running longer than this means its worker is hung; the systemd watchdog stops until it ends."),
     ] = 60
+    leak_warn_mb: Annotated[
+        float,
+        Meta(gt=0),
+        _doc("Leak watch: warn once when a worker's memory grows this much over its level after warm-up, in MiB."),
+    ] = 100
+    fragmentation_trim: Annotated[
+        float,
+        Meta(ge=0, le=1),
+        _doc("A GPU worker that sits idle with more than this share of its reserved memory unused returns it."),
+    ] = 0.25
     start_timeout_s: Annotated[
         float, Meta(gt=0), _doc("How long a worker may take to load and warm its models before it counts as failed.")
     ] = 300

@@ -7,6 +7,7 @@ the same file in-process to check what the daemon answers.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import List
 
 import torch
 
@@ -102,6 +103,9 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["exported/v1"] = save_export(Mlp(), (torch.randn(2, MLP_IN),), root, "exported", "v1")
     files["sleepy/v1"] = save_script(Sleepy(1_000), root, "sleepy", "v1", 8)  # ~5 ms a batch
     files["stuck/v1"] = save_script(Sleepy(150_000), root, "stuck", "v1", 9)  # ~0.7 s a batch
+    files["leaky/v1"] = save_script(Leaky(150), root, "leaky", "v1", 10)
+    files["variable/v1"] = save_script(Variable(), root, "variable", "v1", 11)
+    files["bigtemp/v1"] = save_script(BigTemporary(), root, "bigtemp", "v1", 12)
     return files
 
 
@@ -187,3 +191,34 @@ class Sleepy(torch.nn.Module):
         for _ in range(self.steps):
             acc = acc + 1.0
         return x + acc * 0.0
+
+
+class Leaky(torch.nn.Module):
+    """float32 [2] -> [2], keeping `mib` MiB more memory after every batch: the leak the leak watch must see."""
+
+    def __init__(self, mib: int) -> None:
+        super().__init__()
+        self.elements = mib * 2**18  # float32
+        self.kept = torch.jit.Attribute([], List[torch.Tensor])  # noqa: UP006 - TorchScript reads typing.List
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.kept.append(torch.ones(self.elements))
+        return x * 2
+
+
+class Variable(torch.nn.Module):
+    """float32 [2] -> [2]; the first value of the batch says how many tiny steps it computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acc = torch.zeros(1)
+        for _ in range(int(x[0, 0].item())):
+            acc = acc + 1.0
+        return x + acc * 0.0
+
+
+class BigTemporary(torch.nn.Module):
+    """float32 [2] -> [2], using a 512 MiB temporary on the way: leaves the GPU allocator's cache fragmented."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(2**27, device=x.device)
+        return x + scratch[:2].sum() * 0.0

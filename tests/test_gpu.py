@@ -6,6 +6,8 @@ what a GPU changes. They skip where CUDA is not available.
 
 from __future__ import annotations
 
+import time
+
 import models
 import numpy as np
 import pytest
@@ -39,3 +41,18 @@ def test_auto_devices_gives_one_worker_per_visible_gpu(start_daemon):
     daemon = start_daemon({"mlp": MLP}, workers={"devices": "auto"})
     devices = [w["device"] for w in daemon.status()["workers"]]
     assert devices == [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def test_an_idle_gpu_worker_returns_fragmented_cache(start_daemon):
+    two = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
+    daemon = start_daemon({"bigtemp": two}, workers={"devices": ["cuda:0"]})
+    with daemon.client() as client:
+        client.infer("bigtemp", np.ones((1, 2), dtype=np.float32))
+    worker = daemon.call("stats")["workers"][0]
+    assert worker["torch_reserved_bytes"] >= 512 * 2**20 and worker["fragmentation"] > 0.9
+    assert "gpu_memory_used_bytes" in worker and 0 <= worker["gpu_utilization"] <= 1
+    deadline = time.monotonic() + 15
+    while "returned" not in daemon.log():
+        assert time.monotonic() < deadline, daemon.log()
+        time.sleep(0.2)
+    assert "of reserved GPU memory unused; returned" in daemon.log()

@@ -69,11 +69,18 @@ class RunBatch(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """The batch ran; its outputs lie where the refs say."""
+    """The batch ran; its outputs lie where the refs say.
+
+    `memory`: the worker's memory after the batch (allocated device bytes on a
+    GPU, resident host bytes on the CPU); `reserved`: the GPU allocator's
+    reserved bytes (0 on the CPU). The leak watch reads both.
+    """
 
     batch_id: int
     outputs: tuple[TensorRef, ...]
     compute_us: int
+    memory: int
+    reserved: int
 
 
 class BatchFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

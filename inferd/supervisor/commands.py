@@ -7,16 +7,34 @@ command and the signal that means the same run the same code.
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 import time
+import traceback
 from typing import TYPE_CHECKING, Any
 
 from inferd import __version__
 from inferd.repository import RepositoryError, describe_versions
 from inferd.supervisor.control import ControlReply, deferred
+from inferd.supervisor.report import stats_report
 from inferd.supervisor.state import SERVING
 
 if TYPE_CHECKING:
     from inferd.supervisor.main import Supervisor
+
+
+STACKS_WAIT_S = 0.5
+
+
+def _own_stacks() -> str:
+    """Every thread of this process, as faulthandler would print them."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        parts.append(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                     + "".join(traceback.format_stack(frame)))
+    return "\n".join(parts)
 
 
 class Commands:
@@ -33,6 +51,37 @@ class Commands:
             if not any(w.serves(name, version) for w in self.daemon.workers.workers):
                 return {"healthy": False, "reason": f"no ready worker serves {name} {version}"}
         return {"healthy": True, "reason": "serving"}
+
+    @deferred
+    def command_stacks(self, reply: ControlReply) -> None:
+        """Thread stacks of the supervisor and of every worker (faulthandler on SIGUSR1), for a stuck daemon."""
+        asked = []
+        for worker in self.daemon.workers.workers:
+            if worker.pid is None:
+                continue
+            worker.stacks_path.write_text("")
+            try:
+                os.kill(worker.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                continue
+            asked.append(worker)
+        supervisor = _own_stacks()
+
+        def collect() -> None:
+            reply.finish({
+                "supervisor": supervisor,
+                "workers": {f"worker{w.index} (pid {w.pid})": w.stacks_path.read_text(errors="replace")
+                            for w in asked},
+            })
+
+        # faulthandler writes from the workers' signal handlers; give them a moment.
+        timer = threading.Timer(STACKS_WAIT_S, lambda: self.daemon.call_soon_threadsafe(collect))
+        timer.daemon = True
+        timer.start()
+
+    def command_stats(self) -> dict[str, Any]:
+        """Requests, latencies, throughput, batch sizes and queues per model; processes, memory, GPUs per worker."""
+        return stats_report(self.daemon)
 
     def command_status(self) -> dict[str, Any]:
         """The daemon's state, its workers and the live version of each model."""

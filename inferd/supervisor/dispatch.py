@@ -21,9 +21,14 @@ from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
 
 log = logging.getLogger("inferd.dispatch")
+
+SLOW_FACTOR = 5  # a batch this many times its model's median compute time gets a warning
+SLOW_MIN_COUNT = 50  # ... once the median rests on this many measurements
+SLOW_WARN_EVERY_S = 10.0
 
 
 @dataclass(eq=False)
@@ -52,12 +57,16 @@ def slot_bytes_needed(config: Config, model: str, outputs: tuple) -> int:
 class Dispatcher:
     """Sends batches to executors and turns their answers into replies."""
 
-    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: dict[str, str]) -> None:
+    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: dict[str, str],
+                 stats: Stats) -> None:
         self.config = config
         self.workers = workers
         self.frontend = frontend
         self.live = live
+        self.stats = stats
         self.inflight: dict[int, Batch] = {}
+        self._medians: dict[tuple[str, str], tuple[int, float]] = {}
+        self._slow_warned: dict[str, float] = {}
         self._ids = itertools.count(1)
         self._rotation = 0
 
@@ -94,6 +103,7 @@ class Dispatcher:
             return
         executor.inflight += 1
         self.inflight[batch.id] = batch
+        self.stats.batch(now, model, version, sum(r.samples for r in requests))
 
     def on_result(self, executor: ExecutorHandle, result: BatchDone | BatchFailed) -> None:
         """Answer every request of a finished batch and free its slot."""
@@ -106,7 +116,9 @@ class Dispatcher:
         if isinstance(result, BatchFailed):
             self._fail(batch, result.error)
         else:
+            self.workers.note_memory(executor.worker, result.memory, result.reserved)
             self._reply_outputs(batch, result)
+            self._watch_slow(batch, result.compute_us / 1e6)
         batch.executor.worker.slots.release(batch.slot)
 
     def fail_worker(self, worker: WorkerHandle, reason: str, status: str = protocol.INTERNAL) -> None:
@@ -129,6 +141,23 @@ class Dispatcher:
         return any(
             b.executor.worker is worker and b.model == model and b.version == version for b in self.inflight.values()
         )
+
+    def _watch_slow(self, batch: Batch, compute_s: float) -> None:
+        """Warn (at most every SLOW_WARN_EVERY_S per model) about a batch far slower than its model's median."""
+        series = self.stats.since_start.get((batch.model, batch.version))
+        if series is None or series.compute.count < SLOW_MIN_COUNT:
+            return
+        key = (batch.model, batch.version)
+        counted, median = self._medians.get(key, (0, 0.0))
+        if series.compute.count - counted >= SLOW_MIN_COUNT:
+            counted, median = series.compute.count, series.compute.quantile(0.5)
+            self._medians[key] = (counted, median)
+        now = time.monotonic()
+        if compute_s > SLOW_FACTOR * median and now - self._slow_warned.get(batch.model, -math.inf) > SLOW_WARN_EVERY_S:
+            self._slow_warned[batch.model] = now
+            log.warning("batch %d of %s %s on worker%d took %.1f ms, over %dx the median %.1f ms",
+                        batch.id, batch.model, batch.version, batch.executor.worker.index, compute_s * 1000,
+                        SLOW_FACTOR, median * 1000)
 
     def _pick_executor(self, model: str, version: str) -> ExecutorHandle | None:
         executors = self.workers.executors_for(model, version)
@@ -189,6 +218,8 @@ class Dispatcher:
                 ),
             )
             self.frontend.reply(request, header, frames)
+            self.stats.answered(now, batch.model, batch.version, request.samples, now - request.received,
+                                request.dispatched - request.received, done.compute_us / 1e6)
             row += request.samples
 
     def _fail(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:

@@ -21,6 +21,7 @@ from inferd.config import Config, ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.batcher import BatchQueue, QueuedRequest
+from inferd.supervisor.stats import Stats
 
 log = logging.getLogger("inferd.frontend")
 
@@ -66,8 +67,9 @@ def check_against_model(header: protocol.RequestHeader, name: str, model: ModelC
 class Frontend:
     """Client-facing sockets, request admission, and reply delivery."""
 
-    def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue) -> None:
+    def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue, stats: Stats) -> None:
         self.queue = queue
+        self.stats = stats
         self.max_message_bytes = int(config.server.max_message_mb * (1 << 20))
         self.configure(config)
         # Refuse before ZeroMQ buffers absurd frames; between the limit and this
@@ -118,6 +120,7 @@ class Frontend:
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer]) -> None:
         """Admit one request body, or answer it at once; every body gets exactly one reply."""
         now = time.monotonic()
+        name = None
         try:
             request = protocol.decode_request(body, self.max_message_bytes)
             header = request.header
@@ -127,10 +130,11 @@ class Frontend:
                     f"unknown model {header.model!r}; this daemon serves {', '.join(sorted(self.config.models))}",
                     header.id,
                 )
-            samples = check_against_model(header, header.model, model, self.live.get(header.model, ""))
+            name = header.model
+            samples = check_against_model(header, name, model, self.live.get(name, ""))
         except InvalidRequest as exc:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
-            self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message)
+            self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
             return
         if self.refusal is not None or header.model in self.unserved:
             refusal = self.refusal or f"no worker has {header.model} {self.live.get(header.model)} loaded yet"
@@ -143,6 +147,8 @@ class Frontend:
                 reply_to, header.id, protocol.OVERLOADED,
                 f"the queue is full ({self.queue.max_size} requests); retry later", header.model,
             )
+            return
+        self.stats.queue_depth(now, header.model, self.live[header.model], self.queue.depth(header.model))
 
     def reply(self, request: QueuedRequest, header: ReplyHeader, outputs: Sequence[Buffer] = ()) -> None:
         """Send a request's reply (its outputs are copied into the message)."""
@@ -156,7 +162,9 @@ class Frontend:
         self, reply_to: ReplyTo, request_id: protocol.RequestId | None, status: str, error: str,
         model: str | None = None,
     ) -> None:
-        """Send an error reply."""
+        """Send an error reply, and count it against its model when the model is one this daemon serves."""
+        if model in self.live:
+            self.stats.reply(time.monotonic(), model, self.live[model], status)
         self._send(reply_to, status, [protocol.error_reply(request_id, status, error, model)])
 
     def _send(self, reply_to: ReplyTo, status: str, frames: list) -> None:

@@ -38,8 +38,11 @@ from inferd.supervisor.control import ControlServer, LoggedReply
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher, slot_bytes_needed
 from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.metrics import MetricsServer
+from inferd.supervisor.probes import Probes
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DRAINING, SERVING, STARTING, STOPPING
+from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import FAILED, READY, STOP_TIMEOUT_S, WorkerHandle, WorkerTable
 from inferd.systemd import Watchdog, notify
 
@@ -62,8 +65,9 @@ def _backend_endpoint(config: Config) -> tuple[str, Path]:
     return f"ipc://{path}", path
 
 
-def _sweep_stale_backends(folder: Path) -> None:
-    for path in folder.glob("inferd-*-backend.sock"):
+def _sweep_stale_runtime_files(folder: Path) -> None:
+    """Remove backend sockets and stack files of supervisors that are gone."""
+    for path in [*folder.glob("inferd-*-backend.sock"), *folder.glob("inferd-*.stacks")]:
         pid = path.name.split("-")[1]
         try:
             created = path.stat().st_mtime
@@ -93,10 +97,13 @@ class Supervisor:
         self.control: ControlServer | None = None
         self.workers: WorkerTable | None = None
         self.dispatcher: Dispatcher | None = None
+        self.metrics: MetricsServer | None = None
         self.reload: ReloadManager | None = None
         self.backend: zmq.Socket | None = None
         self.backend_path: Path | None = None
         self.queue = BatchQueue(config.queue.max_size, _policies(config))
+        self.stats = Stats(self.started)
+        self.probes = Probes()
         self.exit_code = 0
         self._signals: deque[int] = deque()
         self._callbacks: deque[Callable[[], None]] = deque()
@@ -144,14 +151,14 @@ class Supervisor:
 
         endpoint, self.backend_path = _backend_endpoint(config)
         self.backend_path.parent.mkdir(parents=True, exist_ok=True)
-        _sweep_stale_backends(self.backend_path.parent)
+        _sweep_stale_runtime_files(self.backend_path.parent)
         self.backend = self.context.socket(zmq.ROUTER)
         self.backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.backend.linger = 0
         self.backend.bind(endpoint)
         os.chmod(self.backend_path, 0o600)
 
-        self.frontend = Frontend(self.context, config, self.queue)
+        self.frontend = Frontend(self.context, config, self.queue, self.stats)
         self.frontend.live = self.live
         try:
             self.control = ControlServer(self.context, config.server.control, Commands(self), self.frontend)
@@ -160,13 +167,18 @@ class Supervisor:
             raise StartupError(f"cannot bind: {exc.strerror}") from None
         except Exception as exc:
             raise StartupError(str(exc)) from None
-        self.workers = WorkerTable(config, self.backend, endpoint, self.arenas, devices)
+        self.workers = WorkerTable(config, self.backend, endpoint, self.arenas, devices, self.backend_path.parent)
         self.workers.versions = self.live
-        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live)
+        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live, self.stats)
         self.reload = ReloadManager(config, self.workers, self.dispatcher, self.live,
                                     {m: v for m, v in previous.items() if m in self.live}, state,
                                     self.call_soon_threadsafe)
 
+        if config.server.metrics:
+            try:
+                self.metrics = MetricsServer(config.server.metrics, self)
+            except OSError as exc:
+                raise StartupError(f"cannot serve metrics at {config.server.metrics}: {exc.strerror}") from None
         self._install_signals()
         for sock in [*self.frontend.sockets, self.control.socket, self.backend]:
             self.poller.register(sock, zmq.POLLIN)
@@ -494,6 +506,8 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         """Release everything this process made, whatever state it got to."""
+        if self.metrics is not None:
+            self.metrics.close()
         if self.reload is not None:
             self.reload.close()
         if self.workers is not None:
@@ -511,6 +525,10 @@ class Supervisor:
         for arena in self.arenas:
             arena.close()
             arena.unlink()
+        if self.workers is not None:
+            for worker in self.workers.workers:
+                worker.stacks_path.unlink(missing_ok=True)
+        self.probes.close()
         self.context.term()
         signal.set_wakeup_fd(-1)
         self._wakeup_r.close()

@@ -112,6 +112,7 @@ class ReloadManager:
         if isinstance(message, messages.VersionLoaded):
             reload.loaded[worker] = message
             worker.loaded[(message.model, version)] = message.loaded
+            self.workers.versions_changed(worker)
             reload.reply.progress(
                 f"worker{worker.index}: loaded in {message.load_s:.2f} s, warmed up in {message.warm_s:.2f} s"
             )
@@ -159,6 +160,7 @@ class ReloadManager:
                 self.retiring.discard((worker, model, version))
                 worker.loaded.pop((model, version), None)
                 self.workers.send_control(worker, messages.UnloadVersion(model, version))
+                self.workers.versions_changed(worker)
 
     def _wanted(self, worker: WorkerHandle, model: str, version: str) -> bool:
         """True for a live version, and for one a reload or catch-up is loading on `worker`."""
@@ -238,6 +240,7 @@ class ReloadManager:
             return
         model, version = message.model, message.loaded.version
         worker.loaded[(model, version)] = message.loaded
+        self.workers.versions_changed(worker)
         if version != self.live.get(model):
             self._retire(worker, model, version)
             return

@@ -15,6 +15,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -55,6 +56,7 @@ class WorkerHandle:
     device: str
     arena: Arena
     slots: SlotPool
+    stacks_path: Path
     generation: int = 0
     state: str = DEAD
     process: BaseProcess | None = None
@@ -69,6 +71,15 @@ class WorkerHandle:
     last_error: str = ""
     give_up: bool = False
     stopping_since: float = 0.0
+    memory: int = 0  # after its last batch: device bytes allocated on a GPU, resident bytes on the CPU
+    reserved: int = 0  # GPU allocator's reserved bytes
+    memory_baseline: int | None = None  # `memory` after warm-up; None until a batch sets it
+    leak_warned: bool = False
+
+    @property
+    def memory_growth(self) -> int:
+        """Bytes the worker's memory grew over its level after warm-up."""
+        return 0 if self.memory_baseline is None else max(0, self.memory - self.memory_baseline)
 
     @property
     def pid(self) -> int | None:
@@ -83,14 +94,16 @@ class WorkerHandle:
 class WorkerTable:
     """Every worker of the daemon, and the backend socket they talk to it on."""
 
-    def __init__(self, config: Config, backend: zmq.Socket, endpoint: str, arenas: list[Arena], devices: list[str]):
+    def __init__(self, config: Config, backend: zmq.Socket, endpoint: str, arenas: list[Arena], devices: list[str],
+                 runtime_dir: Path):
         self.config = config
         self.backend = backend
         self.endpoint = endpoint
         self.versions: dict[str, str] = {}
         slot_count = PIPELINE_DEPTH * config.workers.streams
         self.workers = [
-            WorkerHandle(index=i, device=device, arena=arena, slots=SlotPool(arena.size, slot_count))
+            WorkerHandle(index=i, device=device, arena=arena, slots=SlotPool(arena.size, slot_count),
+                         stacks_path=runtime_dir / f"{arena.name}.stacks")
             for i, (device, arena) in enumerate(zip(devices, arenas))
         ]
         self._roles: dict[bytes, tuple[WorkerHandle, int, ExecutorHandle | None]] = {}
@@ -106,6 +119,7 @@ class WorkerTable:
             arena=worker.arena.name,
             config=config_module.encode(self.config),
             versions=dict(self.versions),
+            stacks=str(worker.stacks_path),
         )
         process = _spawn.Process(
             target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"inferd-worker{worker.index}"
@@ -116,6 +130,8 @@ class WorkerTable:
         worker.started = now
         worker.control = None
         worker.loaded = {}
+        worker.memory_baseline = None
+        worker.leak_warned = False
         worker.executors = [ExecutorHandle(worker, k) for k in range(self.config.workers.streams)]
         log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device, process.pid)
 
@@ -160,6 +176,26 @@ class WorkerTable:
         if role is None or role[0].generation != role[1]:
             return None
         return role[2]
+
+    def note_memory(self, worker: WorkerHandle, memory: int, reserved: int) -> None:
+        """The leak watch: a worker's memory after a batch, against its level after warm-up."""
+        worker.memory, worker.reserved = memory, reserved
+        if worker.memory_baseline is None:
+            worker.memory_baseline = memory
+            return
+        limit = self.config.workers.leak_warn_mb * 2**20
+        if worker.memory_growth > limit and not worker.leak_warned:
+            worker.leak_warned = True
+            log.warning(
+                "worker%d: memory grew %.0f MiB over its level after warm-up (more than workers.leak_warn_mb = %g); "
+                "a model that keeps tensors between batches leaks like this", worker.index,
+                worker.memory_growth / 2**20, self.config.workers.leak_warn_mb,
+            )
+
+    def versions_changed(self, worker: WorkerHandle) -> None:
+        """A version was loaded or freed on `worker`: its memory level after warm-up is measured anew."""
+        worker.memory_baseline = None
+        worker.leak_warned = False
 
     def executors_for(self, model: str, version: str) -> list[ExecutorHandle]:
         """Executors that can run `version` of `model` now (said hello, on a ready worker that has it)."""

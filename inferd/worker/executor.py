@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 
@@ -24,6 +25,8 @@ from inferd.protocol import DTYPES
 from inferd.worker.runner import DTYPE_NAMES, ModelRunner, describe_error
 
 log = logging.getLogger("inferd.worker.executor")
+
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
 
 def arena_tensor(arena: Arena, dtype: str, shape: tuple[int, ...], offset: int) -> torch.Tensor:
@@ -49,6 +52,7 @@ class Executor(threading.Thread):
         self.arena = arena
         self.runner = runner
         self.stop_fd = stop_fd
+        self.busy = False  # read by the worker's main thread: it trims GPU memory only when all are idle
         self.socket = context.socket(zmq.DEALER)
         self.socket.linger = 0
         self.socket.connect(backend)
@@ -68,7 +72,10 @@ class Executor(threading.Thread):
                     return
                 message = messages.decode(self.socket.recv())
                 if isinstance(message, RunBatch):
-                    self.socket.send(messages.encode(self.run_batch(message)))
+                    self.busy = True
+                    result = self.run_batch(message)
+                    self.busy = False
+                    self.socket.send(messages.encode(result))
         finally:
             self.socket.close()
 
@@ -81,7 +88,16 @@ class Executor(threading.Thread):
             error = describe_error(exc)
             log.error("batch %d of %s %s failed: %s", batch.batch_id, batch.model, batch.version, error)
             return BatchFailed(batch.batch_id, error)
-        return BatchDone(batch.batch_id, outputs, int((time.perf_counter() - started) * 1e6))
+        compute_us = int((time.perf_counter() - started) * 1e6)
+        return BatchDone(batch.batch_id, outputs, compute_us, *self.memory())
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes in use, bytes reserved): the device allocator's on a GPU, resident host memory on the CPU."""
+        if self.stream is not None:
+            device = self.runner.device
+            return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * PAGE_SIZE, 0
 
     def _compute(self, batch: RunBatch) -> tuple[TensorRef, ...]:
         device = self.runner.device

@@ -8,6 +8,7 @@ the supervisor is gone.
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import logging
 import multiprocessing
@@ -29,6 +30,7 @@ log = logging.getLogger("inferd.worker")
 EXIT_BOOT_ERROR = 3
 EXIT_PARENT_GONE = 4
 LOADER_NICENESS = 10
+TRIM_CHECK_MS = 1000
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -41,6 +43,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     arena: str
     config: bytes
     versions: dict[str, str]
+    stacks: str  # file the worker's thread stacks are written to on SIGUSR1 (inferctl stacks)
 
 
 def _exit_with_parent() -> None:
@@ -86,6 +89,9 @@ def worker_main(encoded_spec: bytes) -> None:
     # the whole process group, and must not kill batches the drain still needs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
+    # Written from the signal handler itself, so a worker stuck inside a model still answers.
+    stacks = open(spec.stacks, "a")  # noqa: SIM115 - open for the life of the process
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     context = zmq.Context()
     control = context.socket(zmq.DEALER)
     control.linger = 1000
@@ -112,7 +118,7 @@ def worker_main(encoded_spec: bytes) -> None:
     # From now on this thread only loads and warms new versions: let the
     # executors, which serve the live one, have the CPU first.
     os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
-    _serve_control(control, runner)
+    _serve_control(control, runner, executors, config.workers.fragmentation_trim)
     os.write(stop_w, b"\0")
     for executor in executors:
         executor.join()
@@ -149,15 +155,28 @@ def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, 
     return executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
 
 
-def _serve_control(control: zmq.Socket, runner) -> None:
+def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) -> None:
     """Load and unload versions as the supervisor asks, until it says Shutdown.
 
     Loading runs here, in the main thread, while the executors go on serving the
     live version; a version becomes usable only once the supervisor flips to it.
+    Between messages, a GPU worker whose executors are all idle and whose
+    allocator keeps more than `trim_above` of its reserved memory unused, two
+    checks in a row, gives that memory back.
     """
     from inferd.worker.runner import describe_error
 
+    fragmented_checks = 0
     while True:
+        if not control.poll(TRIM_CHECK_MS):
+            if runner.device.type == "cuda" and not any(e.busy for e in executors):
+                ratio = runner.fragmentation()
+                fragmented_checks = fragmented_checks + 1 if ratio > trim_above else 0
+                if fragmented_checks >= 2:
+                    log.info("idle with %.0f%% of reserved GPU memory unused; returned %.1f MiB to the device",
+                             ratio * 100, runner.trim() / 2**20)
+                    fragmented_checks = 0
+            continue
         message = messages.decode(control.recv())
         if isinstance(message, messages.Shutdown):
             return

@@ -133,6 +133,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def fragmentation(self) -> float:
+        """Share of the GPU allocator's reserved memory that holds no tensor (0 on the CPU)."""
+        if self.device.type != "cuda":
+            return 0.0
+        reserved = torch.cuda.memory_reserved(self.device)
+        return (reserved - torch.cuda.memory_allocated(self.device)) / reserved if reserved else 0.0
+
+    def trim(self) -> int:
+        """Give the GPU allocator's unused cached blocks back to the device; return the bytes freed."""
+        before = torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return before - torch.cuda.memory_reserved(self.device)
+
     def infer(self, name: str, version: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run one batch of a loaded version; every output keeps the inputs' batch dim."""
         module = self._modules.get((name, version))

@@ -1,0 +1,146 @@
+"""The Prometheus endpoint at `server.metrics`.
+
+prometheus-client serves HTTP from its own thread. At each scrape its
+collector asks the supervisor's loop (call_soon_threadsafe) to turn the
+measurements into metric families, and waits for them: the numbers are read
+on the one thread that writes them, and worker figures arrive in the
+supervisor's own messages, so no multiprocess registry (and none of its files)
+is involved.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from inferd.supervisor.report import worker_report
+from inferd.supervisor.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
+
+if TYPE_CHECKING:
+    from inferd.supervisor.main import Supervisor
+
+log = logging.getLogger("inferd.metrics")
+
+SCRAPE_WAIT_S = 5.0
+
+
+def _histogram(family: HistogramMetricFamily, labels: list[str], histogram: Histogram) -> None:
+    buckets = [(floatToGoString(bound), count) for bound, count in histogram.cumulative(PROMETHEUS_BOUNDS)]
+    family.add_metric(labels, buckets, histogram.sum)
+
+
+def build_families(daemon: Supervisor) -> list[Metric]:
+    """Every metric, from the daemon's state now (call on the loop thread)."""
+    requests = CounterMetricFamily("inferd_requests", "Requests answered, by status.", labels=["model", "version", "status"])
+    samples = CounterMetricFamily("inferd_samples", "Samples answered ok.", labels=["model", "version"])
+    durations = {
+        part: HistogramMetricFamily(name, doc, labels=["model"])
+        for part, name, doc in (
+            ("total", "inferd_request_duration_seconds", "Time from a request's arrival to its reply (ok replies)."),
+            ("queue", "inferd_request_queue_seconds", "Time a request waited before its batch was sent."),
+            ("compute", "inferd_request_compute_seconds", "Time the worker spent on the request's batch."),
+        )
+    }
+    batch_size = HistogramMetricFamily("inferd_batch_size", "Samples per batch.", labels=["model"])
+    queue_depth = GaugeMetricFamily("inferd_queue_depth", "Requests waiting.", labels=["model"])
+    live = GaugeMetricFamily("inferd_model_live", "1 for the version each model serves.", labels=["model", "version"])
+    per_model: dict[str, Series] = {name: Series() for name in daemon.live}
+    for (model, version), series in sorted(daemon.stats.since_start.items()):
+        for status, count in sorted(series.replies.items()):
+            requests.add_metric([model, version, status], count)
+        samples.add_metric([model, version], series.samples)
+        if model in per_model:
+            per_model[model].merge(series)
+    for model, series in per_model.items():
+        for part, family in durations.items():
+            _histogram(family, [model], getattr(series, part))
+        cumulative, running = [], 0
+        for bound in BATCH_BOUNDS:
+            running += sum(n for size, n in series.batch_sizes.items() if (bound // 2) < size <= bound)
+            cumulative.append((floatToGoString(bound), running))
+        batches = sum(series.batch_sizes.values())
+        cumulative.append(("+Inf", batches))
+        batch_size.add_metric([model], cumulative, sum(size * n for size, n in series.batch_sizes.items()))
+        queue_depth.add_metric([model], daemon.queue.depth(model))
+        live.add_metric([model, daemon.live[model]], 1)
+    families: list[Metric] = [requests, samples, *durations.values(), batch_size, queue_depth, live]
+    families += _worker_families(daemon)
+    undelivered = CounterMetricFamily("inferd_replies_undelivered", "Replies whose client had gone or stopped reading.")
+    undelivered.add_metric([], daemon.frontend.undelivered)
+    families.append(undelivered)
+    return families
+
+
+def _worker_families(daemon: Supervisor) -> list[Metric]:
+    restarts = CounterMetricFamily("inferd_worker_restarts", "Times a worker process was replaced.", labels=["worker"])
+    up = GaugeMetricFamily("inferd_worker_ready", "1 while the worker is ready to run batches.", labels=["worker", "device"])
+    rss = GaugeMetricFamily("inferd_worker_resident_memory_bytes", "Host memory of the worker process.", labels=["worker"])
+    growth = GaugeMetricFamily("inferd_memory_growth_bytes",
+                               "Growth of the worker's memory over its level after warm-up (the leak watch).",
+                               labels=["worker"])
+    gpu_used = GaugeMetricFamily("inferd_gpu_memory_used_bytes", "GPU memory in use (NVML).", labels=["device"])
+    gpu_total = GaugeMetricFamily("inferd_gpu_memory_total_bytes", "GPU memory in all (NVML).", labels=["device"])
+    gpu_util = GaugeMetricFamily("inferd_gpu_utilization_ratio", "GPU busy time over the last sample (NVML).",
+                                 labels=["device"])
+    fragmentation = GaugeMetricFamily("inferd_gpu_memory_fragmentation_ratio",
+                                      "Reserved but unallocated GPU memory over reserved memory.", labels=["worker"])
+    for entry in worker_report(daemon):
+        worker = str(entry["worker"])
+        restarts.add_metric([worker], entry["restarts"])
+        up.add_metric([worker, entry["device"]], 1 if entry["state"] == "ready" else 0)
+        growth.add_metric([worker], entry["memory_growth_bytes"])
+        if "rss_bytes" in entry:
+            rss.add_metric([worker], entry["rss_bytes"])
+        if "gpu_memory_used_bytes" in entry:
+            gpu_used.add_metric([entry["device"]], entry["gpu_memory_used_bytes"])
+            gpu_total.add_metric([entry["device"]], entry["gpu_memory_total_bytes"])
+            gpu_util.add_metric([entry["device"]], entry["gpu_utilization"])
+        if "fragmentation" in entry:
+            fragmentation.add_metric([worker], entry["fragmentation"])
+    return [restarts, up, rss, growth, gpu_used, gpu_total, gpu_util, fragmentation]
+
+
+class _LoopCollector:
+    """A collector that has the supervisor's loop build the families and waits for them."""
+
+    def __init__(self, daemon: Supervisor, call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
+        self._daemon = daemon
+        self._call_soon_threadsafe = call_soon_threadsafe
+
+    def collect(self) -> Iterator[Metric]:
+        done = threading.Event()
+        result: list[Metric] = []
+
+        def build() -> None:
+            try:
+                result.extend(build_families(self._daemon))
+            finally:
+                done.set()
+
+        self._call_soon_threadsafe(build)
+        if not done.wait(SCRAPE_WAIT_S):
+            log.warning("a scrape waited %g s for the supervisor's loop; answering without numbers", SCRAPE_WAIT_S)
+        yield from result
+
+
+class MetricsServer:
+    """The HTTP endpoint Prometheus scrapes."""
+
+    def __init__(self, address: str, daemon: Supervisor) -> None:
+        host, _, port = address.rpartition(":")
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_LoopCollector(daemon, daemon.call_soon_threadsafe))
+        self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+        log.info("metrics at http://%s/metrics", address)
+
+    def close(self) -> None:
+        """Stop serving."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

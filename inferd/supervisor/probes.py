@@ -1,0 +1,99 @@
+"""What the operating system and the GPU driver say about the workers.
+
+Host memory and CPU come from psutil, GPU memory, utilisation, temperature and
+power from NVML (nvidia-ml-py). Both are read by the supervisor, so no worker
+has to stop serving to answer; where there is no NVML the GPU fields are
+simply absent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import psutil
+
+log = logging.getLogger("inferd.probes")
+
+
+class Probes:
+    """Reads process and GPU figures; keeps handles between reads (CPU % needs a previous sample)."""
+
+    def __init__(self) -> None:
+        self._processes: dict[int, psutil.Process] = {}
+        self._nvml: Any = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        except Exception:  # no driver or no library: a machine without NVIDIA GPUs
+            self._nvml = None
+
+    def close(self) -> None:
+        """Release NVML."""
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # shutting down; nothing to do about it
+                pass
+            self._nvml = None
+
+    def process(self, pid: int | None) -> dict[str, Any]:
+        """rss_bytes and cpu_percent of a process (CPU % since the previous read of the same pid)."""
+        if pid is None:
+            return {}
+        proc = self._processes.get(pid)
+        try:
+            if proc is None:
+                proc = self._processes[pid] = psutil.Process(pid)
+                proc.cpu_percent(None)
+            with proc.oneshot():
+                return {"rss_bytes": proc.memory_info().rss, "cpu_percent": proc.cpu_percent(None)}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            self._processes.pop(pid, None)
+            return {}
+
+    def forget(self, live_pids: set[int]) -> None:
+        """Drop handles of processes that are gone."""
+        for pid in list(self._processes):
+            if pid not in live_pids:
+                del self._processes[pid]
+
+    def gpu(self, device: str) -> dict[str, Any]:
+        """Memory used and total, utilisation (0..1), temperature (C) and power (W) of a `cuda:N` device."""
+        if self._nvml is None or not device.startswith("cuda:"):
+            return {}
+        nvml = self._nvml
+        try:
+            handle = self._handle(int(device.split(":")[1]))
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            info: dict[str, Any] = {
+                "gpu_memory_used_bytes": int(memory.used),
+                "gpu_memory_total_bytes": int(memory.total),
+                "gpu_utilization": nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,
+            }
+        except Exception as exc:  # NVML errors are many; a probe must never break stats
+            log.debug("NVML cannot read %s: %s", device, exc)
+            return {}
+        for key, read in (
+            ("gpu_temperature_c", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+            ("gpu_power_w", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
+        ):
+            try:
+                info[key] = read()
+            except Exception:  # not every board reports every sensor
+                pass
+        return info
+
+    def _handle(self, cuda_index: int) -> Any:
+        """The NVML handle of what CUDA calls device `cuda_index` (CUDA_VISIBLE_DEVICES renumbers them)."""
+        nvml = self._nvml
+        visible = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
+        if cuda_index < len(visible):
+            entry = visible[cuda_index]
+            if entry.isdigit():
+                return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+            return nvml.nvmlDeviceGetHandleByUUID(entry)
+        return nvml.nvmlDeviceGetHandleByIndex(cuda_index)

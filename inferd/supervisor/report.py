@@ -1,0 +1,99 @@
+"""The `inferctl stats` report: one JSON object built from the daemon's measurements.
+
+Its schema is documented in README ("inferctl stats --json"); the Prometheus
+endpoint reads the same measurements (see metrics.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from inferd.supervisor.stats import Series
+
+if TYPE_CHECKING:
+    from inferd.supervisor.main import Supervisor
+
+
+def _latency(series: Series) -> dict[str, dict[str, float]]:
+    return {"total": series.total.summary_ms(), "queue": series.queue.summary_ms(),
+            "compute": series.compute.summary_ms()}
+
+
+def _series_report(since_start: Series, minute: Series, ten: Series, minute_s: float, ten_s: float) -> dict[str, Any]:
+    batches = sum(since_start.batch_sizes.values())
+    return {
+        "requests": dict(since_start.replies),
+        "samples": since_start.samples,
+        "latency_ms": _latency(minute),
+        "latency_ms_since_start": _latency(since_start),
+        "throughput": {
+            "samples_per_s_10s": round(ten.samples / ten_s, 1),
+            "samples_per_s_60s": round(minute.samples / minute_s, 1),
+            "requests_per_s_10s": round(sum(ten.replies.values()) / ten_s, 1),
+            "requests_per_s_60s": round(sum(minute.replies.values()) / minute_s, 1),
+        },
+        "batch_size": {
+            "mean": round(sum(size * n for size, n in since_start.batch_sizes.items()) / batches, 2) if batches else 0,
+            "distribution": {str(size): n for size, n in sorted(since_start.batch_sizes.items())},
+        },
+        "queue_depth_peak_60s": minute.queue_peak,
+    }
+
+
+def worker_report(daemon: Supervisor) -> list[dict[str, Any]]:
+    """Each worker: process, state, counters, memory, and on a GPU what NVML and torch say."""
+    report = []
+    daemon.probes.forget({w.pid for w in daemon.workers.workers if w.pid})
+    for w in daemon.workers.workers:
+        entry: dict[str, Any] = {
+            "worker": w.index,
+            "pid": w.pid,
+            "device": w.device,
+            "state": w.state,
+            "generation": w.generation,
+            "restarts": w.restarts,
+            "executors_busy": sum(1 for e in w.executors if e.inflight),
+            "batches": w.batches,
+            **daemon.probes.process(w.pid),
+            "memory_growth_bytes": w.memory_growth,
+            "leak_warning": w.leak_warned,
+        }
+        if w.device.startswith("cuda"):
+            entry.update(daemon.probes.gpu(w.device))
+            entry["torch_allocated_bytes"] = w.memory
+            entry["torch_reserved_bytes"] = w.reserved
+            entry["fragmentation"] = round((w.reserved - w.memory) / w.reserved, 4) if w.reserved else 0.0
+        report.append(entry)
+    return report
+
+
+def stats_report(daemon: Supervisor) -> dict[str, Any]:
+    """The whole `stats` object."""
+    now = time.monotonic()
+    minute, minute_s = daemon.stats.recent(now, 60)
+    ten, ten_s = daemon.stats.recent(now, 10)
+    models: dict[str, Any] = {}
+    for name, live in daemon.live.items():
+        totals = [Series(), Series(), Series()]
+        versions = {}
+        for (model, version), since_start in sorted(daemon.stats.since_start.items()):
+            if model != name:
+                continue
+            parts = (since_start, minute.get((model, version), Series()), ten.get((model, version), Series()))
+            versions[version] = _series_report(*parts, minute_s, ten_s)
+            for total, part in zip(totals, parts):
+                total.merge(part)
+        models[name] = {
+            "live_version": live,
+            **_series_report(*totals, minute_s, ten_s),
+            "queue_depth": daemon.queue.depth(name),
+            "versions": versions,
+        }
+    return {
+        "uptime_s": round(now - daemon.started, 3),
+        "state": daemon.state,
+        "models": models,
+        "workers": worker_report(daemon),
+        "undelivered_replies": daemon.frontend.undelivered,
+    }

@@ -1,0 +1,178 @@
+"""Measurements of the daemon, cheap enough for every request.
+
+Everything here is updated by the supervisor's loop thread only, so no lock is
+taken on the hot path. Latencies go into fixed log-spaced histograms (memory
+does not grow with traffic). Each (model, version) keeps one series since
+start and one per 5-second window in a ring of 13, from which "the last 10 s"
+and "the last minute" are merged when someone asks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+WINDOW_S = 5.0
+WINDOWS = 13  # 60 s of full windows, plus the one filling now
+
+# Histogram bounds in seconds: 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9 per decade, 10 us to 100 s.
+_STEPS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)
+BOUNDS: tuple[float, ...] = tuple(
+    round(step * 10.0**exponent, 12) for exponent in range(-5, 2) for step in _STEPS
+) + (100.0,)
+# The subset exported as Prometheus buckets: 1, 2.5, 5 per decade.
+PROMETHEUS_BOUNDS: tuple[float, ...] = tuple(b for b in BOUNDS if round(b / 10 ** math.floor(math.log10(b)), 6) in (1, 2.5, 5))
+BATCH_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Histogram:
+    """Counts of values per bucket of BOUNDS (the last bucket is everything above), with sum and max."""
+
+    __slots__ = ("counts", "count", "sum", "max")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BOUNDS) + 1)
+        self.count = 0
+        self.sum = 0.0
+        self.max = 0.0
+
+    def add(self, value: float) -> None:
+        """Count one value (seconds)."""
+        self.counts[bisect.bisect_left(BOUNDS, value)] += 1
+        self.count += 1
+        self.sum += value
+        if value > self.max:
+            self.max = value
+
+    def merge(self, other: Histogram) -> None:
+        """Add every count of `other` to this one."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        self.count += other.count
+        self.sum += other.sum
+        self.max = max(self.max, other.max)
+
+    def quantile(self, q: float) -> float:
+        """The value below which a fraction `q` of the counted values fall, interpolated in its bucket."""
+        if self.count == 0:
+            return 0.0
+        rank = q * self.count
+        seen = 0
+        for index, n in enumerate(self.counts):
+            if n and seen + n >= rank:
+                low = BOUNDS[index - 1] if index > 0 else 0.0
+                high = BOUNDS[index] if index < len(BOUNDS) else self.max
+                return min(self.max, low + (high - low) * (rank - seen) / n)
+            seen += n
+        return self.max
+
+    def summary_ms(self) -> dict[str, float]:
+        """p50/p90/p99/max in milliseconds."""
+        return {
+            "p50": round(self.quantile(0.50) * 1000, 3),
+            "p90": round(self.quantile(0.90) * 1000, 3),
+            "p99": round(self.quantile(0.99) * 1000, 3),
+            "max": round(self.max * 1000, 3),
+        }
+
+    def cumulative(self, bounds: tuple[float, ...]) -> list[tuple[float, int]]:
+        """(upper bound, count of values at or below it) for each of `bounds` (a subset of BOUNDS), then +Inf."""
+        out, running, index = [], 0, 0
+        for bound in bounds:
+            while index < len(BOUNDS) and BOUNDS[index] <= bound:
+                running += self.counts[index]
+                index += 1
+            out.append((bound, running))
+        out.append((math.inf, self.count))
+        return out
+
+
+@dataclass
+class Series:
+    """What happened to one (model, version) over some span of time."""
+
+    replies: Counter = field(default_factory=Counter)  # status -> requests
+    samples: int = 0  # samples answered `ok`
+    total: Histogram = field(default_factory=Histogram)
+    queue: Histogram = field(default_factory=Histogram)
+    compute: Histogram = field(default_factory=Histogram)
+    batch_sizes: Counter = field(default_factory=Counter)  # samples per batch -> batches
+    queue_peak: int = 0
+
+    def merge(self, other: Series) -> None:
+        """Fold `other` into this series."""
+        self.replies.update(other.replies)
+        self.samples += other.samples
+        self.total.merge(other.total)
+        self.queue.merge(other.queue)
+        self.compute.merge(other.compute)
+        self.batch_sizes.update(other.batch_sizes)
+        self.queue_peak = max(self.queue_peak, other.queue_peak)
+
+
+@dataclass
+class _Window:
+    start: float
+    series: dict[tuple[str, str], Series] = field(default_factory=dict)
+
+
+class Stats:
+    """Every measurement of the requests and batches, since start and over the last minute."""
+
+    def __init__(self, now: float) -> None:
+        self.started = now
+        self.since_start: dict[tuple[str, str], Series] = {}
+        self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
+
+    def _series(self, now: float, model: str, version: str) -> tuple[Series, Series]:
+        window = self._windows[-1]
+        if now - window.start >= WINDOW_S:
+            window = _Window(now)
+            self._windows.append(window)
+        key = (model, version)
+        recent = window.series.get(key)
+        if recent is None:
+            recent = window.series[key] = Series()
+        total = self.since_start.get(key)
+        if total is None:
+            total = self.since_start[key] = Series()
+        return recent, total
+
+    def reply(self, now: float, model: str, version: str, status: str) -> None:
+        """Count a reply other than `ok` (those come through `answered`)."""
+        for series in self._series(now, model, version):
+            series.replies[status] += 1
+
+    def answered(self, now: float, model: str, version: str, samples: int,
+                 total_s: float, queue_s: float, compute_s: float) -> None:
+        """Count an `ok` reply and its latencies."""
+        for series in self._series(now, model, version):
+            series.replies["ok"] += 1
+            series.samples += samples
+            series.total.add(total_s)
+            series.queue.add(queue_s)
+            series.compute.add(compute_s)
+
+    def batch(self, now: float, model: str, version: str, samples: int) -> None:
+        """Count a batch of `samples` samples."""
+        for series in self._series(now, model, version):
+            series.batch_sizes[samples] += 1
+
+    def queue_depth(self, now: float, model: str, version: str, depth: int) -> None:
+        """Note a queue depth, for its peak."""
+        for series in self._series(now, model, version):
+            if depth > series.queue_peak:
+                series.queue_peak = depth
+
+    def recent(self, now: float, seconds: float) -> tuple[dict[tuple[str, str], Series], float]:
+        """Series merged over the windows that started in the last `seconds`, and the span they cover."""
+        merged: dict[tuple[str, str], Series] = {}
+        oldest = now
+        for window in self._windows:
+            if window.start < now - seconds:
+                continue
+            oldest = min(oldest, window.start)
+            for key, series in window.series.items():
+                merged.setdefault(key, Series()).merge(series)
+        return merged, max(now - oldest, 1e-9)
