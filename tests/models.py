@@ -7,7 +7,7 @@ the same file in-process to check what the daemon answers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List  # noqa: UP035 - TorchScript reads typing.List
 
 import torch
 
