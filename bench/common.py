@@ -25,6 +25,7 @@ def free_port() -> int:
 
 def start_daemon(workdir: Path, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> DaemonProcess:
     """Start a daemon serving `models` with its sockets and state in `workdir`."""
+    workdir.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
         "server": {
             "listen": [f"tcp://127.0.0.1:{free_port()}"],

@@ -58,6 +58,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     drain_timeout_s: Annotated[
         float, Meta(ge=0), _doc("On SIGTERM, how long queued and running work may take to finish, in seconds.")
     ] = 30
+    spin_us: Annotated[
+        int,
+        Meta(ge=0, le=100_000),
+        _doc("After activity the supervisor polls without sleeping this long, in microseconds (0: never): "
+             "lower latency where idle cores wake slowly, for some CPU while busy."),
+    ] = 500
     log_level: Annotated[
         str, _doc("debug, info, warning or error; INFERD_LOG_LEVEL in the environment overrides it.")
     ] = "info"

@@ -220,5 +220,5 @@ class BigTemporary(torch.nn.Module):
     """float32 [2] -> [2], using a 512 MiB temporary on the way: leaves the GPU allocator's cache fragmented."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scratch = torch.ones(2**27, device=x.device)
+        scratch = torch.ones(134_217_728, device=x.device)  # 512 MiB of float32
         return x + scratch[:2].sum() * 0.0

@@ -218,19 +218,14 @@ def test_a_slow_model_does_not_hold_up_a_fast_one(shared_daemon):
     x_slow = np.ones((4, 64), dtype=np.float32)  # a whole batch each
     x_fast = np.ones((1, models.MLP_IN), dtype=np.float32)
     with shared_daemon.client() as flood, shared_daemon.client() as fast:
-        slow = [flood.submit("slow", x_slow) for _ in range(800)]
-        depth = 0
-        while depth < 50:
-            depth = shared_daemon.status()["models"]["slow"]["queue_depth"]
-            done = sum(f.done() for f in slow)
-            assert done < len(slow), f"the backlog drained before the test could use it (depth {depth})"
+        slow = [flood.submit("slow", x_slow) for _ in range(1000)]  # the queue holds 1024
+        slow[0].result()  # the daemon is working through the backlog
         fast.infer("mlp", x_fast)
-        waiting = shared_daemon.status()["models"]["slow"]["queue_depth"]
         done = sum(f.done() for f in slow)
         for future in slow:
             future.result()
-    # The fast request was answered while the slow backlog still waited.
-    assert waiting > 0, f"{done} slow requests were done when the fast one came back"
+    # The fast request was answered while most of the slow backlog still waited.
+    assert done < len(slow) // 2, f"{done} of {len(slow)} slow requests were done when the fast one came back"
 
 
 def test_a_client_that_leaves_mid_request_costs_only_its_request(shared_daemon):

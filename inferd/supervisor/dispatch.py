@@ -14,10 +14,13 @@ import math
 import time
 from dataclasses import dataclass
 
+import zmq
+
 from inferd import protocol
 from inferd.config import Config
 from inferd.ipc.arena import align_up
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
+from inferd.ipc.sockets import COPY_THRESHOLD
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.frontend import Frontend
@@ -65,6 +68,7 @@ class Dispatcher:
         self.live = live
         self.stats = stats
         self.inflight: dict[int, Batch] = {}
+        self.sending: list[tuple[WorkerHandle, int, list[zmq.MessageTracker]]] = []
         self._medians: dict[tuple[str, str], tuple[int, float]] = {}
         self._slow_warned: dict[str, float] = {}
         self._ids = itertools.count(1)
@@ -113,13 +117,28 @@ class Dispatcher:
             return
         self._finish(batch)
         executor.worker.batches += 1
+        trackers: list[zmq.MessageTracker] = []
         if isinstance(result, BatchFailed):
             self._fail(batch, result.error)
         else:
             self.workers.note_memory(executor.worker, result.memory, result.reserved)
-            self._reply_outputs(batch, result)
+            trackers = self._reply_outputs(batch, result)
             self._watch_slow(batch, result.compute_us / 1e6)
-        batch.executor.worker.slots.release(batch.slot)
+        if trackers:
+            # Replies still read the slot; it is free once ZeroMQ has sent them.
+            self.sending.append((executor.worker, batch.slot, trackers))
+        else:
+            executor.worker.slots.release(batch.slot)
+
+    def release_sent(self) -> None:
+        """Free the slots whose replies ZeroMQ has finished sending."""
+        still = []
+        for worker, slot, trackers in self.sending:
+            if all(t.done for t in trackers):
+                worker.slots.release(slot)
+            else:
+                still.append((worker, slot, trackers))
+        self.sending = still
 
     def fail_worker(self, worker: WorkerHandle, reason: str, status: str = protocol.INTERNAL) -> None:
         """Answer every batch in flight on `worker` with `status` and take its slots back."""
@@ -193,12 +212,14 @@ class Dispatcher:
             out_end=base + worker.slots.slot_size,
         )
 
-    def _reply_outputs(self, batch: Batch, done: BatchDone) -> None:
+    def _reply_outputs(self, batch: Batch, done: BatchDone) -> list[zmq.MessageTracker]:
+        """Send each request its rows of every output; large ones go by reference (trackers returned)."""
         buf = batch.executor.worker.arena.buf
         row_bytes = [
             math.prod(ref.shape[1:]) * protocol.DTYPES[ref.dtype].itemsize for ref in done.outputs
         ]
         now = time.monotonic()
+        trackers: list[zmq.MessageTracker] = []
         row = 0
         for request in batch.requests:
             frames = [
@@ -217,10 +238,12 @@ class Dispatcher:
                     total=int((now - request.received) * 1e6),
                 ),
             )
-            self.frontend.reply(request, header, frames)
+            by_reference = max(row_bytes, default=0) * request.samples >= COPY_THRESHOLD
+            trackers += self.frontend.reply(request, header, frames, by_reference)
             self.stats.answered(now, batch.model, batch.version, request.samples, now - request.received,
                                 request.dispatched - request.received, done.compute_us / 1e6)
             row += request.samples
+        return trackers
 
     def _fail(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:
         log.error("batch %d of %s (%d requests) failed: %s", batch.id, batch.model, len(batch.requests), reason)

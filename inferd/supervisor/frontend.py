@@ -19,6 +19,7 @@ import zmq
 from inferd import protocol
 from inferd.config import Config, ModelConfig
 from inferd.errors import InvalidRequest
+from inferd.ipc.sockets import readable, recv_parts, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.batcher import BatchQueue, QueuedRequest
 from inferd.supervisor.stats import Stats
@@ -110,11 +111,9 @@ class Frontend:
     def on_readable(self, socket: zmq.Socket) -> None:
         """Read what is waiting on `socket` (up to a burst) and admit or answer each request."""
         for _ in range(BURST):
-            try:
-                frames = socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            if not readable(socket):
                 return
-            envelope, body = protocol.split_envelope(frames)
+            envelope, body = protocol.split_envelope(recv_parts(socket))
             self.submit(ReplyTo(socket, [f.bytes for f in envelope]), [f.buffer for f in body])
 
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer]) -> None:
@@ -150,9 +149,18 @@ class Frontend:
             return
         self.stats.queue_depth(now, header.model, self.live[header.model], self.queue.depth(header.model))
 
-    def reply(self, request: QueuedRequest, header: ReplyHeader, outputs: Sequence[Buffer] = ()) -> None:
-        """Send a request's reply (its outputs are copied into the message)."""
-        self._send(request.reply_to, header.status, [protocol.encode_reply(header), *outputs])
+    def reply(self, request: QueuedRequest, header: ReplyHeader, outputs: Sequence[Buffer],
+              by_reference: bool) -> list[zmq.MessageTracker]:
+        """Send a request's outputs; `by_reference`: large ones without a copy (see send_parts_tracked)."""
+        self.replies[header.status] += 1
+        parts = [*request.reply_to.envelope, protocol.encode_reply(header), *outputs]
+        try:
+            if by_reference:
+                return send_parts_tracked(request.reply_to.socket, parts)
+            send_parts(request.reply_to.socket, parts)
+        except zmq.ZMQError as exc:
+            self._undeliverable(exc)
+        return []
 
     def reply_error(self, request: QueuedRequest, status: str, error: str) -> None:
         """Answer a queued request with an error status."""
@@ -170,9 +178,12 @@ class Frontend:
     def _send(self, reply_to: ReplyTo, status: str, frames: list) -> None:
         self.replies[status] += 1
         try:
-            reply_to.socket.send_multipart([*reply_to.envelope, *frames], zmq.NOBLOCK)
+            send_parts(reply_to.socket, [*reply_to.envelope, *frames])
         except zmq.ZMQError as exc:
-            # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way
-            # the reply has nowhere to go and waiting for it would stall everyone.
-            self.undelivered += 1
-            log.debug("reply undeliverable (%s)", exc.strerror)
+            self._undeliverable(exc)
+
+    def _undeliverable(self, exc: zmq.ZMQError) -> None:
+        # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way the
+        # reply has nowhere to go, and waiting for it would stall everyone else.
+        self.undelivered += 1
+        log.debug("reply undeliverable (%s)", exc.strerror)

@@ -29,6 +29,7 @@ from inferd import config as config_module
 from inferd.config import Config
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, owner_alive, sweep_stale
+from inferd.ipc.sockets import readable, recv_parts
 from inferd.logs import set_level
 from inferd.repository import LiveVersions, RepositoryError, resolve_version
 from inferd.supervisor import reconfigure
@@ -49,6 +50,7 @@ from inferd.systemd import Watchdog, notify
 log = logging.getLogger("inferd.supervisor")
 
 TICK_S = 0.5
+SENDING_CHECK_S = 0.001  # how often slots held by replies still being sent are checked
 STATUS_EVERY_S = 2.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SIGNAL_NAMES = {s: s.name[3:].lower() for s in SIGNALS}
@@ -113,6 +115,7 @@ class Supervisor:
         self._next_tick = 0.0
         self._done = False
         self._watchdog = Watchdog()
+        self._spin_s = config.server.spin_us / 1e6
         self._stall: str | None = None
         self._next_status = 0.0
         self._replies_at_status = 0
@@ -197,18 +200,36 @@ class Supervisor:
             now = time.monotonic()
             wait = min(self.queue.next_wakeup(now) or TICK_S, max(0.0, self._next_tick - now),
                        self._watchdog.wait(now) or TICK_S)
-            events = self.poller.poll(int(wait * 1000) + (wait > 0))
+            if self.dispatcher.sending:
+                wait = min(wait, SENDING_CHECK_S)
+            events = self._poll(wait)
             # Signals first: a request that arrives with a SIGTERM is already refused.
             for target, _ in sorted(events, key=lambda event: event[0] != self._wakeup_r.fileno()):
                 self._on_readable(target)
             now = time.monotonic()
             for request in self.queue.expire(now):
                 self.frontend.reply_error(request, protocol.TIMEOUT, "the deadline passed before the request ran")
+            if self.dispatcher.sending:
+                self.dispatcher.release_sent()
             self._dispatch()
             if now >= self._next_tick:
                 self._next_tick = now + TICK_S
                 self._housekeeping(now)
             self._report(now)
+
+    def _poll(self, wait: float) -> list[tuple[Any, int]]:
+        """The sockets and fds that are ready, waiting at most `wait` seconds.
+
+        Right after activity the loop polls without sleeping for server.spin_us:
+        a core that went idle (a virtual CPU above all) takes far longer to wake
+        than the next request takes to come. With nothing happening, it blocks.
+        """
+        events = self.poller.poll(0)
+        if not events and self._spin_s:
+            spin_until = time.monotonic() + self._spin_s
+            while not events and time.monotonic() < spin_until:
+                events = self.poller.poll(0)
+        return events or self.poller.poll(int(wait * 1000) + (wait > 0))
 
     def _on_readable(self, target: Any) -> None:
         if target is self.backend:
@@ -323,13 +344,11 @@ class Supervisor:
         self._update_refusal()
 
     def _on_backend(self) -> None:
-        while True:
-            try:
-                identity, payload = self.backend.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            except ValueError:
+        while readable(self.backend):
+            parts = recv_parts(self.backend)
+            if len(parts) != 2:
                 continue
+            identity, payload = parts[0].bytes, parts[1].buffer
             try:
                 message = messages.decode(payload)
             except (msgspec.DecodeError, msgspec.ValidationError):
@@ -493,6 +512,7 @@ class Supervisor:
     def _configure(self, config: Config) -> None:
         """Hand a new config to every part that reads one."""
         self.config = config
+        self._spin_s = config.server.spin_us / 1e6
         self.queue.configure(config.queue.max_size, _policies(config))
         self.frontend.configure(config)
         self.dispatcher.config = config

@@ -17,6 +17,7 @@ from inferd.config import Config, ModelConfig
 LIVE_KEYS = {
     "server.drain_timeout_s",
     "server.log_level",
+    "server.spin_us",
     "workers.reload_memory_factor",
     "workers.batch_timeout_s",
     "queue.max_size",

@@ -25,6 +25,7 @@ from inferd.config import Config
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, SlotPool
 from inferd.ipc.messages import LoadedModel
+from inferd.ipc.sockets import send_parts
 from inferd.worker.main import EXIT_BOOT_ERROR, WorkerSpec, worker_main
 
 log = logging.getLogger("inferd.workers")
@@ -138,7 +139,7 @@ class WorkerTable:
     def send(self, identity: bytes, message: messages.Message) -> bool:
         """Send to one worker socket; False when that socket is gone."""
         try:
-            self.backend.send_multipart([identity, messages.encode(message)], zmq.NOBLOCK)
+            send_parts(self.backend, [identity, messages.encode(message)])
             return True
         except zmq.ZMQError as exc:
             log.warning("cannot reach worker socket %r: %s", identity, exc.strerror)
@@ -202,7 +203,7 @@ class WorkerTable:
         return [
             executor
             for worker in self.workers
-            if worker.serves(model, version)
+            if worker.serves(model, version) and worker.slots.free
             for executor in worker.executors
             if executor.identity is not None
         ]

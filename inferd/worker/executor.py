@@ -50,6 +50,7 @@ class Executor(threading.Thread):
         super().__init__(name=f"executor-{index}", daemon=True)
         self.index = index
         self.arena = arena
+        self._base = arena.address()
         self.runner = runner
         self.stop_fd = stop_fd
         self.busy = False  # read by the worker's main thread: it trims GPU memory only when all are idle
@@ -108,7 +109,8 @@ class Executor(threading.Thread):
                 for ref in batch.inputs
             ]
             outputs = self.runner.infer(batch.model, batch.version, inputs)
-            refs = self._write_outputs(outputs, batch.out_offset, batch.out_end)
+            refs = self._write_outputs(outputs, batch.out_offset, batch.out_end,
+                                       min(ref.offset for ref in batch.inputs))
             if self.stream is not None:
                 # Wait for this stream's copies only, not for the whole device.
                 done = torch.cuda.Event()
@@ -116,15 +118,23 @@ class Executor(threading.Thread):
                 done.synchronize()
         return refs
 
-    def _write_outputs(self, outputs: tuple[torch.Tensor, ...], start: int, end: int) -> tuple[TensorRef, ...]:
+    def _write_outputs(self, outputs: tuple[torch.Tensor, ...], start: int, end: int,
+                       slot_start: int) -> tuple[TensorRef, ...]:
+        """Put each output in the slot after the inputs; one already in the slot stays where it is."""
         refs = []
         offset = start
         for output in outputs:
             dtype = DTYPE_NAMES.get(output.dtype)
             if dtype is None:
                 raise TypeError(f"output dtype {output.dtype} cannot travel on the wire")
-            offset = align_up(offset)
             nbytes = output.numel() * output.element_size()
+            in_place = self._offset_in_slot(output, slot_start, end)
+            if in_place is not None:
+                # An output that is (a view of) an input needs no copy: the slot
+                # stays untouched until its reply has gone.
+                refs.append(TensorRef(dtype, tuple(output.shape), in_place))
+                continue
+            offset = align_up(offset)
             if offset + nbytes > end:
                 raise MemoryError(
                     f"the outputs need more than the {end - start} bytes left in the arena slot; "
@@ -135,3 +145,12 @@ class Executor(threading.Thread):
             refs.append(TensorRef(dtype, shape, offset))
             offset += nbytes
         return tuple(refs)
+
+    def _offset_in_slot(self, output: torch.Tensor, slot_start: int, slot_end: int) -> int | None:
+        """The arena offset of a contiguous CPU output that lies inside this batch's slot, else None."""
+        if output.device.type != "cpu" or not output.is_contiguous():
+            return None
+        offset = output.data_ptr() - self._base
+        if slot_start <= offset and offset + output.numel() * output.element_size() <= slot_end:
+            return offset
+        return None

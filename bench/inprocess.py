@@ -1,0 +1,64 @@
+"""The compute reference: the model called in this process, with the worker's torch thread count.
+
+    python -m bench.inprocess MODEL_FILE --shape 256 [--threads 1]
+
+Prints one JSON line: p50 latency at batch 1, and samples/s at each batch size
+up to --max-batch (the best of them is the compute limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+
+def measure(path: str, shape: tuple[int, ...], threads: int, max_batch: int, seconds: float) -> dict:
+    """Batch-1 latency percentiles and throughput per batch size, each measured for about `seconds`."""
+    torch.set_num_threads(threads)
+    module = torch.jit.load(path)
+    module.eval()
+    latencies: list[float] = []
+    throughput: dict[int, float] = {}
+    with torch.inference_mode():
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch]
+        for batch in sizes:
+            x = torch.randn(batch, *shape)
+            for _ in range(5):
+                module(x)
+            done, started = 0, time.perf_counter()
+            while time.perf_counter() - started < seconds:
+                t = time.perf_counter()
+                module(x)
+                if batch == 1:
+                    latencies.append(time.perf_counter() - t)
+                done += batch
+            throughput[batch] = done / (time.perf_counter() - started)
+    ms = np.asarray(latencies) * 1000
+    return {
+        "batch1_latency_ms": {"p50": round(float(np.percentile(ms, 50)), 4),
+                              "p99": round(float(np.percentile(ms, 99)), 4)},
+        "samples_per_s": {str(b): round(v, 1) for b, v in throughput.items()},
+        "best_samples_per_s": round(max(throughput.values()), 1),
+        "threads": threads,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_file")
+    parser.add_argument("--shape", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=2.0, help="per batch size")
+    args = parser.parse_args()
+    shape = tuple(int(d) for d in args.shape.split(","))
+    print(json.dumps(measure(args.model_file, shape, args.threads, args.max_batch, args.seconds)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""The benchmark matrix: inferd against its references, measured in one run.
+
+    python -m bench.run [--seconds 5] [--quick]
+
+References, with the worker's torch thread count (1): the model called
+in-process (batch-1 latency; samples/s per batch size), and a bare pyzmq
+ROUTER echo of the same payload driven by the same load generator. inferd
+runs with streams 1 and 2 and one and two CPU workers; each configuration
+serves mlp and cnn at concurrency 1 and 64, and echo at 1 MB and 16 MB at
+concurrency 4. The table gives each target's ratio; JSON lines are appended to
+bench/results/matrix.jsonl.
+
+Targets (on a 2-core CPU machine):
+  T1 mlp C=1 p50 <= in-process batch-1 p50 + 2 x echo p50 + 0.15 ms
+  T2 cnn C=64 samples/s >= 0.85 x best in-process samples/s (batch 1..32)
+  T3 mlp C=64 samples/s >= 0.6 x in-process samples/s at batch 32
+  T4 echo 16 MB C=4 bytes/s >= 0.6 x bare ZeroMQ echo bytes/s
+  T5 mlp and cnn C=64: p99 <= 2.5 x p50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench import models
+from bench.common import ROOT, free_port, record, run_loadgen, start_daemon, table
+
+CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (streams, CPU workers)
+ECHO_1MB, ECHO_16MB = models.ECHO_SIZES["1MB"] // 4, models.ECHO_SIZES["16MB"] // 4
+
+
+def model_configs(repo: Path) -> dict[str, dict[str, Any]]:
+    """What one daemon of the matrix serves."""
+    def spec(name: str, shape: tuple[int, ...], batch: int, folder: str | None = None) -> dict[str, Any]:
+        return {"repository": str(repo / (folder or name)), "inputs": [{"dtype": "float32", "shape": list(shape)}],
+                "max_batch_size": batch, "warmup_batch_sizes": sorted({1, batch})}
+
+    return {
+        "mlp": spec("mlp", models.MLP_SHAPE, 32),
+        "cnn": spec("cnn", models.CNN_SHAPE, 16),
+        "echo1m": spec("echo1m", (ECHO_1MB,), 4, "echo"),
+        "echo16m": spec("echo16m", (ECHO_16MB,), 1, "echo"),
+    }
+
+
+CASES = [  # (name, model, per-sample shape, concurrency)
+    ("mlp C=1", "mlp", models.MLP_SHAPE, 1),
+    ("mlp C=64", "mlp", models.MLP_SHAPE, 64),
+    ("cnn C=1", "cnn", models.CNN_SHAPE, 1),
+    ("cnn C=64", "cnn", models.CNN_SHAPE, 64),
+    ("echo 1MB C=4", "echo1m", (ECHO_1MB,), 4),
+    ("echo 16MB C=4", "echo16m", (ECHO_16MB,), 4),
+]
+
+
+def in_process(repo: Path, name: str, shape: tuple[int, ...], seconds: float) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "bench.inprocess", str(repo / name / "v1" / "model.pt"),
+                          "--shape", ",".join(map(str, shape)), "--seconds", str(seconds)],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def bare_echo(seconds: float) -> dict[str, dict[str, Any]]:
+    """The transport reference for each payload the matrix sends."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    server = subprocess.Popen([sys.executable, "-m", "bench.echo", endpoint], cwd=ROOT)
+    try:
+        return {
+            name: run_loadgen(endpoint, model, shape, concurrency, seconds)
+            for name, model, shape, concurrency in CASES
+            if name in ("mlp C=1", "mlp C=64", "echo 16MB C=4")
+        }
+    finally:
+        server.kill()
+        server.wait()
+
+
+def _answered(daemon, model: str) -> int:
+    return sum(daemon.call("stats")["models"][model]["requests"].values())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=5.0, help="of each load generator run")
+    parser.add_argument("--quick", action="store_true", help="only streams 2, one worker")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="inferd-bench-"))
+    repo = workdir / "repo"
+    models.build(repo)
+
+    rows: list[dict[str, Any]] = []
+    references = {
+        "mlp": in_process(repo, "mlp", models.MLP_SHAPE, 1.0),
+        "cnn": in_process(repo, "cnn", models.CNN_SHAPE, 1.0),
+        "echo": bare_echo(args.seconds),
+    }
+    rows.append({"kind": "reference", **references})
+    for streams, workers in CONFIGS[1:2] if args.quick else CONFIGS:
+        daemon = start_daemon(workdir / f"s{streams}w{workers}", model_configs(repo),
+                              workers={"streams": streams, "devices": ["cpu"] * workers, "shm_mb": 320})
+        try:
+            supervisor = psutil.Process(daemon.process.pid)
+            for name, model, shape, concurrency in CASES:
+                before = sum(supervisor.cpu_times()[:2])
+                answered_before = _answered(daemon, model)
+                result = run_loadgen(daemon.endpoint, model, shape, concurrency, args.seconds)
+                cpu = sum(supervisor.cpu_times()[:2]) - before
+                stats = daemon.call("stats")["models"][model]
+                requests = max(1, _answered(daemon, model) - answered_before)
+                rows.append({"kind": "inferd", "case": name, "streams": streams, "workers": workers, **result,
+                             "mean_batch": stats["batch_size"]["mean"],
+                             "supervisor_cpu_us_per_request": round(cpu / requests * 1e6, 1)})
+        finally:
+            daemon.stop()
+    record("matrix", rows)
+    print()
+    print(render(references, [r for r in rows if r["kind"] == "inferd"]))
+    return 0
+
+
+def render(references: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """The results table, with each target's measured ratio."""
+    mlp, cnn, echo = references["mlp"], references["cnn"], references["echo"]
+    t1_limit = mlp["batch1_latency_ms"]["p50"] + 2 * echo["mlp C=1"]["latency_ms"]["p50"] + 0.15
+    lines = []
+    for run in runs:
+        case, latency = run["case"], run["latency_ms"]
+        if case == "mlp C=1":
+            target = f"T1 p50 {latency['p50']:.3f} <= {t1_limit:.3f} ms"
+            ok = latency["p50"] <= t1_limit
+        elif case == "mlp C=64":
+            ratio = run["samples_per_s"] / mlp["samples_per_s"]["32"]
+            target, ok = f"T3 {ratio:.2f} x in-process b32 (>= 0.6)", ratio >= 0.6
+        elif case == "cnn C=64":
+            ratio = run["samples_per_s"] / cnn["best_samples_per_s"]
+            target, ok = f"T2 {ratio:.2f} x best in-process (>= 0.85)", ratio >= 0.85
+        elif case == "echo 16MB C=4":
+            ratio = run["bytes_per_s"] / echo["echo 16MB C=4"]["bytes_per_s"]
+            target, ok = f"T4 {ratio:.2f} x bare echo (>= 0.6)", ratio >= 0.6
+        else:
+            target, ok = "", None
+        if case.endswith("C=64"):
+            tail = latency["p99"] / latency["p50"]
+            target += f"; T5 p99/p50 {tail:.2f} (<= 2.5)"
+            ok = ok and tail <= 2.5
+        lines.append([case, run["streams"], run["workers"], run["samples_per_s"],
+                      f"{run['bytes_per_s'] / 2**20:.0f}", latency["p50"], latency["p99"], run["mean_batch"],
+                      run["supervisor_cpu_us_per_request"], target, {True: "met", False: "MISSED", None: ""}[ok]])
+    header = ["case", "streams", "workers", "samples/s", "MiB/s", "p50 ms", "p99 ms", "mean batch",
+              "supervisor CPU us/request", "target", ""]
+    refs = (f"references: mlp in-process batch-1 p50 {mlp['batch1_latency_ms']['p50']} ms, "
+            f"b32 {mlp['samples_per_s']['32']} samples/s; cnn best {cnn['best_samples_per_s']} samples/s; "
+            f"bare echo p50 {echo['mlp C=1']['latency_ms']['p50']} ms (1 KB), "
+            f"{echo['mlp C=64']['samples_per_s']} req/s at C=64, "
+            f"{echo['echo 16MB C=4']['bytes_per_s'] / 2**20:.0f} MiB/s (16 MB)")
+    return refs + "\n\n" + table(header, lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
