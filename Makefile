@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs bench-reload clean
+.PHONY: demo test docs bench bench-curve bench-reload clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -22,6 +22,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+bench-curve: $(STAMP)
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"
+	$(PY) -m bench.curve --model mlp
+	$(PY) -m bench.curve --model cnn
 
 bench-reload: $(STAMP)
 	$(PY) -m bench.reload

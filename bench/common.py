@@ -43,11 +43,11 @@ def start_daemon(workdir: Path, models: dict[str, dict[str, Any]], **sections: d
 
 
 def loadgen_command(endpoint: str, model: str, shape: tuple[int, ...], concurrency: int, seconds: float,
-                    warmup: float = 2.0, trace: Path | None = None) -> list[str]:
+                    warmup: float = 2.0, trace: Path | None = None, dtype: str = "float32") -> list[str]:
     """The command line of one load generator run."""
     command = [sys.executable, "-m", "bench.loadgen", "--endpoint", endpoint, "--model", model,
                "--shape", ",".join(map(str, shape)), "--concurrency", str(concurrency),
-               "--seconds", str(seconds), "--warmup", str(warmup)]
+               "--seconds", str(seconds), "--warmup", str(warmup), "--dtype", dtype]
     return command + (["--trace", str(trace)] if trace else [])
 
 

@@ -25,6 +25,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from bench import models
 from bench.common import ROOT, free_port, record, run_loadgen, start_daemon, table
 
 CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (streams, CPU workers)
+IDLE_S = 5.0
 ECHO_1MB, ECHO_16MB = models.ECHO_SIZES["1MB"] // 4, models.ECHO_SIZES["16MB"] // 4
 
 
@@ -108,6 +110,12 @@ def main() -> int:
                               workers={"streams": streams, "devices": ["cpu"] * workers, "shm_mb": 320})
         try:
             supervisor = psutil.Process(daemon.process.pid)
+            processes = [supervisor, *(psutil.Process(w["pid"]) for w in daemon.status()["workers"])]
+            before = sum(sum(p.cpu_times()[:2]) for p in processes)
+            time.sleep(IDLE_S)
+            idle_percent = (sum(sum(p.cpu_times()[:2]) for p in processes) - before) / IDLE_S * 100
+            rows.append({"kind": "idle", "streams": streams, "workers": workers,
+                         "cpu_percent_of_one_core": round(idle_percent, 2)})
             for name, model, shape, concurrency in CASES:
                 before = sum(supervisor.cpu_times()[:2])
                 answered_before = _answered(daemon, model)
@@ -123,6 +131,8 @@ def main() -> int:
     record("matrix", rows)
     print()
     print(render(references, [r for r in rows if r["kind"] == "inferd"]))
+    idle = [r["cpu_percent_of_one_core"] for r in rows if r["kind"] == "idle"]
+    print(f"\nidle daemon (supervisor and workers, {IDLE_S:g} s): {max(idle):.2f} % of one core at most")
     return 0
 
 

@@ -47,6 +47,7 @@ class ExecutorHandle:
     index: int
     identity: bytes | None = None
     inflight: int = 0
+    last_used: float = 0.0  # when it was last sent a batch (monotonic)
 
 
 @dataclass(eq=False)
