@@ -241,6 +241,19 @@ def _stats_table(stats: dict[str, Any]) -> str:
 
 
 @inferctl.command()
+@click.argument("folder", type=click.Path(file_okay=False))
+@click.option("--name", default="inferd", show_default=True, help="Base name of the two files.")
+def keygen(folder: str, name: str) -> None:
+    """Write a CURVE key pair: NAME.key (public, to share) and NAME.key_secret (secret, mode 0600)."""
+    import zmq.auth
+
+    os.makedirs(folder, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(folder, name)
+    os.chmod(secret, 0o600)
+    click.echo(f"public key: {public}\nsecret key: {secret}")
+
+
+@inferctl.command()
 @click.pass_context
 def stacks(ctx: click.Context) -> None:
     """Print the thread stacks of the supervisor and of every worker (where is a stuck daemon?)."""

@@ -26,6 +26,7 @@ from typing import Any, Union
 import numpy as np
 import zmq
 import zmq.asyncio
+import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
 from inferd import protocol
@@ -34,6 +35,11 @@ from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
 Array = Any  # a numpy array, or a torch tensor on any device
 Outputs = Union[np.ndarray, tuple[np.ndarray, ...]]
 RETRY_STATUSES = frozenset({protocol.OVERLOADED, protocol.UNAVAILABLE})
+# Connection events: a dropped connection or a refused CURVE key end a call's wait;
+# a handshake that succeeds clears the refusal.
+MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
+RESEND_S = 0.01  # how soon a send that found no connection is tried again
+_REFUSED = object()
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,11 @@ class _Call:
         """The connection dropped with this call in flight: retry, or give up."""
         return self._retry() or Unavailable("the connection to the daemon dropped before the reply came", self.id)
 
+    def refused(self) -> Unavailable:
+        """The daemon refused this client's CURVE key: retrying cannot help."""
+        return Unavailable("the daemon refused this client's CURVE key (is its public key in the daemon's "
+                           "server.curve_authorized_keys folder?)", self.id)
+
     def expired(self) -> Timeout:
         """The error of a call whose deadline passed with no reply."""
         return Timeout(f"no reply within {self.timeout:g} s", self.id)
@@ -122,17 +133,36 @@ def _decode(frames: list[zmq.Frame]) -> tuple[protocol.ReplyHeader, list[np.ndar
     return protocol.decode_reply([frame.buffer for frame in frames])
 
 
-def _connect(socket: zmq.Socket, endpoints: str | Sequence[str]) -> None:
+KeyFile = Union[str, "os.PathLike[str]"]
+
+
+def _connect(socket: zmq.Socket, endpoints: str | Sequence[str], server_key: KeyFile | None,
+             client_key: KeyFile | None) -> None:
     socket.linger = 0
+    if (server_key is None) != (client_key is None):
+        raise ValueError("CURVE needs both server_key (the server's public key file) and client_key "
+                         "(this client's secret key file)")
+    if server_key is not None:
+        socket.curve_serverkey = zmq.auth.load_certificate(server_key)[0]
+        public, secret = zmq.auth.load_certificate(client_key)
+        if secret is None:
+            raise ValueError(f"{client_key} holds no secret key (use the .key_secret file)")
+        socket.curve_publickey, socket.curve_secretkey = public, secret
     for endpoint in [endpoints] if isinstance(endpoints, str) else endpoints:
         socket.connect(endpoint)
 
 
 class Client:
-    """A thread-safe client; one I/O thread owns the socket, any thread may call."""
+    """A thread-safe client; one I/O thread owns the socket, any thread may call.
+
+    For a daemon with CURVE on its tcp endpoints, give `server_key` (the server's
+    public key file) and `client_key` (this client's secret key file, whose
+    public half is in the server's authorized folder).
+    """
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
+                 client_key: KeyFile | None = None) -> None:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._ids = itertools.count(1)
@@ -141,8 +171,8 @@ class Client:
         os.set_blocking(self._wake_r, False)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        _connect(self._socket, endpoints)
+        self._monitor = self._socket.get_monitor_socket(MONITORED)
+        _connect(self._socket, endpoints, server_key, client_key)
         self._closed = False
         self._thread = threading.Thread(target=self._io_loop, name="inferd-client", daemon=True)
         self._thread.start()
@@ -199,8 +229,19 @@ class Client:
             else:
                 future.set_result(outcome)
 
+        refused = False  # the daemon's last handshake refused our CURVE key
+
         def send(call: _Call) -> None:
-            self._socket.send_multipart(call.frames(), copy=False)
+            # Never block here: with no connection up, a blocking send would stop
+            # this thread, and with it every deadline.
+            try:
+                self._socket.send_multipart(call.frames(), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                call.attempts -= 1
+                if refused:
+                    finish(call.id, call.refused())
+                else:
+                    heapq.heappush(timers, (time.monotonic() + RESEND_S, call.id, "send"))
 
         while not self._closed:
             now = time.monotonic()
@@ -213,10 +254,15 @@ class Client:
                             finish(header.id, pending[header.id][0].settle(header, outputs))
                 elif target is self._monitor:
                     while self._monitor.poll(0):
-                        if parse_monitor_message(self._monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
-                            for call_id, (call, _) in list(pending.items()):
-                                if call.attempts:
-                                    finish(call_id, call.missed())
+                        event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+                        refused = event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                            continue
+                        for call_id, (call, _) in list(pending.items()):
+                            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                                finish(call_id, call.refused())
+                            elif call.attempts:
+                                finish(call_id, call.missed())
                 else:
                     try:
                         while os.read(self._wake_r, 4096):
@@ -246,17 +292,18 @@ class Client:
 
 
 class AsyncClient:
-    """The asyncio client; use it from one event loop."""
+    """The asyncio client; use it from one event loop. CURVE keys as for Client."""
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
+                 client_key: KeyFile | None = None) -> None:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._ids = itertools.count(1)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        _connect(self._socket, endpoints)
+        self._monitor = self._socket.get_monitor_socket(MONITORED)
+        _connect(self._socket, endpoints, server_key, client_key)
         self._waiting: dict[int, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
 
@@ -283,6 +330,8 @@ class AsyncClient:
                 raise call.expired() from None
             finally:
                 self._waiting.pop(call.id, None)
+            if answer is _REFUSED:
+                raise call.refused()
             outcome = call.missed() if answer is None else call.settle(*answer)
             if isinstance(outcome, _Retry):
                 await asyncio.sleep(outcome.delay)
@@ -324,8 +373,8 @@ class AsyncClient:
                     if waiter is not None and not waiter.done():
                         waiter.set_result((header, outputs))
                 else:
-                    event = parse_monitor_message(await self._monitor.recv_multipart())
-                    if event["event"] == zmq.EVENT_DISCONNECTED:
-                        for waiter in self._waiting.values():
-                            if not waiter.done():
-                                waiter.set_result(None)
+                    event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
+                    outcome = _REFUSED if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else None
+                    for waiter in self._waiting.values():
+                        if not waiter.done():
+                            waiter.set_result(outcome)

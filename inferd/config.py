@@ -52,6 +52,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "/var/lib/inferd (a user who cannot write it: ~/.local/state/inferd)",
         ),
     ] = None
+    curve_secret_key: Annotated[
+        str,
+        _doc('CURVE for tcp endpoints: the server\'s secret key file (made by `inferctl keygen`); "" turns CURVE off.'),
+    ] = ""
+    curve_authorized_keys: Annotated[
+        str,
+        _doc("With CURVE: the folder of client public key files allowed to connect; others are refused."),
+    ] = ""
     max_message_mb: Annotated[
         float, Meta(gt=0, le=4096), _doc("Largest request accepted, in MiB; larger ones are answered `invalid`.")
     ] = 64
@@ -91,8 +99,14 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
     batch_timeout_s: Annotated[
         float,
         Meta(gt=0),
-        _doc("A batch running longer than this means its worker is hung; the systemd watchdog stops until it ends."),
+        _doc("A batch running longer than this means its worker is hung: it is aborted and replaced "
+             "(and the systemd watchdog pauses meanwhile)."),
     ] = 60
+    max_restarts: Annotated[
+        int,
+        Meta(ge=0),
+        _doc("A worker that dies more often than this within a minute is given up (shown in status)."),
+    ] = 5
     leak_warn_mb: Annotated[
         float,
         Meta(gt=0),
@@ -114,6 +128,12 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_size: Annotated[
         int, Meta(ge=1, le=1_000_000), _doc("Requests waiting at most, over all models; more are answered `overloaded`.")
     ] = 1024
+    max_per_client: Annotated[
+        int,
+        Meta(ge=0),
+        _doc("Requests one connection may have waiting (0: no cap); more are answered `overloaded`, "
+             "so one client flooding cannot starve the others."),
+    ] = 512
     default_timeout_ms: Annotated[
         int, Meta(ge=1), _doc("Deadline of a request whose header gives no timeout_ms, in milliseconds.")
     ] = 1000
@@ -210,6 +230,14 @@ def _check_inputs(value: tuple[InputSpec, ...]) -> str | None:
     return f"unknown dtype {bad[0]!r}; known: {', '.join(DTYPES)}" if bad else None
 
 
+def _check_file(value: str) -> str | None:
+    return None if value == "" or Path(value).is_file() else f"{value!r} is not a file"
+
+
+def _check_folder(value: str) -> str | None:
+    return None if value == "" or Path(value).is_dir() else f"{value!r} is not a folder"
+
+
 def _check_version(value: str) -> str | None:
     if value in ("", ".", "..") or "/" in value or "\\" in value:
         return f"{value!r} is not a version folder name"
@@ -223,6 +251,8 @@ CHECKS: dict[tuple[type, str], Callable[[Any], Union[str, None]]] = {
     (ServerConfig, "listen"): _check_listen,
     (ServerConfig, "control"): lambda v: None if v is None else _check_endpoint(v),
     (ServerConfig, "metrics"): _check_metrics,
+    (ServerConfig, "curve_secret_key"): _check_file,
+    (ServerConfig, "curve_authorized_keys"): _check_folder,
     (WorkersConfig, "devices"): _check_devices,
     (ModelConfig, "inputs"): _check_inputs,
     (ModelConfig, "version"): _check_version,
@@ -317,6 +347,8 @@ def parse(raw: dict[str, Any], source: str | None = None) -> Config:
                 models[name] = model
     if problems:
         raise ConfigError(problems)
+    if bool(server.curve_secret_key) != bool(server.curve_authorized_keys):
+        raise ConfigError(["server.curve_secret_key and server.curve_authorized_keys go together: set both or neither"])
     server = msgspec.structs.replace(
         server, state_dir=state_dir, control=server.control or paths.default_control()
     )

@@ -7,12 +7,13 @@ import threading
 import pytest
 
 from inferd.protocol import RequestHeader, TensorMeta
-from inferd.supervisor.batcher import EXPIRED, TAKEN, BatchQueue, ModelPolicy, QueuedRequest
+from inferd.supervisor.batcher import CLIENT_FULL, EXPIRED, FULL, TAKEN, BatchQueue, ModelPolicy, QueuedRequest
 
 
-def request(model: str = "a", samples: int = 1, received: float = 0.0, timeout: float = 10.0, rid: int = 0):
+def request(model: str = "a", samples: int = 1, received: float = 0.0, timeout: float = 10.0, rid: int = 0,
+            client: str = "c"):
     header = RequestHeader(id=rid, model=model, inputs=(TensorMeta("float32", (samples, 2)),))
-    return QueuedRequest(header, [b""], None, samples, received, received + timeout)
+    return QueuedRequest(header, [b""], None, client, samples, received, received + timeout)
 
 
 def cap(idle: bool, spare: bool):
@@ -26,9 +27,22 @@ def queue(max_size: int = 100, **policies: ModelPolicy) -> BatchQueue:
 
 def test_put_refuses_beyond_max_size_and_changes_nothing():
     q = queue(max_size=3)
-    assert all(q.put(request(rid=i)) for i in range(3))
-    assert not q.put(request(rid=99))
+    assert all(q.put(request(rid=i)) is None for i in range(3))
+    assert q.put(request(rid=99)) == FULL
     assert len(q) == 3 and q.depth("a") == 3
+
+
+def test_one_client_cannot_take_more_than_its_share():
+    q = BatchQueue(100, {"a": ModelPolicy(4, 0.0)}, max_per_client=2)
+    assert q.put(request(client="flood")) is None and q.put(request(client="flood")) is None
+    assert q.put(request(client="flood")) == CLIENT_FULL
+    assert q.put(request(client="other")) is None, "another client still gets in"
+    q.take(cap(True, True), 0.0)
+    assert q.queued_by("flood") == 0 and q.queued_by("other") == 0
+    assert q.put(request(client="flood")) is None, "taken requests no longer count"
+    q.put(request(client="x", timeout=0.001))
+    q.expire(1.0)
+    assert q.queued_by("x") == 0
 
 
 def test_an_idle_executor_takes_a_lone_request_at_once():
@@ -127,7 +141,7 @@ def test_concurrent_producers_and_a_consumer_lose_and_duplicate_nothing():
 
     def produce(offset: int) -> None:
         for i in range(1000):
-            while not q.put(request("ab"[i % 2], rid=offset + i)):
+            while q.put(request("ab"[i % 2], rid=offset + i)) is not None:
                 pass
 
     def consume() -> None:

@@ -218,7 +218,7 @@ def test_a_slow_model_does_not_hold_up_a_fast_one(shared_daemon):
     x_slow = np.ones((4, 64), dtype=np.float32)  # a whole batch each
     x_fast = np.ones((1, models.MLP_IN), dtype=np.float32)
     with shared_daemon.client() as flood, shared_daemon.client() as fast:
-        slow = [flood.submit("slow", x_slow) for _ in range(1000)]  # the queue holds 1024
+        slow = [flood.submit("slow", x_slow) for _ in range(500)]  # under queue.max_per_client
         slow[0].result()  # the daemon is working through the backlog
         fast.infer("mlp", x_fast)
         done = sum(f.done() for f in slow)

@@ -47,10 +47,15 @@ class RawPeer:
         self.send_frames([msgspec.json.encode(body), *(np.ascontiguousarray(a).tobytes() for a in arrays)])
 
     def recv(self, timeout: float = 20.0) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """The next reply: its header as a dict, and its outputs as arrays."""
+        """The next reply: its header as a dict, and its outputs as arrays.
+
+        The empty delimiter a REQ-style message starts with comes back first; it is skipped.
+        """
         if not self.socket.poll(int(timeout * 1000)):
             raise AssertionError(f"no reply within {timeout} s")
         frames = self.socket.recv_multipart()
+        if frames[0] == b"" and len(frames) > 1:
+            frames = frames[1:]
         header = msgspec.json.decode(frames[0])
         outputs = [
             np.frombuffer(frame, dtype=protocol.DTYPES[meta["dtype"]]).reshape(meta["shape"])

@@ -13,8 +13,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,8 @@ from inferd.protocol import Buffer, RequestHeader
 
 # A request's life in the queue; a request leaves exactly once.
 WAITING, TAKEN, EXPIRED = range(3)
+# Why put() refused a request.
+FULL, CLIENT_FULL = "full", "client_full"
 
 
 @dataclass(eq=False)
@@ -31,6 +33,7 @@ class QueuedRequest:
     header: RequestHeader
     buffers: list[Buffer]
     reply_to: Any  # the frontend's routing of the reply; opaque here
+    client: Hashable  # the connection it came on, for the per-client cap
     samples: int
     received: float
     deadline: float
@@ -56,8 +59,10 @@ class _ModelQueue:
 class BatchQueue:
     """A bounded, lock-protected queue of requests, one lane per model."""
 
-    def __init__(self, max_size: int, policies: dict[str, ModelPolicy]) -> None:
+    def __init__(self, max_size: int, policies: dict[str, ModelPolicy], max_per_client: int = 0) -> None:
         self.max_size = max_size
+        self.max_per_client = max_per_client
+        self._per_client: Counter[Hashable] = Counter()
         self._lanes = {name: _ModelQueue(policy) for name, policy in policies.items()}
         self._order = list(policies)
         self._next_lane = 0
@@ -66,10 +71,11 @@ class BatchQueue:
         self._size = 0
         self._lock = threading.Lock()
 
-    def configure(self, max_size: int, policies: dict[str, ModelPolicy]) -> None:
+    def configure(self, max_size: int, max_per_client: int, policies: dict[str, ModelPolicy]) -> None:
         """New bounds and knobs, applied from the next request on; a new model gets its lane."""
         with self._lock:
             self.max_size = max_size
+            self.max_per_client = max_per_client
             for name, policy in policies.items():
                 if name in self._lanes:
                     self._lanes[name].policy = policy
@@ -84,21 +90,24 @@ class BatchQueue:
         """Requests waiting for `model`."""
         return len(self._lanes[model].requests)
 
-    def put(self, request: QueuedRequest) -> bool:
-        """Enqueue; False (and nothing changed) when the queue is full."""
+    def put(self, request: QueuedRequest) -> str | None:
+        """Enqueue, or (changing nothing) say why not: FULL, or CLIENT_FULL for a client at its cap."""
         with self._lock:
             if self._size >= self.max_size:
-                return False
+                return FULL
+            if self.max_per_client and self._per_client[request.client] >= self.max_per_client:
+                return CLIENT_FULL
             lane = self._lanes[request.header.model]
             lane.requests.append(request)
             lane.samples += request.samples
             self._size += 1
+            self._per_client[request.client] += 1
             heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
             if len(self._deadlines) > 2 * self.max_size + 1024:
                 # Long deadlines of requests long gone pile up below the top; rebuild.
                 self._deadlines = [entry for entry in self._deadlines if entry[2].state == WAITING]
                 heapq.heapify(self._deadlines)
-            return True
+            return None
 
     def expire(self, now: float) -> list[QueuedRequest]:
         """Remove and return every waiting request whose deadline is at or before `now`."""
@@ -112,6 +121,7 @@ class BatchQueue:
                 lane.requests.remove(request)
                 lane.samples -= request.samples
                 self._size -= 1
+                self._left(request)
                 request.state = EXPIRED
                 expired.append(request)
             self._drop_settled_deadlines()
@@ -158,6 +168,7 @@ class BatchQueue:
                 lane.samples = 0
             for request in drained:
                 request.state = TAKEN
+            self._per_client.clear()
             self._size = 0
             self._deadlines.clear()
         return drained
@@ -176,12 +187,24 @@ class BatchQueue:
         while lane.requests and samples + lane.requests[0].samples <= limit:
             request = lane.requests.popleft()
             request.state = TAKEN
+            self._left(request)
             samples += request.samples
             batch.append(request)
         lane.samples -= samples
         self._size -= len(batch)
         self._drop_settled_deadlines()
         return batch
+
+    def queued_by(self, client: Hashable) -> int:
+        """Requests `client` has waiting."""
+        return self._per_client[client]
+
+    def _left(self, request: QueuedRequest) -> None:
+        count = self._per_client[request.client] - 1
+        if count:
+            self._per_client[request.client] = count
+        else:
+            del self._per_client[request.client]
 
     def _drop_settled_deadlines(self) -> None:
         # Entries of requests that already left sit in the heap until they reach

@@ -15,20 +15,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import zmq
+import zmq.auth
 
 from inferd import protocol
 from inferd.config import Config, ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.ipc.sockets import readable, recv_parts, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
-from inferd.supervisor.batcher import BatchQueue, QueuedRequest
+from inferd.supervisor.batcher import FULL, BatchQueue, QueuedRequest
 from inferd.supervisor.stats import Stats
 
 log = logging.getLogger("inferd.frontend")
 
 BURST = 256  # messages read per readiness, so one busy socket cannot starve the others
-SEND_HWM = 100_000  # replies queued per client before its replies are dropped
-RECV_HWM = 100_000
+# A client that stops reading gets this many replies queued, then its replies are
+# dropped (and counted): its memory cost to the daemon is bounded.
+SEND_HWM = 1000
+RECV_HWM = 1000  # and a client that floods gets TCP backpressure, not daemon memory
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,19 @@ class ReplyTo:
 
     socket: zmq.Socket
     envelope: list[bytes]
+
+
+def _loopback(endpoint: str) -> bool:
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def load_curve_secret(path: str) -> bytes:
+    """The secret key in a key file written by `inferctl keygen` (zmq.auth's format)."""
+    _, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(f"{path} holds no secret key (use the .key_secret file)")
+    return secret
 
 
 def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig, live: str) -> int:
@@ -90,17 +106,26 @@ class Frontend:
         self.default_timeout_s = config.queue.default_timeout_ms / 1000
 
     def bind(self) -> None:
-        """Bind a ROUTER on every `server.listen` endpoint."""
-        for endpoint in self.config.server.listen:
+        """Bind a ROUTER on every `server.listen` endpoint; tcp ones with CURVE when it is configured."""
+        server = self.config.server
+        secret = load_curve_secret(server.curve_secret_key) if server.curve_secret_key else None
+        for endpoint in server.listen:
             socket = self._context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
             socket.setsockopt(zmq.SNDHWM, SEND_HWM)
             socket.setsockopt(zmq.RCVHWM, RECV_HWM)
             socket.setsockopt(zmq.MAXMSGSIZE, self.hard_limit)
             socket.linger = 0
+            tcp = endpoint.startswith("tcp://")
+            if tcp and secret is not None:
+                socket.curve_secretkey = secret
+                socket.curve_server = True
             socket.bind(endpoint)
             self.sockets.append(socket)
-            log.info("listening on %s", endpoint)
+            if tcp and secret is None and not _loopback(endpoint):
+                log.warning("%s is reachable from the network without authentication; "
+                            "set server.curve_secret_key and server.curve_authorized_keys", endpoint)
+            log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and secret is not None else "")
 
     def close(self) -> None:
         """Close every client socket."""
@@ -140,12 +165,16 @@ class Frontend:
             self.send_error(reply_to, header.id, protocol.UNAVAILABLE, refusal, header.model)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
-        queued = QueuedRequest(header, request.buffers, reply_to, samples, now, now + timeout)
-        if not self.queue.put(queued):
-            self.send_error(
-                reply_to, header.id, protocol.OVERLOADED,
-                f"the queue is full ({self.queue.max_size} requests); retry later", header.model,
+        client = (id(reply_to.socket), reply_to.envelope[0])
+        queued = QueuedRequest(header, request.buffers, reply_to, client, samples, now, now + timeout)
+        refused = self.queue.put(queued)
+        if refused is not None:
+            reason = (
+                f"the queue is full ({self.queue.max_size} requests); retry later" if refused == FULL else
+                f"this connection already has {self.queue.max_per_client} requests waiting "
+                "(queue.max_per_client); retry later"
             )
+            self.send_error(reply_to, header.id, protocol.OVERLOADED, reason, header.model)
             return
         self.stats.queue_depth(now, header.model, self.live[header.model], self.queue.depth(header.model))
 

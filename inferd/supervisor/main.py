@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from inferd import __version__, paths, protocol
 from inferd import config as config_module
@@ -100,10 +101,11 @@ class Supervisor:
         self.workers: WorkerTable | None = None
         self.dispatcher: Dispatcher | None = None
         self.metrics: MetricsServer | None = None
+        self.authenticator: ThreadAuthenticator | None = None
         self.reload: ReloadManager | None = None
         self.backend: zmq.Socket | None = None
         self.backend_path: Path | None = None
-        self.queue = BatchQueue(config.queue.max_size, _policies(config))
+        self.queue = BatchQueue(config.queue.max_size, _policies(config), config.queue.max_per_client)
         self.stats = Stats(self.started)
         self.probes = Probes()
         self.exit_code = 0
@@ -163,6 +165,11 @@ class Supervisor:
 
         self.frontend = Frontend(self.context, config, self.queue, self.stats)
         self.frontend.live = self.live
+        if config.server.curve_authorized_keys:
+            # ZAP: only clients whose public key is in the folder complete the CURVE handshake.
+            self.authenticator = ThreadAuthenticator(self.context)
+            self.authenticator.start()
+            self.authenticator.configure_curve(domain="*", location=config.server.curve_authorized_keys)
         try:
             self.control = ControlServer(self.context, config.server.control, Commands(self), self.frontend)
             self.frontend.bind()
@@ -202,6 +209,9 @@ class Supervisor:
                        self._watchdog.wait(now) or TICK_S)
             if self.dispatcher.sending:
                 wait = min(wait, SENDING_CHECK_S)
+            oldest = self.dispatcher.oldest()
+            if oldest is not None:  # wake when it would count as hung
+                wait = min(wait, max(0.0, oldest.started + self.config.workers.batch_timeout_s - now) + 0.001)
             events = self._poll(wait)
             # Signals first: a request that arrives with a SIGTERM is already refused.
             for target, _ in sorted(events, key=lambda event: event[0] != self._wakeup_r.fileno()):
@@ -303,7 +313,7 @@ class Supervisor:
         oldest = self.dispatcher.oldest()
         stuck = oldest if oldest is not None and now - oldest.started > self.config.workers.batch_timeout_s else None
         stall = None if stuck is None else (
-            f"batch {stuck.id} of {stuck.model} on worker{stuck.executor.worker.index} has run longer than "
+            f"batch {stuck.id} of {stuck.model} on worker{stuck.executor.worker.index} ran longer than "
             f"workers.batch_timeout_s ({self.config.workers.batch_timeout_s:g} s)")
         changed = stall != self._stall
         if changed:
@@ -312,7 +322,9 @@ class Supervisor:
             else:
                 log.info("watchdog pings resume")
             self._stall = stall
-        if stall is None:
+        if stuck is not None:
+            self.workers.abort_hung(stuck.executor.worker, stall, now)
+        else:
             self._watchdog.ping(now)
         if now >= self._next_status or changed:
             replies = sum(self.frontend.replies.values())
@@ -513,7 +525,7 @@ class Supervisor:
         """Hand a new config to every part that reads one."""
         self.config = config
         self._spin_s = config.server.spin_us / 1e6
-        self.queue.configure(config.queue.max_size, _policies(config))
+        self.queue.configure(config.queue.max_size, config.queue.max_per_client, _policies(config))
         self.frontend.configure(config)
         self.dispatcher.config = config
         self.workers.config = config
@@ -539,6 +551,8 @@ class Supervisor:
             self.frontend.close()
         if self.control is not None:
             self.control.close()
+        if self.authenticator is not None:
+            self.authenticator.stop()
         if self.backend is not None:
             self.backend.close(linger=0)
             self.backend_path.unlink(missing_ok=True)

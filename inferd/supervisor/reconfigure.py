@@ -20,7 +20,9 @@ LIVE_KEYS = {
     "server.spin_us",
     "workers.reload_memory_factor",
     "workers.batch_timeout_s",
+    "workers.max_restarts",
     "queue.max_size",
+    "queue.max_per_client",
     "queue.default_timeout_ms",
 }
 LIVE_MODEL_KEYS = {"max_batch_size", "max_wait_ms", "warmup_batch_sizes", "version"}

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -26,14 +27,15 @@ from inferd.ipc import messages
 from inferd.ipc.arena import Arena, SlotPool
 from inferd.ipc.messages import LoadedModel
 from inferd.ipc.sockets import send_parts
-from inferd.worker.main import EXIT_BOOT_ERROR, WorkerSpec, worker_main
+from inferd.worker.main import WorkerSpec, worker_main
 
 log = logging.getLogger("inferd.workers")
 
 BOOTING, READY, STOPPING, DEAD, FAILED = "booting", "ready", "stopping", "dead", "failed"
 PIPELINE_DEPTH = 2  # batches an executor may hold: one running, one waiting behind it
-MAX_BOOT_FAILURES = 5
+CRASH_WINDOW_S = 60.0  # deaths counted against workers.max_restarts within this window
 MAX_BACKOFF_S = 30.0
+ABORT_GRACE_S = 2.0  # a hung worker gets SIGABRT, then SIGKILL this much later
 STOP_TIMEOUT_S = 10.0
 
 _spawn = multiprocessing.get_context("spawn")
@@ -69,10 +71,12 @@ class WorkerHandle:
     respawn_at: float = 0.0
     restarts: int = 0
     batches: int = 0
-    failures: int = 0
     last_error: str = ""
     give_up: bool = False
     stopping_since: float = 0.0
+    deaths: deque = field(default_factory=deque)  # times of its recent unexpected exits
+    hung: str | None = None  # why it is being aborted as hung
+    hung_since: float = 0.0
     memory: int = 0  # after its last batch: device bytes allocated on a GPU, resident bytes on the CPU
     reserved: int = 0  # GPU allocator's reserved bytes
     memory_baseline: int | None = None  # `memory` after warm-up; None until a batch sets it
@@ -164,7 +168,6 @@ class WorkerTable:
         if isinstance(message, messages.Ready) and worker.state == BOOTING:
             worker.loaded = {(name, m.version): m for name, m in message.models.items()}
             worker.state = READY
-            worker.failures = 0
             log.info("worker%d ready on %s (pid %d)", worker.index, worker.device, message.pid)
             return worker
         if isinstance(message, messages.BootFailed):
@@ -236,18 +239,39 @@ class WorkerTable:
             worker.state = DEAD
             log.info("worker%d exited (%s)", worker.index, reason)
             return reason
-        if was in (BOOTING, STOPPING) or code == EXIT_BOOT_ERROR:
-            worker.failures += 1
-        if not retry or worker.give_up or worker.failures >= MAX_BOOT_FAILURES:
+        if worker.hung:
+            reason = f"{worker.hung}; it was killed ({reason})"
+            worker.last_error, worker.hung = worker.hung, None
+        worker.deaths.append(now)
+        while worker.deaths and now - worker.deaths[0] > CRASH_WINDOW_S:
+            worker.deaths.popleft()
+        crashes = len(worker.deaths)
+        if not retry or worker.give_up or crashes > self.config.workers.max_restarts:
             worker.state = FAILED
-            log.error("worker%d given up: %s", worker.index, worker.last_error or reason)
+            why = "it cannot start" if not retry else f"{crashes} deaths within {CRASH_WINDOW_S:g} s"
+            log.error("worker%d given up (%s): %s", worker.index, why, worker.last_error or reason)
             return reason
         worker.restarts += 1
-        delay = min(MAX_BACKOFF_S, 0.5 * 2 ** worker.failures) if worker.failures else 0.0
+        # The first death restarts at once; a worker that keeps dying waits longer each time.
+        delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2)) if crashes > 1 else 0.0
         worker.state = DEAD
         worker.respawn_at = now + delay
         log.error("worker%d (%s) died: %s; restarting in %.1f s", worker.index, was, reason, delay)
         return reason
+
+    def abort_hung(self, worker: WorkerHandle, why: str, now: float) -> None:
+        """A worker stuck in a batch: SIGABRT (its Python stacks go to the log), then SIGKILL."""
+        if worker.process is None or worker.process.pid is None:
+            return
+        if worker.hung is None:
+            worker.hung, worker.hung_since = why, now
+            log.error("worker%d is hung: %s; aborting it", worker.index, why)
+            try:
+                os.kill(worker.process.pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        elif now - worker.hung_since > ABORT_GRACE_S:
+            self.kill(worker)
 
     def housekeeping(self, now: float, respawn: bool) -> None:
         """Kill workers that boot too long; respawn dead ones whose backoff has passed."""

@@ -22,6 +22,7 @@ from inferd.ipc import messages
 from inferd.ipc.arena import Arena, align_up
 from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RunBatch, TensorRef
 from inferd.protocol import DTYPES
+from inferd.worker.main import EXIT_CUDA_ERROR
 from inferd.worker.runner import DTYPE_NAMES, ModelRunner, describe_error
 
 log = logging.getLogger("inferd.worker.executor")
@@ -88,6 +89,12 @@ class Executor(threading.Thread):
         except Exception as exc:
             error = describe_error(exc)
             log.error("batch %d of %s %s failed: %s", batch.batch_id, batch.model, batch.version, error)
+            if self.stream is not None and "CUDA error" in str(exc):
+                # A CUDA error poisons the context for every later call: leave, and
+                # let the supervisor answer what ran here and start a clean worker.
+                log.error("CUDA error: exiting so that a fresh worker takes over")
+                logging.shutdown()
+                os._exit(EXIT_CUDA_ERROR)
             return BatchFailed(batch.batch_id, error)
         compute_us = int((time.perf_counter() - started) * 1e6)
         return BatchDone(batch.batch_id, outputs, compute_us, *self.memory())

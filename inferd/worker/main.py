@@ -29,6 +29,7 @@ log = logging.getLogger("inferd.worker")
 
 EXIT_BOOT_ERROR = 3
 EXIT_PARENT_GONE = 4
+EXIT_CUDA_ERROR = 5
 LOADER_NICENESS = 10
 TRIM_CHECK_MS = 1000
 
@@ -92,6 +93,9 @@ def worker_main(encoded_spec: bytes) -> None:
     # Written from the signal handler itself, so a worker stuck inside a model still answers.
     stacks = open(spec.stacks, "a")  # noqa: SIM115 - open for the life of the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # A hung worker is aborted with SIGABRT; a crash (SIGSEGV, ...) kills it: either way its
+    # Python stacks go to stderr, so the log says where it was.
+    faulthandler.enable(all_threads=True)
     context = zmq.Context()
     control = context.socket(zmq.DEALER)
     control.linger = 1000

@@ -1,0 +1,207 @@
+"""Faults, overload, hostile input and access control, against the real daemon."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import models
+import msgspec
+import numpy as np
+import pytest
+from conftest import MLP, free_port
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from wire import RawPeer
+
+from inferd import Client, RetryPolicy, Timeout, Unavailable
+
+BIN = Path(sys.executable).parent
+TWO = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
+X2 = np.ones((1, 2), dtype=np.float32)
+X_MLP = np.ones((1, models.MLP_IN), dtype=np.float32)
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "the condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_a_hung_worker_is_aborted_replaced_and_its_requests_answered(start_daemon):
+    daemon = start_daemon({"stuck": TWO, "mlp": MLP}, workers={"batch_timeout_s": 0.2, "streams": 1})
+    old = daemon.status()["workers"][0]
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "stuck", [X2])
+        started = time.monotonic()
+        header = peer.recv(timeout=10)[0]
+    assert header["status"] == "internal"
+    assert "ran longer than workers.batch_timeout_s" in header["error"], header["error"]
+    assert time.monotonic() - started < 5
+    daemon.wait_healthy(60)
+    new = daemon.status()["workers"][0]
+    assert new["pid"] != old["pid"] and new["restarts"] == 1
+    with daemon.client() as client:
+        assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
+    log = daemon.log()
+    assert "is hung" in log and "Fatal Python error: Aborted" in log, "the hung worker's stacks were not logged"
+
+
+def test_a_segfaulting_worker_fails_only_what_it_ran_and_comes_back(start_daemon):
+    daemon = start_daemon({"slow": {**MLP, "inputs": [{"dtype": "float32", "shape": [64]}]}, "mlp": MLP},
+                          workers={"streams": 1})
+    pid = daemon.status()["workers"][0]["pid"]
+    with RawPeer(daemon.endpoint) as peer:
+        for i in range(30):
+            peer.send(i, "slow", [np.ones((16, 64), dtype=np.float32)])
+        time.sleep(0.1)
+        os.kill(pid, signal.SIGSEGV)
+        killed = time.monotonic()
+        replies = [peer.recv()[0] for _ in range(30)]
+        answered = time.monotonic()
+    statuses = {r["status"] for r in replies}
+    assert "internal" in statuses and statuses <= {"ok", "internal", "unavailable"}
+    assert answered - killed < 5
+    assert any("killed by signal 11" in r.get("error", "") for r in replies)
+    daemon.wait_healthy(60)
+    with daemon.client() as client:
+        assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
+
+
+def test_a_crash_looping_worker_is_given_up_and_the_others_serve_on(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, workers={"devices": ["cpu", "cpu"], "max_restarts": 2})
+    deaths = 0
+    deadline = time.monotonic() + 60
+    while daemon.status()["workers"][1]["state"] != "failed":
+        assert time.monotonic() < deadline, daemon.status()
+        pid = daemon.status()["workers"][1]["pid"]
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                deaths += 1
+            except ProcessLookupError:
+                pass
+            wait_for(lambda p=pid: daemon.status()["workers"][1]["pid"] != p, what="a replacement")
+        time.sleep(0.05)
+    assert deaths == 3
+    status = daemon.status()["workers"]
+    assert status[0]["state"] == "ready" and status[1]["state"] == "failed"
+    assert "given up (3 deaths within 60 s)" in daemon.log()
+    assert daemon.call("health")["healthy"], "worker0 still serves every model"
+    with daemon.client() as client:
+        assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
+
+
+def test_one_flooding_client_does_not_starve_another(start_daemon):
+    daemon = start_daemon({"sleepy": TWO}, queue={"max_per_client": 5, "max_size": 100}, workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as flood, RawPeer(daemon.endpoint) as polite:
+        for i in range(40):
+            flood.send(i, "sleepy", [X2])
+        time.sleep(0.2)
+        polite.send("mine", "sleepy", [X2])
+        mine = polite.recv()[0]
+        flooded = [flood.recv()[0] for _ in range(40)]
+    assert mine["status"] == "ok"
+    overloaded = [r for r in flooded if r["status"] == "overloaded"]
+    assert overloaded and all("queue.max_per_client" in r["error"] for r in overloaded)
+    assert {r["status"] for r in flooded} == {"ok", "overloaded"}
+
+
+def test_binding_beyond_loopback_without_curve_warns(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, server={"listen": [f"tcp://0.0.0.0:{free_port()}"]})
+    assert "reachable from the network without authentication" in daemon.log()
+
+
+def test_the_control_socket_is_owner_and_group_only(start_daemon):
+    daemon = start_daemon({"mlp": MLP})
+    mode = stat.S_IMODE(os.stat(daemon.control[len("ipc://"):]).st_mode)
+    assert mode == 0o660
+
+
+@pytest.mark.parametrize("version", ["../mlp", "v1/../v2", ".."])
+def test_a_version_that_leaves_the_repository_is_refused(start_daemon, version):
+    daemon = start_daemon({"mlp": MLP})
+    result = subprocess.run([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version", version],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "is not a version name" in result.stderr, result.stderr
+    assert daemon.status()["models"]["mlp"]["live_version"] == "v2"
+
+
+def keygen(folder: Path, name: str) -> tuple[Path, Path]:
+    result = subprocess.run([str(BIN / "inferctl"), "keygen", str(folder), "--name", name],
+                            capture_output=True, text=True, check=True)
+    assert "public key" in result.stdout
+    public, secret = folder / f"{name}.key", folder / f"{name}.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    return public, secret
+
+
+def test_curve_lets_authorized_clients_in_and_keeps_others_out(start_daemon, workdir):
+    keys = workdir / "keys"
+    server_public, server_secret = keygen(keys, "server")
+    _, client_secret = keygen(keys, "client")
+    _, stranger_secret = keygen(workdir / "stranger", "stranger")
+    authorized = workdir / "authorized"
+    authorized.mkdir()
+    (authorized / "client.key").write_bytes((keys / "client.key").read_bytes())
+    daemon = start_daemon({"mlp": MLP}, server={"curve_secret_key": str(server_secret),
+                                                "curve_authorized_keys": str(authorized)})
+    assert "(CURVE)" in daemon.log()
+    with Client(daemon.endpoint, timeout=10, server_key=server_public, client_key=client_secret) as client:
+        assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
+    with Client(daemon.endpoint, timeout=5, server_key=server_public, client_key=stranger_secret) as client:
+        with pytest.raises(Unavailable, match="refused this client's CURVE key"):
+            client.infer("mlp", X_MLP)
+    # Without CURVE the handshake cannot even start: no reply comes, whatever the retries.
+    with Client(daemon.endpoint, timeout=1.5, retry=RetryPolicy(max_attempts=1)) as client:
+        with pytest.raises((Timeout, Unavailable)):
+            client.infer("mlp", X_MLP)
+
+
+def test_curve_keys_must_come_in_pairs(workdir):
+    from inferd import config
+
+    model = {"m": {"inputs": [{"dtype": "float32", "shape": [1]}]}}
+    with pytest.raises(config.ConfigError, match="go together"):
+        config.parse({"server": {"curve_authorized_keys": str(workdir)}, "models": model})
+    with pytest.raises(config.ConfigError, match="is not a file"):
+        config.parse({"server": {"curve_secret_key": str(workdir / "none"), "curve_authorized_keys": str(workdir)},
+                      "models": model})
+
+
+frames = st.lists(
+    st.one_of(
+        st.binary(max_size=64),
+        st.builds(lambda d: msgspec.json.encode(d), st.dictionaries(
+            st.sampled_from(["id", "model", "inputs", "version", "timeout_ms", "x"]),
+            st.one_of(st.integers(-2**70, 2**70), st.text(max_size=5), st.none(),
+                      st.just([{"dtype": "float32", "shape": [1, 16]}]),
+                      st.lists(st.dictionaries(st.sampled_from(["dtype", "shape"]),
+                                               st.one_of(st.text(max_size=8), st.lists(st.integers(-5, 2**40),
+                                                                                       max_size=4))),
+                               max_size=3)),
+            max_size=6)),
+        st.just(b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 16]}]}'),
+        st.just(np.zeros((1, 16), dtype=np.float32).tobytes()),
+    ),
+    min_size=1, max_size=5,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(message=frames)
+@example(message=[b""])  # a REQ delimiter and nothing after it
+def test_any_message_gets_exactly_one_reply_and_the_daemon_serves_on(shared_daemon, message):
+    with RawPeer(shared_daemon.endpoint) as peer:
+        peer.send_frames(message)
+        header, _ = peer.recv(timeout=10)
+        assert header["status"] in ("ok", "invalid"), header
+        assert peer.nothing_more(0.05)
+        peer.send("check", "mlp", [X_MLP])
+        assert peer.recv()[0]["status"] == "ok"
