@@ -1,11 +1,13 @@
 """Python clients of inferd: `Client` (threads) and `AsyncClient` (asyncio).
 
-Both keep many requests in flight on one DEALER socket and match replies by id.
-`timeout` is a call's whole deadline, retries included; each attempt sends the
-time left as the header's `timeout_ms`. Retries happen on `overloaded`,
-`unavailable` and on a reply missed because the connection dropped, with
-exponential backoff and jitter, and never once the deadline cannot be met. A
-retry reuses the request id, so whichever reply arrives first wins.
+A client keeps many requests in flight and matches replies by id. It takes one
+endpoint, several, or a host name that resolves to several (endpoints.py
+spreads the requests and tracks each daemon's health). `timeout` is a call's
+whole deadline, retries included; each attempt sends the time left as the
+header's `timeout_ms`. Retries happen on `overloaded`, `unavailable` and on a
+reply lost because a connection dropped, with exponential backoff and jitter,
+on another endpoint where there is one, and never once the deadline cannot be
+met. A retry reuses the request id, so whichever reply arrives first wins.
 """
 
 from __future__ import annotations
@@ -19,27 +21,22 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
 import zmq
-import zmq.asyncio
 import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
 from inferd import protocol
+from inferd.endpoints import Endpoint, EndpointPool, Resolver
 from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
 
 Array = Any  # a numpy array, or a torch tensor on any device
 Outputs = Union[np.ndarray, tuple[np.ndarray, ...]]
 RETRY_STATUSES = frozenset({protocol.OVERLOADED, protocol.UNAVAILABLE})
-# Connection events: a dropped connection or a refused CURVE key end a call's wait;
-# a handshake that succeeds clears the refusal.
-MONITORED = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED
-RESEND_S = 0.01  # how soon a send that found no connection is tried again
-_REFUSED = object()
 
 
 @dataclass(frozen=True)
@@ -80,6 +77,9 @@ class _Call:
 
     def __init__(self, request_id: int, model: str, arrays: list[np.ndarray], version: str | None,
                  timeout: float, policy: RetryPolicy) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.endpoint: Endpoint | None = None  # where the current attempt is in flight
+        self.avoid: Endpoint | None = None  # where the last attempt failed: elsewhere first
         self.id = request_id
         self.model = model
         self.arrays = arrays
@@ -115,9 +115,10 @@ class _Call:
         return Unavailable("the daemon refused this client's CURVE key (is its public key in the daemon's "
                            "server.curve_authorized_keys folder?)", self.id)
 
-    def expired(self) -> Timeout:
-        """The error of a call whose deadline passed with no reply."""
-        return Timeout(f"no reply within {self.timeout:g} s", self.id)
+    def expired(self, unreachable: str | None = None) -> Timeout:
+        """The error of a call whose deadline passed with no reply (and why, if no daemon could be reached)."""
+        reason = f": no daemon reachable at {unreachable}" if unreachable else ""
+        return Timeout(f"no reply within {self.timeout:g} s{reason}", self.id)
 
     def _retry(self) -> _Retry | None:
         if self.attempts >= self.policy.max_attempts:
@@ -136,33 +137,42 @@ def _decode(frames: list[zmq.Frame]) -> tuple[protocol.ReplyHeader, list[np.ndar
 KeyFile = Union[str, "os.PathLike[str]"]
 
 
-def _connect(socket: zmq.Socket, endpoints: str | Sequence[str], server_key: KeyFile | None,
-             client_key: KeyFile | None) -> None:
-    socket.linger = 0
+def _curve(server_key: KeyFile | None, client_key: KeyFile | None) -> Callable[[zmq.Socket], None]:
+    """What to do to each new socket so that it speaks CURVE (nothing, without keys)."""
     if (server_key is None) != (client_key is None):
         raise ValueError("CURVE needs both server_key (the server's public key file) and client_key "
                          "(this client's secret key file)")
-    if server_key is not None:
-        socket.curve_serverkey = zmq.auth.load_certificate(server_key)[0]
-        public, secret = zmq.auth.load_certificate(client_key)
-        if secret is None:
-            raise ValueError(f"{client_key} holds no secret key (use the .key_secret file)")
+    if server_key is None:
+        return lambda socket: None
+    server_public = zmq.auth.load_certificate(server_key)[0]
+    public, secret = zmq.auth.load_certificate(client_key)
+    if secret is None:
+        raise ValueError(f"{client_key} holds no secret key (use the .key_secret file)")
+
+    def secure(socket: zmq.Socket) -> None:
+        socket.curve_serverkey = server_public
         socket.curve_publickey, socket.curve_secretkey = public, secret
-    for endpoint in [endpoints] if isinstance(endpoints, str) else endpoints:
-        socket.connect(endpoint)
+
+    return secure
 
 
 class Client:
-    """A thread-safe client; one I/O thread owns the socket, any thread may call.
+    """A thread-safe client; one I/O thread owns the sockets, any thread may call.
 
-    For a daemon with CURVE on its tcp endpoints, give `server_key` (the server's
-    public key file) and `client_key` (this client's secret key file, whose
-    public half is in the server's authorized folder).
+    `endpoints` is one endpoint, a list of them, or a tcp:// host name that
+    resolves to several addresses (looked up again every `resolve_interval`
+    seconds, so daemons that come and go are followed). Requests go to the
+    connected endpoint with the fewest requests outstanding; endpoints.py says
+    how failing or overloaded daemons are rested and probed.
+
+    For daemons with CURVE on their tcp endpoints, give `server_key` (the
+    server's public key file) and `client_key` (this client's secret key file,
+    whose public half is in the server's authorized folder).
     """
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
-                 client_key: KeyFile | None = None) -> None:
+                 client_key: KeyFile | None = None, resolve_interval: float = 30.0) -> None:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._ids = itertools.count(1)
@@ -170,11 +180,15 @@ class Client:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._monitor = self._socket.get_monitor_socket(MONITORED)
-        _connect(self._socket, endpoints, server_key, client_key)
+        addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
+        self._pool = EndpointPool(self._context, addresses, _curve(server_key, client_key))
+        self._resolver = None
+        if self._pool.names:
+            self._resolver = Resolver(self._pool.names, resolve_interval, self._post_resolved)
+            self._resolver.start()
         self._closed = False
-        self._thread = threading.Thread(target=self._io_loop, name="inferd-client", daemon=True)
+        self._thread = threading.Thread(target=_IOLoop(self._pool, self._outbox, self._wake_r).run,
+                                        name="inferd-client", daemon=True)
         self._thread.start()
 
     def __enter__(self) -> Client:
@@ -193,119 +207,194 @@ class Client:
         """Send a request and return a future of its outputs; do not change `inputs` until it is done."""
         if self._closed:
             raise Unavailable("the client is closed")
-        future: concurrent.futures.Future = concurrent.futures.Future()
         call = _Call(next(self._ids), model, _as_inputs(inputs), version,
                      self.timeout if timeout is None else timeout, self.retry)
-        self._outbox.put((call, future))
-        os.write(self._wake_w, b"\0")
-        return future
+        self._post(call)
+        return call.future
 
     def close(self) -> None:
         """Stop the I/O thread; calls still in flight fail with Unavailable."""
         if self._closed:
             return
         self._closed = True
-        os.write(self._wake_w, b"\0")
+        if self._resolver is not None:
+            self._resolver.stop()
+        self._post(None)
         self._thread.join()
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._context.term()
 
-    def _io_loop(self) -> None:
-        pending: dict[int, tuple[_Call, concurrent.futures.Future]] = {}
-        timers: list[tuple[float, int, str]] = []  # (when, call id, "send" | "deadline")
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+    def _post(self, item: _Call | tuple[str, list[str]] | None) -> None:
+        self._outbox.put(item)
+        os.write(self._wake_w, b"\0")
 
-        def finish(call_id: int, outcome: Any) -> None:
-            call, future = pending.pop(call_id)
-            if isinstance(outcome, _Retry):
-                pending[call_id] = (call, future)
-                heapq.heappush(timers, (time.monotonic() + outcome.delay, call_id, "send"))
-            elif isinstance(outcome, BaseException):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
+    def _post_resolved(self, name: str, addresses: list[str]) -> None:
+        self._post((name, addresses))
 
-        refused = False  # the daemon's last handshake refused our CURVE key
 
-        def send(call: _Call) -> None:
-            # Never block here: with no connection up, a blocking send would stop
-            # this thread, and with it every deadline.
-            try:
-                self._socket.send_multipart(call.frames(), flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                call.attempts -= 1
-                if refused:
-                    finish(call.id, call.refused())
-                else:
-                    heapq.heappush(timers, (time.monotonic() + RESEND_S, call.id, "send"))
+class _IOLoop:
+    """The client's I/O thread: sends calls, reads replies and connection events, keeps deadlines."""
 
-        while not self._closed:
+    def __init__(self, pool: EndpointPool, outbox: queue.SimpleQueue, wake: int) -> None:
+        self.pool = pool
+        self.outbox = outbox
+        self.wake = wake
+        self.pending: dict[int, _Call] = {}
+        self.waiting: list[int] = []  # calls with no connected endpoint to go to
+        self.timers: list[tuple[float, int, str]] = []  # (when, call id, "send" | "deadline")
+        self.poller = zmq.Poller()
+        self.poller.register(wake, zmq.POLLIN)
+        self.by_socket: dict[zmq.Socket, Endpoint] = {}
+        for endpoint in pool.endpoints.values():
+            self._watch(endpoint)
+
+    def run(self) -> None:
+        """Serve until the client posts None; then fail what is left and close the sockets."""
+        running = True
+        while running:
             now = time.monotonic()
-            wait = min((t[0] for t in timers), default=now + 1.0) - now
-            for target, _ in poller.poll(max(0, int(wait * 1000) + 1)):
-                if target is self._socket:
-                    while self._socket.poll(0):
-                        header, outputs = _decode(self._socket.recv_multipart(copy=False))
-                        if header.id in pending:
-                            finish(header.id, pending[header.id][0].settle(header, outputs))
-                elif target is self._monitor:
-                    while self._monitor.poll(0):
-                        event = parse_monitor_message(self._monitor.recv_multipart())["event"]
-                        refused = event == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                            continue
-                        for call_id, (call, _) in list(pending.items()):
-                            if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                                finish(call_id, call.refused())
-                            elif call.attempts:
-                                finish(call_id, call.missed())
-                else:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    while not self._outbox.empty():
-                        call, future = self._outbox.get()
-                        if future.set_running_or_notify_cancel():
-                            pending[call.id] = (call, future)
-                            heapq.heappush(timers, (call.deadline, call.id, "deadline"))
-                            send(call)
-            now = time.monotonic()
-            while timers and timers[0][0] <= now:
-                _, call_id, kind = heapq.heappop(timers)
-                if call_id not in pending:
+            wait = min((t[0] for t in self.timers), default=now + 1.0) - now
+            for target, _ in self.poller.poll(max(0, int(wait * 1000) + 1)):
+                if target == self.wake:
+                    running = self._take_posts()
                     continue
-                call = pending[call_id][0]
-                if kind == "send":
-                    send(call)
+                endpoint = self.by_socket.get(target)
+                if endpoint is None:  # closed earlier in this round
+                    continue
+                if target is endpoint.socket:
+                    self._read_replies(endpoint)
                 else:
-                    finish(call_id, call.expired())
-        for call, future in pending.values():
-            future.set_exception(Unavailable("the client was closed before the reply came", call.id))
-        self._monitor.close()
-        self._socket.close()
+                    self._read_events(endpoint)
+            self._fire_timers()
+        for call in self.pending.values():
+            call.future.set_exception(Unavailable("the client was closed before the reply came", call.id))
+        self.pool.close()
+
+    def _watch(self, endpoint: Endpoint) -> None:
+        for sock in (endpoint.socket, endpoint.monitor):
+            self.by_socket[sock] = endpoint
+            self.poller.register(sock, zmq.POLLIN)
+
+    def _forget_if_done(self, endpoint: Endpoint) -> None:
+        if endpoint.retired and not endpoint.in_flight:
+            for sock in (endpoint.socket, endpoint.monitor):
+                self.poller.unregister(sock)
+                del self.by_socket[sock]
+            self.pool.remove(endpoint)
+
+    def _take_posts(self) -> bool:
+        try:
+            while os.read(self.wake, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        while not self.outbox.empty():
+            item = self.outbox.get()
+            if item is None:
+                return False
+            if isinstance(item, tuple):
+                added, retired = self.pool.update(*item)
+                for endpoint in added:
+                    self._watch(endpoint)
+                for endpoint in retired:
+                    self._forget_if_done(endpoint)
+            elif item.future.set_running_or_notify_cancel():
+                self.pending[item.id] = item
+                heapq.heappush(self.timers, (item.deadline, item.id, "deadline"))
+                self._send(item)
+        return True
+
+    def _send(self, call: _Call) -> None:
+        frames = call.frames()
+        for endpoint in self.pool.ranked(call.avoid, time.monotonic()):
+            try:
+                # Never block: a blocking send would stop this thread, and every deadline with it.
+                endpoint.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                continue
+            endpoint.in_flight.add(call.id)
+            call.endpoint = endpoint
+            return
+        call.attempts -= 1
+        if self.pool.refused_everywhere():
+            self._finish(call, call.refused())
+        else:
+            self.waiting.append(call.id)
+
+    def _finish(self, call: _Call, outcome: Outputs | InferdError | _Retry) -> None:
+        if call.endpoint is not None:
+            call.endpoint.in_flight.discard(call.id)
+            call.avoid, call.endpoint = call.endpoint, None
+        if call.id in self.waiting:
+            self.waiting.remove(call.id)
+        if isinstance(outcome, _Retry):
+            heapq.heappush(self.timers, (time.monotonic() + outcome.delay, call.id, "send"))
+            return
+        del self.pending[call.id]
+        if isinstance(outcome, BaseException):
+            call.future.set_exception(outcome)
+        else:
+            call.future.set_result(outcome)
+
+    def _read_replies(self, endpoint: Endpoint) -> None:
+        while endpoint.socket.poll(0):
+            header, outputs = _decode(endpoint.socket.recv_multipart(copy=False))
+            endpoint.answered(header.status, time.monotonic())
+            call = self.pending.get(header.id)
+            if call is not None and call.endpoint is endpoint:
+                self._finish(call, call.settle(header, outputs))
+            else:  # a late answer to an attempt already given up on
+                endpoint.in_flight.discard(header.id)
+        self._forget_if_done(endpoint)
+
+    def _read_events(self, endpoint: Endpoint) -> None:
+        while endpoint.monitor.poll(0):
+            event = parse_monitor_message(endpoint.monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                endpoint.connected, endpoint.refused = True, False
+                waiting, self.waiting = self.waiting, []
+                for call_id in waiting:
+                    self._send(self.pending[call_id])
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                endpoint.refused = True
+                if self.pool.refused_everywhere():
+                    for call_id in list(self.waiting):
+                        self._finish(self.pending[call_id], self.pending[call_id].refused())
+            elif event == zmq.EVENT_DISCONNECTED:
+                for call_id in sorted(endpoint.dropped(time.monotonic())):
+                    call = self.pending.get(call_id)
+                    if call is not None and call.endpoint is endpoint:
+                        self._finish(call, call.missed())
+                self._forget_if_done(endpoint)
+                if endpoint.retired:
+                    return  # closed: its monitor is gone
+
+    def _fire_timers(self) -> None:
+        now = time.monotonic()
+        while self.timers and self.timers[0][0] <= now:
+            _, call_id, kind = heapq.heappop(self.timers)
+            call = self.pending.get(call_id)
+            if call is None:
+                continue
+            if kind == "send":
+                if call.endpoint is None and call.id not in self.waiting:
+                    self._send(call)
+            else:
+                unreachable = self.pool.describe() if call.id in self.waiting else None
+                self._finish(call, call.expired(unreachable))
 
 
 class AsyncClient:
-    """The asyncio client; use it from one event loop. CURVE keys as for Client."""
+    """The asyncio client: the engine of Client (one I/O thread), awaited from an event loop.
+
+    Its arguments are those of Client.
+    """
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
-                 client_key: KeyFile | None = None) -> None:
-        self.timeout = timeout
-        self.retry = retry or RetryPolicy()
-        self._ids = itertools.count(1)
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
-        self._monitor = self._socket.get_monitor_socket(MONITORED)
-        _connect(self._socket, endpoints, server_key, client_key)
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+                 client_key: KeyFile | None = None, resolve_interval: float = 30.0) -> None:
+        self._client = Client(endpoints, timeout, retry, server_key, client_key, resolve_interval)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -316,65 +405,13 @@ class AsyncClient:
     async def infer(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                     version: str | None = None) -> Outputs:
         """Run `model` on `inputs` and return its outputs."""
-        call = _Call(next(self._ids), model, _as_inputs(inputs), version,
-                     self.timeout if timeout is None else timeout, self.retry)
-        self._start_reader()
-        loop = asyncio.get_running_loop()
-        while True:
-            waiter = loop.create_future()
-            self._waiting[call.id] = waiter
-            try:
-                await self._socket.send_multipart(call.frames(), copy=False)
-                answer = await asyncio.wait_for(waiter, max(0.0, call.deadline - time.monotonic()))
-            except TimeoutError:
-                raise call.expired() from None
-            finally:
-                self._waiting.pop(call.id, None)
-            if answer is _REFUSED:
-                raise call.refused()
-            outcome = call.missed() if answer is None else call.settle(*answer)
-            if isinstance(outcome, _Retry):
-                await asyncio.sleep(outcome.delay)
-            elif isinstance(outcome, BaseException):
-                raise outcome
-            else:
-                return outcome
+        return await self.submit(model, inputs, timeout=timeout, version=version)
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-               version: str | None = None) -> asyncio.Task:
-        """Start a request and return the task that resolves to its outputs."""
-        return asyncio.ensure_future(self.infer(model, inputs, timeout=timeout, version=version))
+               version: str | None = None) -> asyncio.Future:
+        """Send a request and return the future of its outputs."""
+        return asyncio.wrap_future(self._client.submit(model, inputs, timeout=timeout, version=version))
 
     async def close(self) -> None:
-        """Stop reading and close the socket."""
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
-        self._monitor.close()
-        self._socket.close()
-        self._context.term()
-
-    def _start_reader(self) -> None:
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        poller = zmq.asyncio.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        while True:
-            for target, _ in await poller.poll():
-                if target is self._socket:
-                    header, outputs = _decode(await self._socket.recv_multipart(copy=False))
-                    waiter = self._waiting.get(header.id)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result((header, outputs))
-                else:
-                    event = parse_monitor_message(await self._monitor.recv_multipart())["event"]
-                    outcome = _REFUSED if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else None
-                    for waiter in self._waiting.values():
-                        if not waiter.done():
-                            waiter.set_result(outcome)
+        """Close the client; calls still in flight fail with Unavailable."""
+        self._client.close()

@@ -6,7 +6,7 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import models  # noqa: E402
+from wire import ScriptedServer  # noqa: E402
 
 from inferd.harness import DaemonProcess  # noqa: E402
 
@@ -127,3 +128,17 @@ def shared_daemon(repo: Path) -> Iterator[Daemon]:
     yield daemon
     daemon.kill_all()
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def server_factory() -> Iterator[Callable[..., ScriptedServer]]:
+    """Make scripted servers (wire.ScriptedServer); each is closed at the end of the test."""
+    servers: list[ScriptedServer] = []
+
+    def make(answer):
+        servers.append(ScriptedServer(answer))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()

@@ -3,78 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable
 
-import msgspec
 import numpy as np
 import pytest
-import zmq
+from wire import error, ok
 
-from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable, protocol
+from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable
 from inferd.client import _Call
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
-
-
-class ScriptedServer:
-    """A ROUTER that answers each request with what `answer(attempt, header, buffers)` returns."""
-
-    def __init__(self, answer: Callable[[int, dict, list[bytes]], list[bytes] | None]) -> None:
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.ROUTER)
-        self.socket.linger = 0
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.answer = answer
-        self.headers: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.socket.poll(20):
-                continue
-            identity, header, *buffers = self.socket.recv_multipart()
-            decoded = msgspec.json.decode(header)
-            self.headers.append(decoded)
-            reply = self.answer(len(self.headers), decoded, buffers)
-            if reply is not None:
-                self.socket.send_multipart([identity, *reply])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.socket.close()
-        self.context.term()
-
-
-def ok(header: dict, *outputs: np.ndarray) -> list[bytes]:
-    reply = protocol.ReplyHeader(
-        id=header["id"], status="ok", model=header["model"], version="v1",
-        outputs=tuple(protocol.TensorMeta(o.dtype.name, o.shape) for o in outputs),
-        timing_us=protocol.Timing(1, 1, 2),
-    )
-    return [protocol.encode_reply(reply), *(o.tobytes() for o in outputs)]
-
-
-def error(header: dict, status: str, message: str = "no") -> list[bytes]:
-    return [protocol.error_reply(header["id"], status, message)]
-
-
-@pytest.fixture
-def server_factory():
-    servers: list[ScriptedServer] = []
-
-    def make(answer):
-        servers.append(ScriptedServer(answer))
-        return servers[-1]
-
-    yield make
-    for server in servers:
-        server.close()
 
 
 FAST = RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.05, jitter=0.2)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -66,3 +67,49 @@ class RawPeer:
     def nothing_more(self, wait: float = 0.3) -> bool:
         """True when no further message arrives within `wait` seconds."""
         return not self.socket.poll(int(wait * 1000))
+
+
+class ScriptedServer:
+    """A ROUTER that answers each request with what `answer(attempt, header, buffers)` returns."""
+
+    def __init__(self, answer: Callable[[int, dict, list[bytes]], list[bytes] | None]) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.linger = 0
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.answer = answer
+        self.headers: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.socket.poll(20):
+                continue
+            identity, header, *buffers = self.socket.recv_multipart()
+            decoded = msgspec.json.decode(header)
+            self.headers.append(decoded)
+            reply = self.answer(len(self.headers), decoded, buffers)
+            if reply is not None:
+                self.socket.send_multipart([identity, *reply])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.socket.close()
+        self.context.term()
+
+
+def ok(header: dict, *outputs: np.ndarray) -> list[bytes]:
+    reply = protocol.ReplyHeader(
+        id=header["id"], status="ok", model=header["model"], version="v1",
+        outputs=tuple(protocol.TensorMeta(o.dtype.name, o.shape) for o in outputs),
+        timing_us=protocol.Timing(1, 1, 2),
+    )
+    return [protocol.encode_reply(reply), *(o.tobytes() for o in outputs)]
+
+
+def error(header: dict, status: str, message: str = "no") -> list[bytes]:
+    return [protocol.error_reply(header["id"], status, message)]

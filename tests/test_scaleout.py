@@ -1,0 +1,223 @@
+"""Many daemons as one fleet: a client spread over three real daemons on loopback, and the rollout script."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import MLP, RELOAD_MLP, Daemon, base_config, free_port
+from wire import error, ok
+
+from inferd import Client, RetryPolicy, Timeout
+from inferd.endpoints import resolve
+
+X = np.arange(6, dtype=np.float32).reshape(2, 3)
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+class Fleet:
+    """Daemons started in folders of their own under one work folder; all killed at the end."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.daemons: list[Daemon] = []
+
+    def start(self, repo: Path, model: dict, **sections: dict) -> Daemon:
+        folder = self.workdir / f"node{len(self.daemons)}"
+        folder.mkdir()
+        daemon = Daemon(folder, base_config(folder, repo, {"mlp": model}, **sections))
+        self.daemons.append(daemon)
+        return daemon.start()
+
+    def restart(self, daemon: Daemon) -> Daemon:
+        """A new daemon with the same config (so the same port) as `daemon`, which is dead."""
+        again = Daemon(daemon.workdir, daemon.config)
+        self.daemons.append(again)
+        return again.start()
+
+    def kill_all(self) -> None:
+        for daemon in self.daemons:
+            daemon.kill_all()
+
+
+@pytest.fixture
+def fleet(workdir: Path) -> Iterator[Fleet]:
+    started = Fleet(workdir)
+    yield started
+    started.kill_all()
+
+
+def answered_ok(daemon: Daemon) -> int:
+    return daemon.status()["replies"].get("ok", 0)
+
+
+def mlp_reference(repo: Path, daemon: Daemon):
+    """The model `daemon` serves as mlp, loaded in this process."""
+    version = daemon.status()["models"]["mlp"]["live_version"]
+    module = torch.jit.load(str(repo / "mlp" / version / "model.pt"))
+
+    def run(x: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            return module(torch.from_numpy(x)).numpy()
+
+    return run
+
+
+def drive(client: Client, seconds: float, concurrency: int, stop: threading.Event | None = None
+          ) -> list[tuple[np.ndarray, Future]]:
+    """Keep `concurrency` requests in flight for `seconds` (or until `stop`); every request and its future."""
+    rng = np.random.default_rng(0)
+    sent: list[tuple[np.ndarray, Future]] = []
+    in_flight: list[Future] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not (stop and stop.is_set()):
+        in_flight = [f for f in in_flight if not f.done()]
+        while len(in_flight) < concurrency:
+            x = rng.standard_normal((1, 16)).astype(np.float32)
+            future = client.submit("mlp", x)
+            sent.append((x, future))
+            in_flight.append(future)
+        time.sleep(0.002)
+    return sent
+
+
+def test_a_client_of_three_daemons_gives_each_a_fair_share(fleet, repo):
+    daemons = [fleet.start(repo, MLP) for _ in range(3)]
+    reference = mlp_reference(repo, daemons[0])
+    with Client([d.endpoint for d in daemons], timeout=20) as client:
+        sent = drive(client, seconds=4, concurrency=12)
+        for x, future in sent:
+            np.testing.assert_allclose(future.result(), reference(x), rtol=1e-5, atol=1e-6)
+    shares = [answered_ok(d) for d in daemons]
+    assert sum(shares) == len(sent)
+    assert min(shares) > 0.2 * len(sent), f"uneven spread: {shares}"
+
+
+def test_a_daemon_killed_mid_run_costs_nothing_and_is_used_again_once_back(fleet, repo):
+    daemons = [fleet.start(repo, MLP) for _ in range(3)]
+    victim = daemons[1]
+    reference = mlp_reference(repo, daemons[0])
+    stop = threading.Event()
+    with Client([d.endpoint for d in daemons], timeout=10) as client:
+        result: list[list[tuple[np.ndarray, Future]]] = []
+        driver = threading.Thread(target=lambda: result.append(drive(client, 60, 16, stop)))
+        driver.start()
+        time.sleep(1.5)
+        assert answered_ok(victim) > 0, "the victim had no traffic before it died"
+        victim.signal(9)  # SIGKILL, the supervisor only: a node gone without a word
+        victim.wait(10)
+        time.sleep(1.5)
+        back = fleet.restart(victim)
+        # It answered `unavailable` while it started, so it rests a few seconds before its probe.
+        deadline = time.monotonic() + 20
+        while answered_ok(back) == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        served_after_return = answered_ok(back)
+        stop.set()
+        driver.join()
+        sent = result[0]
+        for x, future in sent:  # every request answered ok (retried elsewhere), none wrong
+            np.testing.assert_allclose(future.result(), reference(x), rtol=1e-5, atol=1e-6)
+    assert served_after_return > 0, "the client did not go back to the daemon once it returned"
+
+
+def test_a_daemon_that_sheds_load_gets_less_of_it(fleet, repo):
+    healthy = [fleet.start(repo, MLP) for _ in range(2)]
+    shedding = fleet.start(repo, MLP, queue={"max_size": 1024, "default_timeout_ms": 10000, "max_per_client": 1})
+    with Client([d.endpoint for d in (*healthy, shedding)], timeout=20) as client:
+        sent = drive(client, seconds=4, concurrency=24)
+        assert all(future.result() is not None for _, future in sent)
+    statuses = shedding.status()["replies"]
+    assert statuses.get("overloaded", 0) > 0, "the test did not overload the daemon"
+    assert answered_ok(shedding) < 0.5 * min(answered_ok(d) for d in healthy), statuses
+
+
+def test_a_host_name_stands_for_every_address_it_resolves_to(fleet, repo):
+    daemon = fleet.start(repo, MLP)
+    port = daemon.endpoint.rsplit(":", 1)[1]
+    assert f"tcp://127.0.0.1:{port}" in resolve(f"tcp://localhost:{port}")
+    assert resolve(daemon.endpoint) is None  # an address already
+    assert resolve("ipc:///run/inferd/data.sock") is None
+    assert resolve("tcp://no-such-host.invalid:5555") == []
+    with Client(f"tcp://localhost:{port}", timeout=20) as client:
+        assert client.infer("mlp", np.ones((1, 16), np.float32)).shape == (1, 4)
+
+
+def test_a_name_that_does_not_resolve_times_out_saying_so():
+    with Client("tcp://no-such-host.invalid:5555", timeout=0.3) as client:
+        with pytest.raises(Timeout, match="no daemon reachable at tcp://no-such-host.invalid:5555 .did not resolve"):
+            client.infer("m", X)
+
+
+def test_an_endpoint_answering_unavailable_rests_while_the_other_serves(server_factory):
+    draining = server_factory(lambda n, h, b: error(h, "unavailable", "draining"))
+    serving = server_factory(lambda n, h, b: ok(h, X))
+    retry = RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.02, jitter=0.0)
+    with Client([draining.endpoint, serving.endpoint], timeout=5, retry=retry) as client:
+        time.sleep(0.3)  # both connected
+        for _ in range(60):
+            np.testing.assert_array_equal(client.infer("m", X), X)
+    # Its first answer sends it to rest for a second; after that, one probe at a time.
+    assert 1 <= len(draining.headers) <= 3, len(draining.headers)
+    assert len(serving.headers) >= 60
+
+
+def test_a_dead_endpoint_costs_no_request(server_factory):
+    serving = server_factory(lambda n, h, b: ok(h, X))
+    with Client([f"tcp://127.0.0.1:{free_port()}", serving.endpoint], timeout=2) as client:
+        futures = [client.submit("m", X) for _ in range(50)]
+        for future in futures:
+            np.testing.assert_array_equal(future.result(), X)
+
+
+def rollout(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "deploy" / "rollout.py"), "--inferctl", str(BIN / "inferctl"),
+                           "--model", "mlp", *argv], capture_output=True, text=True, timeout=300)
+
+
+def live_versions(daemons: list[Daemon]) -> list[str]:
+    return [d.status()["models"]["mlp"]["live_version"] for d in daemons]
+
+
+def test_rollout_switches_every_daemon_or_none(fleet, reload_repo, workdir):
+    # The middle daemon has its own copy of the repository, where v3 is corrupt.
+    odd_repo = workdir / "odd-repo"
+    shutil.copytree(reload_repo, odd_repo)
+    (odd_repo / "mlp" / "v3" / "model.pt").write_bytes(b"PK\x03\x04 not a TorchScript archive")
+    daemons = [fleet.start(reload_repo, RELOAD_MLP), fleet.start(odd_repo, RELOAD_MLP),
+               fleet.start(reload_repo, RELOAD_MLP)]
+    controls = [arg for d in daemons for arg in ("--control", d.control)]
+
+    done = rollout("--version", "v2", *controls)
+    assert done.returncode == 0, done.stderr
+    assert live_versions(daemons) == ["v2", "v2", "v2"]
+    assert "is live on all 3 daemon(s)" in done.stdout
+
+    broken = rollout("--version", "corrupt", *controls)  # refused by the first daemon
+    assert broken.returncode == 1
+    assert "refused by" in broken.stderr and "0 daemon(s) rolled back" in broken.stderr
+    assert live_versions(daemons) == ["v2", "v2", "v2"]
+
+    partial = rollout("--version", "v3", *controls)  # the first switches, the second refuses
+    assert partial.returncode == 1
+    assert "1 daemon(s) rolled back" in partial.stderr, partial.stderr
+    assert live_versions(daemons) == ["v2", "v2", "v2"]
+
+
+def test_rollout_refuses_an_unreachable_fleet_before_changing_anything(fleet, reload_repo, workdir):
+    daemon = fleet.start(reload_repo, RELOAD_MLP)
+    done = rollout("--version", "v2", "--control", daemon.control, "--control", f"ipc://{workdir}/nobody.sock")
+    assert done.returncode == 1
+    assert "nobody.sock" in done.stderr and "Traceback" not in done.stderr
+    assert live_versions([daemon]) == ["v1"]
