@@ -51,7 +51,8 @@ class RetryPolicy:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before attempt number `attempt + 1` (attempts count from 1)."""
-        base = min(self.max_delay, self.initial_delay * 2 ** (attempt - 1))
+        doublings = min(attempt - 1, 64)  # far past max_delay already; keeps the float finite
+        base = min(self.max_delay, self.initial_delay * 2**doublings)
         return max(0.0, base * (1 + random.uniform(-self.jitter, self.jitter)))
 
 
@@ -205,7 +206,7 @@ class Client:
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                version: str | None = None) -> concurrent.futures.Future:
         """Send a request and return a future of its outputs; do not change `inputs` until it is done."""
-        if self._closed:
+        if self._closed or not self._thread.is_alive():
             raise Unavailable("the client is closed")
         call = _Call(next(self._ids), model, _as_inputs(inputs), version,
                      self.timeout if timeout is None else timeout, self.retry)
@@ -251,6 +252,22 @@ class _IOLoop:
 
     def run(self) -> None:
         """Serve until the client posts None; then fail what is left and close the sockets."""
+        try:
+            self._serve()
+            leftover: InferdError = Unavailable("the client was closed before the reply came")
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            leftover = InferdError(f"the client's I/O thread failed: {exc!r}")
+            raise
+        finally:
+            while not self.outbox.empty():
+                item = self.outbox.get()
+                if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                    self.pending[item.id] = item
+            for call in self.pending.values():
+                call.future.set_exception(type(leftover)(leftover.message, call.id))
+            self.pool.close()
+
+    def _serve(self) -> None:
         running = True
         while running:
             now = time.monotonic()
@@ -267,9 +284,6 @@ class _IOLoop:
                 else:
                     self._read_events(endpoint)
             self._fire_timers()
-        for call in self.pending.values():
-            call.future.set_exception(Unavailable("the client was closed before the reply came", call.id))
-        self.pool.close()
 
     def _watch(self, endpoint: Endpoint) -> None:
         for sock in (endpoint.socket, endpoint.monitor):

@@ -73,8 +73,9 @@ class Endpoint:
         elif status == protocol.UNAVAILABLE:
             self._rest(FAILURE_REST, now)
         else:
+            # A good answer shortens the next rest but does not end this one: replies to
+            # requests sent before the daemon shed load say nothing of its state now.
             self.strikes = 0
-            self.rest_until = 0.0
 
     def dropped(self, now: float) -> set[int]:
         """The connection went down: rest, and hand back the ids of the requests it took with it."""
@@ -92,7 +93,8 @@ class Endpoint:
     def _rest(self, rest: tuple[float, float], now: float) -> None:
         self.strikes += 1
         first, longest = rest
-        self.rest_until = now + min(longest, first * 2 ** (self.strikes - 1))
+        doublings = min(self.strikes - 1, 16)  # the cap is reached long before; this keeps the float finite
+        self.rest_until = now + min(longest, first * 2**doublings)
 
 
 def resolve(address: str) -> list[str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -136,11 +137,15 @@ def test_a_daemon_that_sheds_load_gets_less_of_it(fleet, repo):
     healthy = [fleet.start(repo, MLP) for _ in range(2)]
     shedding = fleet.start(repo, MLP, queue={"max_size": 1024, "default_timeout_ms": 10000, "max_per_client": 1})
     with Client([d.endpoint for d in (*healthy, shedding)], timeout=20) as client:
-        sent = drive(client, seconds=4, concurrency=24)
+        sent = drive(client, seconds=3, concurrency=24)
         assert all(future.result() is not None for _, future in sent)
     statuses = shedding.status()["replies"]
     assert statuses.get("overloaded", 0) > 0, "the test did not overload the daemon"
-    assert answered_ok(shedding) < 0.5 * min(answered_ok(d) for d in healthy), statuses
+    # Requests sent to each daemon, answered either way. Spread by fewest outstanding
+    # alone, the shedding daemon would get more than its share: its quick refusals
+    # keep its count of outstanding requests low.
+    offered = sum(statuses.values())
+    assert offered < 0.6 * min(answered_ok(d) for d in healthy), statuses
 
 
 def test_a_host_name_stands_for_every_address_it_resolves_to(fleet, repo):
@@ -221,3 +226,83 @@ def test_rollout_refuses_an_unreachable_fleet_before_changing_anything(fleet, re
     assert done.returncode == 1
     assert "nobody.sock" in done.stderr and "Traceback" not in done.stderr
     assert live_versions([daemon]) == ["v1"]
+
+
+FAKE_KUBECTL = '''#!{python}
+"""kubectl for a fleet of local daemons: pods are names for control endpoints."""
+import json, os, subprocess, sys
+pods = json.loads(os.environ["FAKE_PODS"])
+args = sys.argv[1:]
+if args[:2] == ["get", "pods"]:
+    items = [{{"metadata": {{"name": p}}, "spec": {{"nodeName": "node-" + p}}, "status": {{"phase": "Running"}}}}
+             for p in pods]
+    print(json.dumps({{"items": items}}))
+elif args[0] == "exec":
+    inferctl_args = args[args.index("--") + 2:]
+    sys.exit(subprocess.run([os.environ["FAKE_INFERCTL"], "--control", pods[args[3]], *inferctl_args]).returncode)
+elif args[:2] == ["label", "node"]:
+    with open(os.environ["FAKE_LABELS"], "a") as log:
+        log.write(" ".join(args[2:4]) + "\\n")
+else:
+    sys.exit("fake kubectl: unexpected " + " ".join(args))
+'''
+
+
+def test_rollout_through_kubectl_reaches_each_pod_and_labels_its_node(fleet, reload_repo, workdir, monkeypatch):
+    odd_repo = workdir / "odd-repo"
+    shutil.copytree(reload_repo, odd_repo)
+    (odd_repo / "mlp" / "v3" / "model.pt").write_bytes(b"PK\x03\x04 not a TorchScript archive")
+    daemons = [fleet.start(reload_repo, RELOAD_MLP), fleet.start(odd_repo, RELOAD_MLP)]
+    kubectl = workdir / "kubectl"
+    kubectl.write_text(FAKE_KUBECTL.format(python=sys.executable))
+    kubectl.chmod(0o755)
+    labels = workdir / "labels"
+    monkeypatch.setenv("FAKE_PODS", json.dumps({"inferd-a": daemons[0].control, "inferd-b": daemons[1].control}))
+    monkeypatch.setenv("FAKE_INFERCTL", str(BIN / "inferctl"))
+    monkeypatch.setenv("FAKE_LABELS", str(labels))
+
+    done = rollout("--version", "v2", "--kubernetes", "--kubectl", str(kubectl))
+    assert done.returncode == 0, done.stderr
+    assert live_versions(daemons) == ["v2", "v2"]
+    assert labels.read_text().splitlines() == ["node-inferd-a inferd.io/model-mlp=v2",
+                                               "node-inferd-b inferd.io/model-mlp=v2"]
+    labels.unlink()
+
+    failed = rollout("--version", "v3", "--kubernetes", "--kubectl", str(kubectl))
+    assert failed.returncode == 1 and "pod/inferd-b" in failed.stderr
+    assert live_versions(daemons) == ["v2", "v2"]
+    # pod a's node was marked v3 when it switched, and v2 again when it went back.
+    assert labels.read_text().splitlines() == ["node-inferd-a inferd.io/model-mlp=v3",
+                                               "node-inferd-a inferd.io/model-mlp=v2"]
+
+
+def test_a_long_run_of_failures_keeps_the_rest_bounded(server_factory):
+    # Thousands of `unavailable` answers in a row (a daemon starting slowly under a
+    # patient client) must neither break the client nor rest the daemon past the cap.
+    starting = server_factory(lambda n, h, b: error(h, "unavailable", "starting") if n <= 1100 else ok(h, X))
+    patient = RetryPolicy(max_attempts=2000, initial_delay=0.0005, max_delay=0.001, jitter=0.0)
+    with Client(starting.endpoint, timeout=60, retry=patient) as client:
+        np.testing.assert_array_equal(client.infer("m", X), X)
+    assert len(starting.headers) == 1101
+
+
+def test_a_name_that_resolves_differently_adds_and_retires_endpoints():
+    import zmq
+
+    from inferd.endpoints import EndpointPool
+
+    context = zmq.Context()
+    pool = EndpointPool(context, ["tcp://localhost:5999"], lambda socket: None)
+    try:
+        name = "tcp://localhost:5999"
+        assert "tcp://127.0.0.1:5999" in pool.endpoints
+        added, retired = pool.update(name, ["tcp://10.0.0.1:5999", "tcp://127.0.0.1:5999"])
+        assert [e.address for e in added] == ["tcp://10.0.0.1:5999"]
+        added, retired = pool.update(name, ["tcp://10.0.0.1:5999"])
+        assert not added and "tcp://127.0.0.1:5999" in [e.address for e in retired]
+        assert all(e.retired for e in retired)
+        assert pool.update(name, []) == ([], [])  # a failed lookup takes nothing away
+        assert not pool.endpoints["tcp://10.0.0.1:5999"].retired
+    finally:
+        pool.close()
+        context.term()
