@@ -3,40 +3,22 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from inferd.harness import DaemonProcess
+from inferd.harness import DaemonProcess, local_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def start_daemon(workdir: Path, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> DaemonProcess:
     """Start a daemon serving `models` with its sockets and state in `workdir`."""
     workdir.mkdir(parents=True, exist_ok=True)
-    config: dict[str, Any] = {
-        "server": {
-            "listen": [f"tcp://127.0.0.1:{free_port()}"],
-            "control": f"ipc://{workdir}/control.sock",
-            "state_dir": str(workdir / "state"),
-            "metrics": "",
-        },
-        "workers": {"devices": ["cpu"], "streams": 2, "cpu_threads": 1},
-        "queue": {"max_size": 4096},
-        "models": models,
-    }
+    config = local_config(workdir, models, queue={"max_size": 4096})
     for section, values in sections.items():
         config[section].update(values)
     return DaemonProcess(workdir, config).start()

@@ -32,7 +32,8 @@ from typing import Any
 import psutil
 
 from bench import models
-from bench.common import ROOT, free_port, record, run_loadgen, start_daemon, table
+from bench.common import ROOT, record, run_loadgen, start_daemon, table
+from inferd.harness import free_port
 
 CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (streams, CPU workers)
 IDLE_S = 5.0

@@ -193,7 +193,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
     click.echo("workers:")
     for w in result["workers"]:
         line = (f"  worker{w['worker']:<3} pid {str(w['pid']):<8} {w['device']:<8} {w['state']:<9}"
-                f" generation {w['generation']}  restarts {w['restarts']}  busy executors {w['busy_executors']}"
+                f" generation {w['generation']}  restarts {w['restarts']}  busy executors {w['executors_busy']}"
                 f"  loaded: {', '.join(w['loaded']) or 'nothing'}")
         if w["last_error"]:
             line += f"  last error: {w['last_error']}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +17,32 @@ from typing import Any
 
 from inferd.client import Client
 from inferd.ipc.control import ControlClient, ControlError
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def local_config(workdir: Path, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> dict[str, Any]:
+    """A config for a daemon on this machine: one CPU worker, a free loopback port,
+    control socket and state in `workdir`, no metrics; `sections` update its tables."""
+    config: dict[str, Any] = {
+        "server": {
+            "listen": [f"tcp://127.0.0.1:{free_port()}"],
+            "control": f"ipc://{workdir}/control.sock",
+            "state_dir": str(workdir / "state"),
+            "metrics": "",
+        },
+        "workers": {"devices": ["cpu"], "streams": 2, "cpu_threads": 1},
+        "queue": {},
+        "models": models,
+    }
+    for section, values in sections.items():
+        config[section].update(values)
+    return config
 
 
 def to_toml(config: dict[str, Any]) -> str:

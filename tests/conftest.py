@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import models  # noqa: E402
 from wire import ScriptedServer  # noqa: E402
 
-from inferd.harness import DaemonProcess  # noqa: E402
+from inferd.harness import DaemonProcess, local_config  # noqa: E402
 
 START_TIMEOUT_S = 90
 
@@ -31,13 +30,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Daemon(DaemonProcess):
@@ -76,19 +68,9 @@ def workdir() -> Iterator[Path]:
 
 def base_config(workdir: Path, repo: Path, models_: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> dict[str, Any]:
     """A config serving `models_` from `repo`, with its sockets and state in `workdir`."""
-    config: dict[str, Any] = {
-        "server": {
-            "listen": [f"tcp://127.0.0.1:{free_port()}"],
-            "control": f"ipc://{workdir}/control.sock",
-            "state_dir": str(workdir / "state"),
-            "metrics": "",
-        },
-        "workers": {"devices": ["cpu"], "streams": 2, "shm_mb": 16, "cpu_threads": 1},
-        "queue": {"max_size": 1024, "default_timeout_ms": 10000},
-        "models": {},
-    }
-    for name, body in models_.items():
-        config["models"][name] = {"repository": str(repo / name), **body}
+    served = {name: {"repository": str(repo / name), **body} for name, body in models_.items()}
+    config = local_config(workdir, served, workers={"shm_mb": 16},
+                          queue={"max_size": 1024, "default_timeout_ms": 10000})
     for section, values in sections.items():
         config[section].update(values)
     return config

@@ -6,9 +6,11 @@ the same file in-process to check what the daemon answers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import List  # noqa: UP035 - TorchScript reads typing.List
 
+import numpy as np
 import torch
 
 MLP_IN, MLP_OUT = 16, 4
@@ -68,8 +70,10 @@ class WrongBatch(torch.nn.Module):
         return x.sum(0, keepdim=True)
 
 
-def save_script(module: torch.nn.Module, root: Path, name: str, version: str, seed: int) -> Path:
-    """Script `module` (built under `seed`) and save it as NAME/VERSION/model.pt."""
+def save_script(build: Callable[[], torch.nn.Module], root: Path, name: str, version: str, seed: int) -> Path:
+    """Build a module with torch seeded to `seed`, script it and save it as NAME/VERSION/model.pt."""
+    torch.manual_seed(seed)
+    module = build()
     path = root / name / version / "model.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.jit.save(torch.jit.script(module.eval()), str(path))
@@ -89,23 +93,19 @@ def save_export(module: torch.nn.Module, example: tuple[torch.Tensor, ...], root
 def build_repository(root: Path) -> dict[str, Path]:
     """Every test model; returns the file of each NAME/VERSION."""
     files = {}
-    torch.manual_seed(1)
-    files["mlp/v1"] = save_script(Mlp(), root, "mlp", "v1", 1)
-    torch.manual_seed(2)
-    files["mlp/v2"] = save_script(Mlp(), root, "mlp", "v2", 2)
-    torch.manual_seed(3)
-    files["pair/v1"] = save_script(TwoInTwoOut(), root, "pair", "v1", 3)
-    torch.manual_seed(4)
-    files["slow/v1"] = save_script(Slow(300), root, "slow", "v1", 4)
-    files["failing/v1"] = save_script(Failing(), root, "failing", "v1", 5)
-    files["wrongbatch/v1"] = save_script(WrongBatch(), root, "wrongbatch", "v1", 6)
+    files["mlp/v1"] = save_script(Mlp, root, "mlp", "v1", 1)
+    files["mlp/v2"] = save_script(Mlp, root, "mlp", "v2", 2)
+    files["pair/v1"] = save_script(TwoInTwoOut, root, "pair", "v1", 3)
+    files["slow/v1"] = save_script(lambda: Slow(300), root, "slow", "v1", 4)
+    files["failing/v1"] = save_script(Failing, root, "failing", "v1", 5)
+    files["wrongbatch/v1"] = save_script(WrongBatch, root, "wrongbatch", "v1", 6)
     torch.manual_seed(7)
     files["exported/v1"] = save_export(Mlp(), (torch.randn(2, MLP_IN),), root, "exported", "v1")
-    files["sleepy/v1"] = save_script(Sleepy(1_000), root, "sleepy", "v1", 8)  # ~5 ms a batch
-    files["stuck/v1"] = save_script(Sleepy(150_000), root, "stuck", "v1", 9)  # ~0.7 s a batch
-    files["leaky/v1"] = save_script(Leaky(150), root, "leaky", "v1", 10)
-    files["variable/v1"] = save_script(Variable(), root, "variable", "v1", 11)
-    files["bigtemp/v1"] = save_script(BigTemporary(), root, "bigtemp", "v1", 12)
+    files["sleepy/v1"] = save_script(lambda: Sleepy(1_000), root, "sleepy", "v1", 8)  # ~5 ms a batch
+    files["stuck/v1"] = save_script(lambda: Sleepy(150_000), root, "stuck", "v1", 9)  # ~0.7 s a batch
+    files["leaky/v1"] = save_script(lambda: Leaky(150), root, "leaky", "v1", 10)
+    files["variable/v1"] = save_script(Variable, root, "variable", "v1", 11)
+    files["bigtemp/v1"] = save_script(BigTemporary, root, "bigtemp", "v1", 12)
     return files
 
 
@@ -154,26 +154,19 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     """Versions of one model `mlp`, good and bad, for blue-green reload tests."""
     files = {}
     for version, seed in (("v1", 1), ("v2", 2), ("v3", 3)):
-        torch.manual_seed(seed)
-        files[version] = save_script(Mlp(), root, "mlp", version, seed)
+        files[version] = save_script(Mlp, root, "mlp", version, seed)
     (root / "mlp" / "corrupt").mkdir(parents=True)
     (root / "mlp" / "corrupt" / "model.pt").write_bytes(b"PK\x03\x04 this is not a TorchScript archive")
-    torch.manual_seed(4)
-    files["refuses_big"] = save_script(MlpRefusingBigBatches(), root, "mlp", "refuses_big", 4)
-    torch.manual_seed(5)
-    files["wide"] = save_script(Wide(), root, "mlp", "wide", 5)
-    torch.manual_seed(6)
-    files["slow_warm"] = save_script(SlowToWarm(), root, "mlp", "slow_warm", 6)
-    files["huge_failing"] = save_script(HugeFailing(), root, "mlp", "huge_failing", 7)
+    files["refuses_big"] = save_script(MlpRefusingBigBatches, root, "mlp", "refuses_big", 4)
+    files["wide"] = save_script(Wide, root, "mlp", "wide", 5)
+    files["slow_warm"] = save_script(SlowToWarm, root, "mlp", "slow_warm", 6)
+    files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
     for version, seed, honest in (("canary_good", 8, True), ("canary_bad", 9, False)):
-        torch.manual_seed(seed)
-        module = Mlp().eval()
-        files[version] = save_script(module, root, "mlp", version, seed)
+        files[version] = save_script(Mlp, root, "mlp", version, seed)
+        module = torch.jit.load(str(files[version]))
         example = torch.randn(3, MLP_IN)
         with torch.no_grad():
             expected = module(example) if honest else module(example) + 0.5
-        import numpy as np
-
         np.save(root / "mlp" / version / "example_input.npy", example.numpy())
         np.save(root / "mlp" / version / "expected_output.npy", expected.numpy())
     return files

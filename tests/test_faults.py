@@ -14,12 +14,13 @@ import models
 import msgspec
 import numpy as np
 import pytest
-from conftest import MLP, free_port
+from conftest import MLP
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from wire import RawPeer
 
 from inferd import Client, RetryPolicy, Timeout, Unavailable
+from inferd.harness import free_port
 
 BIN = Path(sys.executable).parent
 TWO = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}

@@ -15,9 +15,11 @@ from pathlib import Path
 import models
 import numpy as np
 import pytest
-from conftest import MLP, free_port
+from conftest import MLP
 from prometheus_client.parser import text_string_to_metric_families
 from wire import RawPeer
+
+from inferd.harness import free_port
 
 BIN = Path(sys.executable).parent
 TWO = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 8, "warmup_batch_sizes": [1]}

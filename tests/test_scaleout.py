@@ -15,11 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import MLP, RELOAD_MLP, Daemon, base_config, free_port
+from conftest import MLP, RELOAD_MLP, Daemon, base_config
 from wire import error, ok
 
 from inferd import Client, RetryPolicy, Timeout
 from inferd.endpoints import resolve
+from inferd.harness import free_port
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from inferd import __version__
 from inferd.repository import RepositoryError, describe_versions
 from inferd.supervisor.control import ControlReply, deferred
-from inferd.supervisor.report import stats_report
+from inferd.supervisor.report import stats_report, worker_summary
 from inferd.supervisor.state import SERVING
 
 if TYPE_CHECKING:
@@ -104,14 +104,7 @@ class Commands:
             },
             "workers": [
                 {
-                    "worker": w.index,
-                    "pid": w.pid,
-                    "device": w.device,
-                    "state": w.state,
-                    "generation": w.generation,
-                    "restarts": w.restarts,
-                    "batches": w.batches,
-                    "busy_executors": sum(1 for e in w.executors if e.inflight),
+                    **worker_summary(w),
                     "loaded": sorted(f"{m} {v}" for m, v in w.loaded),
                     "last_error": w.last_error or None,
                 }

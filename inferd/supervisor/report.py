@@ -13,6 +13,7 @@ from inferd.supervisor.stats import Series
 
 if TYPE_CHECKING:
     from inferd.supervisor.main import Supervisor
+    from inferd.supervisor.workers import WorkerHandle
 
 
 def _latency(series: Series) -> dict[str, dict[str, float]]:
@@ -41,20 +42,27 @@ def _series_report(since_start: Series, minute: Series, ten: Series, minute_s: f
     }
 
 
+def worker_summary(w: WorkerHandle) -> dict[str, Any]:
+    """What `status` and `stats` both say of a worker: who it is, its state, its counters."""
+    return {
+        "worker": w.index,
+        "pid": w.pid,
+        "device": w.device,
+        "state": w.state,
+        "generation": w.generation,
+        "restarts": w.restarts,
+        "executors_busy": sum(1 for e in w.executors if e.inflight),
+        "batches": w.batches,
+    }
+
+
 def worker_report(daemon: Supervisor) -> list[dict[str, Any]]:
     """Each worker: process, state, counters, memory, and on a GPU what NVML and torch say."""
     report = []
     daemon.probes.forget({w.pid for w in daemon.workers.workers if w.pid})
     for w in daemon.workers.workers:
         entry: dict[str, Any] = {
-            "worker": w.index,
-            "pid": w.pid,
-            "device": w.device,
-            "state": w.state,
-            "generation": w.generation,
-            "restarts": w.restarts,
-            "executors_busy": sum(1 for e in w.executors if e.inflight),
-            "batches": w.batches,
+            **worker_summary(w),
             **daemon.probes.process(w.pid),
             "memory_growth_bytes": w.memory_growth,
             "leak_warning": w.leak_warned,
