@@ -129,6 +129,17 @@ class Wide(torch.nn.Module):
         return self.linear(x)
 
 
+class HugeOutput(torch.nn.Module):
+    """float32 [16] -> [16384]: 64 KiB of output a sample, too much for a small arena slot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(MLP_IN, 16384)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
 class SlowToWarm(Mlp):
     """An Mlp that spends a while on every batch, so loading and warming it takes seconds."""
 
@@ -159,6 +170,7 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     (root / "mlp" / "corrupt" / "model.pt").write_bytes(b"PK\x03\x04 this is not a TorchScript archive")
     files["refuses_big"] = save_script(MlpRefusingBigBatches, root, "mlp", "refuses_big", 4)
     files["wide"] = save_script(Wide, root, "mlp", "wide", 5)
+    files["huge_output"] = save_script(HugeOutput, root, "mlp", "huge_output", 10)
     files["slow_warm"] = save_script(SlowToWarm, root, "mlp", "slow_warm", 6)
     files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
     for version, seed, honest in (("canary_good", 8, True), ("canary_bad", 9, False)):

@@ -170,3 +170,22 @@ def test_the_deadline_heap_stays_bounded_with_long_deadlines():
         q.put(request(rid=i, timeout=1e9))
         q.take(cap(True, True), 0.0)
     assert len(q._deadlines) <= 2 * 10 + 1024 + 1
+
+
+def test_an_aged_lane_waiting_for_an_executor_does_not_hide_the_next_deadline():
+    q = queue()
+    q.put(request(received=0.0, timeout=1.0))
+    # At 10 ms the lane is past max_wait and waits only for an executor, whose answer
+    # wakes the loop anyway; the next thing to wake for is the deadline at 1 s.
+    assert q.next_wakeup(0.010) == pytest.approx(0.990)
+
+
+def test_a_max_batch_size_lowered_under_a_waiting_request_does_not_jam_its_lane():
+    q = queue()
+    q.put(request(samples=4, rid=1))
+    q.put(request(samples=1, rid=2))
+    q.configure(100, 0, {"a": ModelPolicy(max_batch_size=2, max_wait_s=0.005)})
+    name, batch = q.take(cap(True, True), 0.0)
+    assert [r.header.id for r in batch] == [1], "the request accepted under the old limit goes alone"
+    name, batch = q.take(cap(True, True), 0.0)
+    assert [r.header.id for r in batch] == [2]

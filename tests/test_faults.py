@@ -100,18 +100,37 @@ def test_a_crash_looping_worker_is_given_up_and_the_others_serve_on(start_daemon
 
 
 def test_one_flooding_client_does_not_starve_another(start_daemon):
-    daemon = start_daemon({"sleepy": TWO}, queue={"max_per_client": 5, "max_size": 100}, workers={"streams": 1})
+    daemon = start_daemon({"sleepy": TWO}, queue={"max_per_client": 5, "max_size": 1000}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as flood, RawPeer(daemon.endpoint) as polite:
-        for i in range(40):
+        for i in range(200):
             flood.send(i, "sleepy", [X2])
-        time.sleep(0.2)
         polite.send("mine", "sleepy", [X2])
         mine = polite.recv()[0]
-        flooded = [flood.recv()[0] for _ in range(40)]
+        flooded = [flood.recv()[0] for _ in range(200)]
     assert mine["status"] == "ok"
+    # Behind 200 queued batches of ~5 ms it would wait about a second; behind 5, tens of ms.
+    assert mine["timing_us"]["queue"] < 500_000, mine
     overloaded = [r for r in flooded if r["status"] == "overloaded"]
     assert overloaded and all("queue.max_per_client" in r["error"] for r in overloaded)
     assert {r["status"] for r in flooded} == {"ok", "overloaded"}
+
+
+def test_a_client_that_never_reads_large_replies_does_not_stall_the_worker(workdir, reload_repo):
+    from conftest import RELOAD_MLP, Daemon, base_config
+
+    # 64 KiB of output a request: replies big enough to be sent from the arena slot without a copy.
+    daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": {**RELOAD_MLP, "version": "huge_output"}}))
+    daemon.start()
+    try:
+        with RawPeer(daemon.endpoint) as deaf:
+            deaf.socket.rcvhwm = 1
+            for i in range(400):  # ~25 MiB of replies: far more than the kernel's socket buffers hold
+                deaf.send(i, "mlp", [np.ones((1, models.MLP_IN), dtype=np.float32)])
+            with daemon.client(timeout=15) as client:
+                for _ in range(20):
+                    assert client.infer("mlp", np.ones((1, models.MLP_IN), dtype=np.float32)).shape == (1, 16384)
+    finally:
+        daemon.kill_all()
 
 
 def test_binding_beyond_loopback_without_curve_warns(start_daemon):

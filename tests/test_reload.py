@@ -174,6 +174,17 @@ def test_signature_change_is_accepted_when_allowed(reload_daemon):
         assert client.infer("mlp", np.zeros((2, models.MLP_IN), dtype=np.float32)).shape == (2, 8)
 
 
+def test_a_version_whose_full_batch_would_overflow_an_arena_slot_is_refused(reload_daemon):
+    # 1 MiB over 2 streams: 256 KiB slots; a full batch of 16 at 64 KiB a sample needs 1 MiB.
+    daemon = reload_daemon(workers={"shm_mb": 1})
+    result = inferctl(daemon, "reload", "--version", "huge_output", "--allow-signature-change")
+    assert result.returncode == 1
+    assert "arena slot" in result.stderr and "raise workers.shm_mb" in result.stderr, result.stderr
+    assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
+    with daemon.client() as client:
+        assert client.infer("mlp", np.zeros((16, models.MLP_IN), dtype=np.float32)).shape == (16, models.MLP_OUT)
+
+
 def test_a_version_that_reproduces_its_canary_is_accepted(reload_daemon):
     daemon = reload_daemon()
     assert inferctl(daemon, "reload", "--version", "canary_good").returncode == 0

@@ -148,12 +148,17 @@ class BatchQueue:
         return None
 
     def next_wakeup(self, now: float) -> float | None:
-        """Seconds until the policy may change its mind by itself (a batch ages, a deadline passes)."""
+        """Seconds until the policy may change its mind by itself (a batch ages, a deadline passes).
+
+        A lane already full or aged is not counted: it waits for an executor, whose
+        answer wakes the loop anyway.
+        """
         with self._lock:
             times = [
                 lane.requests[0].received + lane.policy.max_wait_s
                 for lane in self._lanes.values()
                 if lane.requests and lane.samples < lane.policy.max_batch_size
+                and lane.requests[0].received + lane.policy.max_wait_s > now
             ]
             if self._deadlines:
                 times.append(self._deadlines[0][0])
@@ -184,7 +189,9 @@ class BatchQueue:
         batch: list[QueuedRequest] = []
         samples = 0
         limit = lane.policy.max_batch_size
-        while lane.requests and samples + lane.requests[0].samples <= limit:
+        # The head request always goes, even over a max_batch_size lowered (SIGHUP) since
+        # it was accepted: the slot was sized for the old limit, and leaving it would jam the lane.
+        while lane.requests and (not batch or samples + lane.requests[0].samples <= limit):
             request = lane.requests.popleft()
             request.state = TAKEN
             self._left(request)

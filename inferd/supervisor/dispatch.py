@@ -20,7 +20,6 @@ from inferd import protocol
 from inferd.config import Config
 from inferd.ipc.arena import align_up
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
-from inferd.ipc.sockets import COPY_THRESHOLD
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.frontend import Frontend
@@ -55,6 +54,20 @@ def slot_bytes_needed(config: Config, model: str, outputs: tuple) -> int:
     for dtype, shape in per_sample:
         total = align_up(total) + spec.max_batch_size * math.prod(shape) * protocol.DTYPES[dtype].itemsize
     return total
+
+
+def slot_shortfall(config: Config, model: str, outputs: tuple, slot_size: int) -> str | None:
+    """Why a full batch of `model` with these outputs would not fit a slot of `slot_size` bytes; None if it fits."""
+    needed = slot_bytes_needed(config, model, outputs)
+    if needed <= slot_size:
+        return None
+    return (f"a full batch of {model} needs {needed / 2**20:.1f} MiB of arena slot but a slot has "
+            f"{slot_size / 2**20:.1f} MiB (workers.shm_mb / (2 x workers.streams)); "
+            "raise workers.shm_mb or lower max_batch_size")
+
+
+class SlotOverflow(Exception):
+    """A batch's inputs would run past the end of its slot."""
 
 
 class Dispatcher:
@@ -97,7 +110,13 @@ class Dispatcher:
             return
         now = time.monotonic()
         batch = Batch(next(self._ids), model, version, requests, executor, slot, now)
-        message = self._stack(batch, worker)
+        try:
+            message = self._stack(batch, worker)
+        except SlotOverflow:  # the load-time slot checks make this unreachable; never write past a slot
+            worker.slots.release(slot)
+            for request in requests:
+                self.frontend.reply_error(request, protocol.INTERNAL, "the batch does not fit an arena slot")
+            return
         for request in requests:
             request.dispatched = now
         if not self.workers.send(executor.identity, message):
@@ -122,7 +141,10 @@ class Dispatcher:
             self._fail(batch, result.error)
         else:
             self.workers.note_memory(executor.worker, result.memory, result.reserved)
-            trackers = self._reply_outputs(batch, result)
+            # One slot per worker at most waits on a slow reader; while it does, replies are copied,
+            # so a client that does not read cannot take every slot of a worker.
+            by_reference = not any(worker is executor.worker for worker, _, _ in self.sending)
+            trackers = self._reply_outputs(batch, result, by_reference)
             self._watch_slow(batch, result.compute_us / 1e6)
         if trackers:
             # Replies still read the slot; it is free once ZeroMQ has sent them.
@@ -194,6 +216,7 @@ class Dispatcher:
         buf = worker.arena.buf
         base = worker.slots.offset(batch.slot)
         samples = sum(r.samples for r in batch.requests)
+        end = base + worker.slots.slot_size
         offset = base
         refs = []
         for index, input_spec in enumerate(spec.inputs):
@@ -201,6 +224,8 @@ class Dispatcher:
             refs.append(TensorRef(input_spec.dtype, (samples, *input_spec.shape), offset))
             for request in batch.requests:
                 data = request.buffers[index]
+                if offset + len(data) > end:
+                    raise SlotOverflow
                 buf[offset : offset + len(data)] = data
                 offset += len(data)
         return RunBatch(
@@ -209,11 +234,12 @@ class Dispatcher:
             version=batch.version,
             inputs=tuple(refs),
             out_offset=align_up(offset),
-            out_end=base + worker.slots.slot_size,
+            out_end=end,
         )
 
-    def _reply_outputs(self, batch: Batch, done: BatchDone) -> list[zmq.MessageTracker]:
-        """Send each request its rows of every output; large ones go by reference (trackers returned)."""
+    def _reply_outputs(self, batch: Batch, done: BatchDone, by_reference: bool) -> list[zmq.MessageTracker]:
+        """Send each request its rows of every output; with `by_reference`, large ones without a copy
+        (the trackers of those are returned)."""
         buf = batch.executor.worker.arena.buf
         row_bytes = [
             math.prod(ref.shape[1:]) * protocol.DTYPES[ref.dtype].itemsize for ref in done.outputs
@@ -238,7 +264,6 @@ class Dispatcher:
                     total=int((now - request.received) * 1e6),
                 ),
             )
-            by_reference = max(row_bytes, default=0) * request.samples >= COPY_THRESHOLD
             trackers += self.frontend.reply(request, header, frames, by_reference)
             self.stats.answered(now, batch.model, batch.version, request.samples, now - request.received,
                                 request.dispatched - request.received, done.compute_us / 1e6)

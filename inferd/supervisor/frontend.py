@@ -127,10 +127,10 @@ class Frontend:
                             "set server.curve_secret_key and server.curve_authorized_keys", endpoint)
             log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and secret is not None else "")
 
-    def close(self) -> None:
-        """Close every client socket."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every client socket, letting queued replies leave for at most `linger_ms`."""
         for socket in self.sockets:
-            socket.close(linger=0)
+            socket.close(linger=linger_ms)
         self.sockets = []
 
     def on_readable(self, socket: zmq.Socket) -> None:
@@ -181,15 +181,7 @@ class Frontend:
     def reply(self, request: QueuedRequest, header: ReplyHeader, outputs: Sequence[Buffer],
               by_reference: bool) -> list[zmq.MessageTracker]:
         """Send a request's outputs; `by_reference`: large ones without a copy (see send_parts_tracked)."""
-        self.replies[header.status] += 1
-        parts = [*request.reply_to.envelope, protocol.encode_reply(header), *outputs]
-        try:
-            if by_reference:
-                return send_parts_tracked(request.reply_to.socket, parts)
-            send_parts(request.reply_to.socket, parts)
-        except zmq.ZMQError as exc:
-            self._undeliverable(exc)
-        return []
+        return self._send(request.reply_to, header.status, [protocol.encode_reply(header), *outputs], by_reference)
 
     def reply_error(self, request: QueuedRequest, status: str, error: str) -> None:
         """Answer a queued request with an error status."""
@@ -204,12 +196,17 @@ class Frontend:
             self.stats.reply(time.monotonic(), model, self.live[model], status)
         self._send(reply_to, status, [protocol.error_reply(request_id, status, error, model)])
 
-    def _send(self, reply_to: ReplyTo, status: str, frames: list) -> None:
+    def _send(self, reply_to: ReplyTo, status: str, frames: list, by_reference: bool = False
+              ) -> list[zmq.MessageTracker]:
         self.replies[status] += 1
+        parts = [*reply_to.envelope, *frames]
         try:
-            send_parts(reply_to.socket, [*reply_to.envelope, *frames])
+            if by_reference:
+                return send_parts_tracked(reply_to.socket, parts)
+            send_parts(reply_to.socket, parts)
         except zmq.ZMQError as exc:
             self._undeliverable(exc)
+        return []
 
     def _undeliverable(self, exc: zmq.ZMQError) -> None:
         # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way the

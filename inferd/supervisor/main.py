@@ -38,19 +38,20 @@ from inferd.supervisor.batcher import BatchQueue, ModelPolicy
 from inferd.supervisor.commands import Commands
 from inferd.supervisor.control import ControlServer, LoggedReply
 from inferd.supervisor.devices import resolve_devices
-from inferd.supervisor.dispatch import Dispatcher, slot_bytes_needed
+from inferd.supervisor.dispatch import Batch, Dispatcher, slot_bytes_needed, slot_shortfall
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.metrics import MetricsServer
 from inferd.supervisor.probes import Probes
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DRAINING, SERVING, STARTING, STOPPING
 from inferd.supervisor.stats import Stats
-from inferd.supervisor.workers import FAILED, READY, STOP_TIMEOUT_S, WorkerHandle, WorkerTable
+from inferd.supervisor.workers import ABORT_GRACE_S, FAILED, READY, STOP_TIMEOUT_S, WorkerHandle, WorkerTable
 from inferd.systemd import Watchdog, notify
 
 log = logging.getLogger("inferd.supervisor")
 
 TICK_S = 0.5
+REPLY_FLUSH_MS = 1000  # at exit, how long replies still queued to clients may take to leave
 SENDING_CHECK_S = 0.001  # how often slots held by replies still being sent are checked
 STATUS_EVERY_S = 2.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -118,6 +119,7 @@ class Supervisor:
         self._done = False
         self._watchdog = Watchdog()
         self._spin_s = config.server.spin_us / 1e6
+        self._active = False  # the last poll found work: spin before the next blocks
         self._stall: str | None = None
         self._next_status = 0.0
         self._replies_at_status = 0
@@ -205,14 +207,16 @@ class Supervisor:
     def _loop(self) -> None:
         while not self._done:
             now = time.monotonic()
-            wait = min(self.queue.next_wakeup(now) or TICK_S, max(0.0, self._next_tick - now),
+            queue_wakeup = self.queue.next_wakeup(now)
+            wait = min(TICK_S if queue_wakeup is None else queue_wakeup, max(0.0, self._next_tick - now),
                        self._watchdog.wait(now) or TICK_S)
             if self.dispatcher.sending:
                 wait = min(wait, SENDING_CHECK_S)
             oldest = self.dispatcher.oldest()
-            if oldest is not None:  # wake when it would count as hung
-                wait = min(wait, max(0.0, oldest.started + self.config.workers.batch_timeout_s - now) + 0.001)
-            events = self._poll(wait)
+            if oldest is not None:
+                wait = min(wait, self._hang_check_in(oldest, now))
+            events = self._poll(wait, spin=self._active)
+            self._active = bool(events)
             # Signals first: a request that arrives with a SIGTERM is already refused.
             for target, _ in sorted(events, key=lambda event: event[0] != self._wakeup_r.fileno()):
                 self._on_readable(target)
@@ -227,15 +231,23 @@ class Supervisor:
                 self._housekeeping(now)
             self._report(now)
 
-    def _poll(self, wait: float) -> list[tuple[Any, int]]:
+    def _hang_check_in(self, batch: Batch, now: float) -> float:
+        """Seconds until the longest-running batch needs a look: when it would count as hung,
+        or when its hung worker is due for SIGKILL. Once both have passed, the worker's exit wakes the loop."""
+        worker = batch.executor.worker
+        due = batch.started + self.config.workers.batch_timeout_s if worker.hung is None else \
+            worker.hung_since + ABORT_GRACE_S
+        return due - now + 0.001 if due >= now else TICK_S
+
+    def _poll(self, wait: float, spin: bool) -> list[tuple[Any, int]]:
         """The sockets and fds that are ready, waiting at most `wait` seconds.
 
-        Right after activity the loop polls without sleeping for server.spin_us:
-        a core that went idle (a virtual CPU above all) takes far longer to wake
-        than the next request takes to come. With nothing happening, it blocks.
+        With `spin` (the last poll found work), the loop polls without sleeping for
+        server.spin_us first: a core that went idle (a virtual CPU above all) takes
+        far longer to wake than the next request takes to come. Otherwise it blocks.
         """
         events = self.poller.poll(0)
-        if not events and self._spin_s:
+        if not events and spin and self._spin_s:
             spin_until = time.monotonic() + self._spin_s
             while not events and time.monotonic() < spin_until:
                 events = self.poller.poll(0)
@@ -269,7 +281,7 @@ class Supervisor:
         if self.state == STARTING:
             self._check_started()
         elif self.state == DRAINING:
-            if len(self.queue) == 0 and not self.dispatcher.inflight:
+            if len(self.queue) == 0 and not self.dispatcher.inflight and not self.dispatcher.sending:
                 self._stop_workers()
             elif now >= self._deadline:
                 log.warning("drain timeout passed; stopping with work left")
@@ -385,13 +397,9 @@ class Supervisor:
 
     def _on_worker_ready(self, worker: WorkerHandle) -> None:
         for (name, _), loaded in worker.loaded.items():
-            needed = slot_bytes_needed(self.config, name, loaded.outputs)
-            if needed > worker.slots.slot_size:
-                worker.last_error = (
-                    f"a full batch of {name} needs {needed / 2**20:.1f} MiB of arena slot but a slot has "
-                    f"{worker.slots.slot_size / 2**20:.1f} MiB (workers.shm_mb / (2 x workers.streams)); "
-                    "raise workers.shm_mb or lower max_batch_size"
-                )
+            shortfall = slot_shortfall(self.config, name, loaded.outputs, worker.slots.slot_size)
+            if shortfall is not None:
+                worker.last_error = shortfall
                 log.error("worker%d: %s", worker.index, worker.last_error)
                 self.workers.stop(worker, give_up=True)
                 return
@@ -548,7 +556,10 @@ class Supervisor:
                     self.workers.stop(worker)
             self.workers.wait_all(STOP_TIMEOUT_S)
         if self.frontend is not None:
-            self.frontend.close()
+            # Replies still queued in ZeroMQ get a moment to leave, unless some still
+            # point into an arena that is about to close.
+            clean = self.dispatcher is not None and not self.dispatcher.sending
+            self.frontend.close(linger_ms=REPLY_FLUSH_MS if clean else 0)
         if self.control is not None:
             self.control.close()
         if self.authenticator is not None:

@@ -24,7 +24,7 @@ from inferd.config import Config
 from inferd.ipc import messages
 from inferd.repository import LiveVersions, RepositoryError, model_file
 from inferd.supervisor.control import ControlReply
-from inferd.supervisor.dispatch import Dispatcher
+from inferd.supervisor.dispatch import Dispatcher, slot_shortfall
 from inferd.supervisor.workers import READY, WorkerHandle, WorkerTable
 from inferd.systemd import notify
 
@@ -113,6 +113,9 @@ class ReloadManager:
             reload.loaded[worker] = message
             worker.loaded[(message.model, version)] = message.loaded
             self.workers.versions_changed(worker)
+            shortfall = slot_shortfall(self.config, message.model, message.loaded.outputs, worker.slots.slot_size)
+            if shortfall is not None and reload.failure is None:
+                reload.failure = f"worker{worker.index}: {shortfall}"
             reload.reply.progress(
                 f"worker{worker.index}: loaded in {message.load_s:.2f} s, warmed up in {message.warm_s:.2f} s"
             )
@@ -239,6 +242,12 @@ class ReloadManager:
             worker.last_error = message.error
             return
         model, version = message.model, message.loaded.version
+        shortfall = slot_shortfall(self.config, model, message.loaded.outputs, worker.slots.slot_size)
+        if shortfall is not None:  # a model added by SIGHUP, whose outputs were not known before
+            log.error("worker%d cannot serve %s %s: %s", worker.index, model, version, shortfall)
+            worker.last_error = shortfall
+            self.workers.send_control(worker, messages.UnloadVersion(model, version))
+            return
         worker.loaded[(model, version)] = message.loaded
         self.workers.versions_changed(worker)
         if version != self.live.get(model):
