@@ -21,8 +21,12 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+STATUS_TIMEOUT_S = 30  # inferctl status answers at once; only a wedged daemon takes this long
+SETTLE_WAIT_S = 600  # how long a reload that outlived --timeout, or one going back, may take
 
 
 class RolloutError(Exception):
@@ -51,12 +55,18 @@ class Daemon:
             raise RolloutError(f"{self.name}: {said[-1] if said else f'inferctl exited with {done.returncode}'}")
         return done.stdout.strip()
 
-    def live_version(self, model: str, timeout: float) -> str:
-        """The version of `model` this daemon serves now."""
-        status = json.loads(self.run("status", "--json", timeout=timeout))
-        if model not in status["models"]:
-            raise RolloutError(f"{self.name}: serves no model named {model!r}")
-        return status["models"][model]["live_version"]
+    def live_version(self, model: str, settled: bool = False) -> str:
+        """The version of `model` this daemon serves now; with `settled`, once no reload of it runs
+        (waiting at most SETTLE_WAIT_S)."""
+        give_up = time.monotonic() + SETTLE_WAIT_S
+        while True:
+            status = json.loads(self.run("status", "--json", timeout=STATUS_TIMEOUT_S))
+            if model not in status["models"]:
+                raise RolloutError(f"{self.name}: serves no model named {model!r}")
+            entry = status["models"][model]
+            if not settled or entry["reloading_to"] is None or time.monotonic() > give_up:
+                return entry["live_version"]
+            time.sleep(0.5)
 
     def reload(self, model: str, version: str, timeout: float) -> str:
         """Make `version` live; what inferctl reported."""
@@ -98,7 +108,7 @@ def node_labeller(kubectl: str, node: str) -> Callable[[str, str], None]:
 def roll_out(daemons: list[Daemon], model: str, version: str, timeout: float) -> None:
     """Switch every daemon to `version`, or leave every one on what it served before."""
     for daemon in daemons:  # all reachable and serving the model before anything changes
-        daemon.was_live = daemon.live_version(model, timeout)
+        daemon.was_live = daemon.live_version(model)
     switched: list[Daemon] = []
     for daemon in daemons:
         if daemon.was_live == version:
@@ -108,18 +118,33 @@ def roll_out(daemons: list[Daemon], model: str, version: str, timeout: float) ->
             print(f"{daemon.name}: {daemon.reload(model, version, timeout)}", flush=True)
         except RolloutError as exc:
             print(f"rollout stopped: {exc}", file=sys.stderr, flush=True)
+            if _switched_anyway(daemon, model):  # e.g. the reload outlived --timeout
+                switched.append(daemon)
             roll_back(switched, model, timeout)
             raise RolloutError(f"{model} {version} was refused by {daemon.name}; "
                                f"{len(switched)} daemon(s) rolled back") from None
         switched.append(daemon)
 
 
+def _switched_anyway(daemon: Daemon, model: str) -> bool:
+    """Whether a daemon whose reload failed serves something else than before all the same
+    (a reload that outlived --timeout goes on in the daemon: wait for it to end)."""
+    try:
+        return daemon.live_version(model, settled=True) != daemon.was_live
+    except RolloutError:
+        return False  # unreachable now: nothing this script can undo there
+
+
 def roll_back(switched: list[Daemon], model: str, timeout: float) -> None:
-    """Return each switched daemon, newest first, to the version it served before the rollout."""
+    """Return each switched daemon, newest first, to the version it served before the rollout.
+
+    The way back is never cut short by a --timeout tuned for the way there.
+    """
     failed = []
     for daemon in reversed(switched):
         try:
-            print(f"{daemon.name}: back: {daemon.reload(model, daemon.was_live, timeout)}", file=sys.stderr, flush=True)
+            said = daemon.reload(model, daemon.was_live, max(timeout, SETTLE_WAIT_S))
+            print(f"{daemon.name}: back: {said}", file=sys.stderr, flush=True)
         except RolloutError as exc:
             failed.append(str(exc))
     if failed:

@@ -247,9 +247,12 @@ def keygen(folder: str, name: str) -> None:
     """Write a CURVE key pair: NAME.key (public, to share) and NAME.key_secret (secret, mode 0600)."""
     import zmq.auth
 
-    os.makedirs(folder, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(folder, name)
-    os.chmod(secret, 0o600)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        public, secret = zmq.auth.create_certificates(folder, name)
+        os.chmod(secret, 0o600)
+    except OSError as exc:
+        raise CliError(f"cannot write the keys to {folder}: {exc.strerror}") from None
     click.echo(f"public key: {public}\nsecret key: {secret}")
 
 
@@ -324,7 +327,7 @@ def infer(ctx: click.Context, model: str, inputs: tuple[str, ...], output: str |
     """Run one request through the daemon's control socket."""
     try:
         arrays = [np.load(path, allow_pickle=False) for path in inputs]
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError) as exc:  # EOFError: an empty or cut-off .npy
         raise CliError(f"cannot read the input: {exc}") from None
     try:
         request = protocol.encode_request(1, model, arrays, timeout_ms=int(_timeout(ctx) * 1000))
@@ -342,7 +345,10 @@ def infer(ctx: click.Context, model: str, inputs: tuple[str, ...], output: str |
             raise CliError(f"{ERROR_BY_STATUS.get(header.status, InferdError).__name__}: {header.error}")
         outputs = [np.array(o) for o in outputs]
     if output:
-        np.save(output, outputs[0])
+        try:
+            np.save(output, outputs[0])
+        except OSError as exc:
+            raise CliError(f"cannot write {output}: {exc.strerror}") from None
     click.echo(f"{model} {header.version}: {len(outputs)} output(s) in {elapsed_ms:.2f} ms "
                f"(queue {header.timing_us.queue} us, compute {header.timing_us.compute} us)")
     for index, array in enumerate(outputs):

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import heapq
 import itertools
+import logging
 import os
 import queue
 import random
@@ -37,6 +38,8 @@ from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
 Array = Any  # a numpy array, or a torch tensor on any device
 Outputs = Union[np.ndarray, tuple[np.ndarray, ...]]
 RETRY_STATUSES = frozenset({protocol.OVERLOADED, protocol.UNAVAILABLE})
+RESEND_S = 0.005  # how soon a send that found every connected endpoint's queue full is tried again
+log = logging.getLogger("inferd.client")
 
 
 @dataclass(frozen=True)
@@ -157,6 +160,44 @@ def _curve(server_key: KeyFile | None, client_key: KeyFile | None) -> Callable[[
     return secure
 
 
+class _Mailbox:
+    """What other threads hand the I/O thread: calls, DNS answers, and None to stop.
+
+    Once the I/O thread stops it shuts the mailbox before taking what is left, so
+    nothing posted later is lost unanswered: the post is refused instead.
+    """
+
+    def __init__(self) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self._lock = threading.Lock()
+        self._open = True
+
+    def post(self, item: _Call | tuple[str, list[str]] | None) -> bool:
+        """Hand `item` over and wake the I/O thread; False once the mailbox is shut."""
+        with self._lock:
+            if not self._open:
+                return False
+            self.items.put(item)
+            os.write(self._wake_w, b"\0")
+            return True
+
+    def shut(self) -> None:
+        """Refuse every later post."""
+        with self._lock:
+            self._open = False
+
+    def close(self) -> None:
+        """Shut, and close the wake pipe (after the I/O thread has stopped)."""
+        with self._lock:
+            if self._wake_w != -1:
+                self._open = False
+                os.close(self.wake_r)
+                os.close(self._wake_w)
+                self._wake_w = -1
+
+
 class Client:
     """A thread-safe client; one I/O thread owns the sockets, any thread may call.
 
@@ -177,18 +218,17 @@ class Client:
         self.timeout = timeout
         self.retry = retry or RetryPolicy()
         self._ids = itertools.count(1)
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._mailbox = _Mailbox()
         self._context = zmq.Context()
         addresses = [endpoints] if isinstance(endpoints, str) else list(endpoints)
         self._pool = EndpointPool(self._context, addresses, _curve(server_key, client_key))
         self._resolver = None
         if self._pool.names:
-            self._resolver = Resolver(self._pool.names, resolve_interval, self._post_resolved)
+            self._resolver = Resolver(self._pool.names, resolve_interval,
+                                      lambda name, addresses: self._mailbox.post((name, addresses)))
             self._resolver.start()
         self._closed = False
-        self._thread = threading.Thread(target=_IOLoop(self._pool, self._outbox, self._wake_r).run,
+        self._thread = threading.Thread(target=_IOLoop(self._pool, self._mailbox).run,
                                         name="inferd-client", daemon=True)
         self._thread.start()
 
@@ -206,11 +246,10 @@ class Client:
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                version: str | None = None) -> concurrent.futures.Future:
         """Send a request and return a future of its outputs; do not change `inputs` until it is done."""
-        if self._closed or not self._thread.is_alive():
-            raise Unavailable("the client is closed")
         call = _Call(next(self._ids), model, _as_inputs(inputs), version,
                      self.timeout if timeout is None else timeout, self.retry)
-        self._post(call)
+        if self._closed or not self._mailbox.post(call):
+            raise Unavailable("the client is closed")
         return call.future
 
     def close(self) -> None:
@@ -220,32 +259,24 @@ class Client:
         self._closed = True
         if self._resolver is not None:
             self._resolver.stop()
-        self._post(None)
+        self._mailbox.post(None)
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._mailbox.close()
         self._context.term()
-
-    def _post(self, item: _Call | tuple[str, list[str]] | None) -> None:
-        self._outbox.put(item)
-        os.write(self._wake_w, b"\0")
-
-    def _post_resolved(self, name: str, addresses: list[str]) -> None:
-        self._post((name, addresses))
 
 
 class _IOLoop:
     """The client's I/O thread: sends calls, reads replies and connection events, keeps deadlines."""
 
-    def __init__(self, pool: EndpointPool, outbox: queue.SimpleQueue, wake: int) -> None:
+    def __init__(self, pool: EndpointPool, mailbox: _Mailbox) -> None:
         self.pool = pool
-        self.outbox = outbox
-        self.wake = wake
+        self.mailbox = mailbox
+        self.wake = mailbox.wake_r
         self.pending: dict[int, _Call] = {}
-        self.waiting: list[int] = []  # calls with no connected endpoint to go to
+        self.waiting: dict[int, None] = {}  # calls with no connected endpoint to go to, oldest first
         self.timers: list[tuple[float, int, str]] = []  # (when, call id, "send" | "deadline")
         self.poller = zmq.Poller()
-        self.poller.register(wake, zmq.POLLIN)
+        self.poller.register(self.wake, zmq.POLLIN)
         self.by_socket: dict[zmq.Socket, Endpoint] = {}
         for endpoint in pool.endpoints.values():
             self._watch(endpoint)
@@ -259,8 +290,9 @@ class _IOLoop:
             leftover = InferdError(f"the client's I/O thread failed: {exc!r}")
             raise
         finally:
-            while not self.outbox.empty():
-                item = self.outbox.get()
+            self.mailbox.shut()
+            while not self.mailbox.items.empty():
+                item = self.mailbox.items.get()
                 if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
                     self.pending[item.id] = item
             for call in self.pending.values():
@@ -271,7 +303,7 @@ class _IOLoop:
         running = True
         while running:
             now = time.monotonic()
-            wait = min((t[0] for t in self.timers), default=now + 1.0) - now
+            wait = (self.timers[0][0] if self.timers else now + 1.0) - now
             for target, _ in self.poller.poll(max(0, int(wait * 1000) + 1)):
                 if target == self.wake:
                     running = self._take_posts()
@@ -303,8 +335,8 @@ class _IOLoop:
                 pass
         except BlockingIOError:
             pass
-        while not self.outbox.empty():
-            item = self.outbox.get()
+        while not self.mailbox.items.empty():
+            item = self.mailbox.items.get()
             if item is None:
                 return False
             if isinstance(item, tuple):
@@ -321,27 +353,29 @@ class _IOLoop:
 
     def _send(self, call: _Call) -> None:
         frames = call.frames()
-        for endpoint in self.pool.ranked(call.avoid, time.monotonic()):
+        connected = self.pool.ranked(call.avoid, time.monotonic())
+        for endpoint in connected:
             try:
                 # Never block: a blocking send would stop this thread, and every deadline with it.
                 endpoint.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            except zmq.Again:  # its queue is full (the high-water mark), or it just went down
                 continue
             endpoint.in_flight.add(call.id)
             call.endpoint = endpoint
             return
         call.attempts -= 1
-        if self.pool.refused_everywhere():
+        if connected:
+            heapq.heappush(self.timers, (time.monotonic() + RESEND_S, call.id, "send"))
+        elif self.pool.refused_everywhere():
             self._finish(call, call.refused())
         else:
-            self.waiting.append(call.id)
+            self.waiting[call.id] = None
 
     def _finish(self, call: _Call, outcome: Outputs | InferdError | _Retry) -> None:
         if call.endpoint is not None:
             call.endpoint.in_flight.discard(call.id)
             call.avoid, call.endpoint = call.endpoint, None
-        if call.id in self.waiting:
-            self.waiting.remove(call.id)
+        self.waiting.pop(call.id, None)
         if isinstance(outcome, _Retry):
             heapq.heappush(self.timers, (time.monotonic() + outcome.delay, call.id, "send"))
             return
@@ -353,13 +387,15 @@ class _IOLoop:
 
     def _read_replies(self, endpoint: Endpoint) -> None:
         while endpoint.socket.poll(0):
-            header, outputs = _decode(endpoint.socket.recv_multipart(copy=False))
+            try:
+                header, outputs = _decode(endpoint.socket.recv_multipart(copy=False))
+            except Exception as exc:  # whatever a reply not of the protocol raises; no call to give it to
+                log.warning("dropped a malformed reply from %s: %s", endpoint.address, exc)
+                continue
             endpoint.answered(header.status, time.monotonic())
-            call = self.pending.get(header.id)
-            if call is not None and call.endpoint is endpoint:
+            call = self.pending.get(header.id)  # None: its deadline passed first
+            if call is not None:
                 self._finish(call, call.settle(header, outputs))
-            else:  # a late answer to an attempt already given up on
-                endpoint.in_flight.discard(header.id)
         self._forget_if_done(endpoint)
 
     def _read_events(self, endpoint: Endpoint) -> None:
@@ -367,7 +403,7 @@ class _IOLoop:
             event = parse_monitor_message(endpoint.monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 endpoint.connected, endpoint.refused = True, False
-                waiting, self.waiting = self.waiting, []
+                waiting, self.waiting = self.waiting, {}
                 for call_id in waiting:
                     self._send(self.pending[call_id])
             elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
@@ -378,13 +414,18 @@ class _IOLoop:
             elif event == zmq.EVENT_DISCONNECTED:
                 for call_id in sorted(endpoint.dropped(time.monotonic())):
                     call = self.pending.get(call_id)
-                    if call is not None and call.endpoint is endpoint:
+                    if call is not None:
                         self._finish(call, call.missed())
                 self._forget_if_done(endpoint)
                 if endpoint.retired:
                     return  # closed: its monitor is gone
 
     def _fire_timers(self) -> None:
+        if len(self.timers) > 4 * len(self.pending) + 1024:
+            # Answered calls leave their deadline entries behind until due; with long
+            # timeouts they would pile up, so sweep them out now and then.
+            self.timers = [t for t in self.timers if t[1] in self.pending]
+            heapq.heapify(self.timers)
         now = time.monotonic()
         while self.timers and self.timers[0][0] <= now:
             _, call_id, kind = heapq.heappop(self.timers)
@@ -396,7 +437,10 @@ class _IOLoop:
                     self._send(call)
             else:
                 unreachable = self.pool.describe() if call.id in self.waiting else None
+                endpoint = call.endpoint
                 self._finish(call, call.expired(unreachable))
+                if endpoint is not None:
+                    self._forget_if_done(endpoint)
 
 
 class AsyncClient:

@@ -94,6 +94,7 @@ def run_demo() -> int:
     try:
         daemon.start(timeout=120)
     except RuntimeError as exc:
+        daemon.kill_all()  # one that is only slow must not keep holding the demo port
         print(exc)
         return 1
     try:

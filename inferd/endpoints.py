@@ -130,10 +130,12 @@ class EndpointPool:
         self._secure = secure
         self.endpoints: dict[str, Endpoint] = {}
         self.names: dict[str, set[str]] = {}  # a host name → the addresses it resolved to
+        self._given: set[str] = set()  # addresses given as such: DNS never retires them
         self._turn = 0
         for address in addresses:
             found = resolve(address)
             if found is None:
+                self._given.add(address)
                 self._add(address)
             else:
                 self.names[address] = set()
@@ -168,7 +170,7 @@ class EndpointPool:
             return [], []
         old = self.names.get(name, set())
         self.names[name] = new
-        still_named = set().union(*self.names.values())
+        still_named = set().union(self._given, *self.names.values())
         added = []
         for address in sorted(new - old):
             if address in self.endpoints:

@@ -141,11 +141,16 @@ class HugeOutput(torch.nn.Module):
 
 
 class SlowToWarm(Mlp):
-    """An Mlp that spends a while on every batch, so loading and warming it takes seconds."""
+    """An Mlp that spends a while on every batch (`steps` products of 256 x 256 matrices),
+    so warming it up takes about steps / 800 seconds."""
+
+    def __init__(self, steps: int = 400) -> None:
+        super().__init__()
+        self.steps = steps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.randn(256, 256)
-        for _ in range(400):
+        for _ in range(self.steps):
             h = torch.tanh(h @ h)
         return self.net(x) + 0.0 * h.sum()
 
@@ -172,6 +177,7 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     files["wide"] = save_script(Wide, root, "mlp", "wide", 5)
     files["huge_output"] = save_script(HugeOutput, root, "mlp", "huge_output", 10)
     files["slow_warm"] = save_script(SlowToWarm, root, "mlp", "slow_warm", 6)
+    files["slower_warm"] = save_script(lambda: SlowToWarm(4000), root, "mlp", "slower_warm", 6)
     files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
     for version, seed, honest in (("canary_good", 8, True), ("canary_bad", 9, False)):
         files[version] = save_script(Mlp, root, "mlp", version, seed)

@@ -142,3 +142,20 @@ def test_infer_with_an_unknown_model_is_one_sentence(daemon, workdir):
 def test_usage_errors_are_one_sentence():
     assert_one_sentence(run(str(BIN / "inferctl"), "frobnicate"))
     assert_one_sentence(run(str(BIN / "inferctl"), "infer", "--model", "m"))
+
+
+def test_operator_mistakes_are_one_sentence(daemon, workdir):
+    (workdir / "empty.npy").write_bytes(b"")
+    blocked = workdir / "a-file"
+    blocked.write_text("")
+    good = workdir / "x.npy"
+    np.save(good, np.zeros((1, models.MLP_IN), dtype=np.float32))
+    for result, says in [
+        (run(str(BIN / "inferctl"), "--control", "foo://bar", "status"), "cannot connect to foo://bar"),
+        (run(str(BIN / "inferctl"), "keygen", str(blocked / "keys")), "cannot write the keys"),
+        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "empty.npy")), "cannot read the input"),
+        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(good), "--output", str(blocked / "y.npy")),
+         "cannot write"),
+    ]:
+        assert_one_sentence(result)
+        assert says in result.stderr, result.stderr

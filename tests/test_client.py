@@ -120,3 +120,28 @@ def test_a_call_with_no_attempts_left_reports_the_dropped_connection():
     call.frames()
     outcome = call.missed()
     assert isinstance(outcome, Unavailable) and "connection" in outcome.message
+
+
+def test_a_malformed_reply_is_dropped_and_the_client_serves_on(server_factory):
+    server = server_factory(lambda n, h, b: [b"\xff not a reply"] if n == 1 else ok(h, X))
+    with Client(server.endpoint, timeout=0.5, retry=FAST) as client:
+        with pytest.raises(Timeout):
+            client.infer("m", X)
+        np.testing.assert_array_equal(client.infer("m", X), X)
+
+
+
+def test_calls_beyond_the_send_queue_wait_for_room_not_for_their_deadline(server_factory):
+    # A server that stops reading for a while: the queues on the way (the client's and
+    # the server's, 1000 messages each, and the kernel's) fill, and the calls past them
+    # must go out as they drain, not time out as if no daemon were reachable.
+    server = server_factory(lambda n, h, b: ok(h, X))
+    with Client(server.endpoint, timeout=10.0) as client:
+        client.infer("m", X)  # connected
+        server.reading.clear()
+        big = np.zeros((1, 16384), dtype=np.float32)  # 64 KiB
+        futures = [client.submit("m", big) for _ in range(3000)]
+        time.sleep(1.0)
+        server.reading.set()
+        for future in futures:
+            np.testing.assert_array_equal(future.result(), X)

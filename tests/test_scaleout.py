@@ -307,3 +307,27 @@ def test_a_name_that_resolves_differently_adds_and_retires_endpoints():
     finally:
         pool.close()
         context.term()
+
+
+def test_an_address_given_as_such_outlives_the_names_that_resolved_to_it():
+    import zmq
+
+    from inferd.endpoints import EndpointPool
+
+    context = zmq.Context()
+    pool = EndpointPool(context, ["tcp://127.0.0.1:5998", "tcp://localhost:5998"], lambda socket: None)
+    try:
+        pool.update("tcp://localhost:5998", ["tcp://10.0.0.1:5998"])
+        assert not pool.endpoints["tcp://127.0.0.1:5998"].retired
+    finally:
+        pool.close()
+        context.term()
+
+
+def test_rollout_undoes_a_reload_that_outlived_its_timeout(fleet, reload_repo):
+    daemon = fleet.start(reload_repo, RELOAD_MLP)
+    # slower_warm takes about 5 s to warm up: the reload goes on in the daemon after the 2 s.
+    done = rollout("--version", "slower_warm", "--timeout", "2", "--control", daemon.control)
+    assert done.returncode == 1 and "took more than 2 s" in done.stderr, done.stderr
+    assert "1 daemon(s) rolled back" in done.stderr, done.stderr
+    assert live_versions([daemon]) == ["v1"]

@@ -80,13 +80,15 @@ class ScriptedServer:
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.answer = answer
         self.headers: list[dict] = []
+        self.reading = threading.Event()  # clear it to stop reading requests for a while
+        self.reading.set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
-            if not self.socket.poll(20):
+            if not self.reading.wait(0.02) or not self.socket.poll(20):
                 continue
             identity, header, *buffers = self.socket.recv_multipart()
             decoded = msgspec.json.decode(header)

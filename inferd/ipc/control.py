@@ -74,7 +74,11 @@ class ControlClient:
         self._socket.linger = 0
         # A command may wait for minutes (a reload); a dropped connection means the daemon went away.
         self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._socket.connect(endpoint)
+        try:
+            self._socket.connect(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ControlError(f"cannot connect to {endpoint}: {exc.strerror}") from None
 
     def close(self) -> None:
         """Close the connection."""
