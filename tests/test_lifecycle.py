@@ -118,11 +118,11 @@ def test_second_sigterm_answers_what_is_left_unavailable(start_daemon):
     with RawPeer(daemon.endpoint) as peer:
         for i in range(300):
             peer.send(i, "slow", [X_SLOW])
-        time.sleep(0.1)
+        replies = [peer.recv()[0]]  # working through the rest now
         daemon.signal(signal.SIGTERM)
         time.sleep(0.1)
         daemon.signal(signal.SIGTERM)
-        replies = [peer.recv()[0] for _ in range(300)]
+        replies += [peer.recv()[0] for _ in range(299)]
     statuses = {r["status"] for r in replies}
     assert statuses <= {"ok", "unavailable"} and "unavailable" in statuses, statuses
     assert daemon.wait() == 0
@@ -171,11 +171,11 @@ def test_a_killed_worker_fails_its_batches_and_is_replaced(start_daemon):
     daemon = start_daemon({"slow": SLOW, "mlp": MLP}, workers={"streams": 1})
     old = daemon.status()["workers"][0]
     with RawPeer(daemon.endpoint) as peer:
-        for i in range(50):
+        for i in range(300):  # ~2 ms a batch: over half a second of work
             peer.send(i, "slow", [np.ones((4, 64), dtype=np.float32)])
-        time.sleep(0.1)
+        replies = [peer.recv()[0]]  # the worker is busy with the rest now
         os.kill(old["pid"], signal.SIGKILL)
-        replies = [peer.recv()[0] for _ in range(50)]
+        replies += [peer.recv()[0] for _ in range(299)]
         assert peer.nothing_more()
     statuses = [r["status"] for r in replies]
     assert "internal" in statuses, statuses

@@ -45,8 +45,6 @@ def test_concurrent_requests_get_their_own_correct_answers(shared_daemon, repo):
     for x, y in zip(inputs, outputs):
         assert y.shape == (x.shape[0], models.MLP_OUT)
         np.testing.assert_allclose(y, expected_fn(x), rtol=1e-5, atol=1e-6)
-    workers = shared_daemon.status()["workers"]
-    assert sum(w["batches"] for w in workers) < 300 + 10, "requests were not batched together"
 
 
 def test_requests_are_batched_together(shared_daemon):
@@ -258,14 +256,16 @@ def test_status_lists_models_and_workers(shared_daemon):
     assert all(w["state"] == "ready" and w["pid"] for w in status["workers"])
 
 
-def test_many_threads_hammering_one_client(shared_daemon):
+def test_many_threads_hammering_one_client(shared_daemon, repo):
+    expected_fn = reference(repo, "mlp", "v2")
     errors: list[BaseException] = []
     x = np.ones((1, models.MLP_IN), dtype=np.float32)
     with shared_daemon.client() as client:
         def hammer():
             try:
                 for _ in range(50):
-                    assert client.infer("mlp", x * random.random()).shape == (1, models.MLP_OUT)
+                    mine = x * random.random()  # each thread's own input: a crossed reply shows
+                    np.testing.assert_allclose(client.infer("mlp", mine), expected_fn(mine), rtol=1e-5, atol=1e-6)
             except BaseException as exc:  # noqa: BLE001 - collected for the assertion below
                 errors.append(exc)
 
