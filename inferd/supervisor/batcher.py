@@ -38,7 +38,6 @@ class QueuedRequest:
     received: float
     deadline: float
     state: int = WAITING
-    dispatched: float = 0.0
 
 
 @dataclass

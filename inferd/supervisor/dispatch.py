@@ -117,8 +117,6 @@ class Dispatcher:
             for request in requests:
                 self.frontend.reply_error(request, protocol.INTERNAL, "the batch does not fit an arena slot")
             return
-        for request in requests:
-            request.dispatched = now
         if not self.workers.send(executor.identity, message):
             worker.slots.release(slot)
             self._fail(batch, f"worker{worker.index} cannot be reached")
@@ -259,14 +257,14 @@ class Dispatcher:
                 version=batch.version,
                 outputs=tuple(TensorMeta(ref.dtype, (request.samples, *ref.shape[1:])) for ref in done.outputs),
                 timing_us=Timing(
-                    queue=int((request.dispatched - request.received) * 1e6),
+                    queue=int((batch.started - request.received) * 1e6),
                     compute=done.compute_us,
                     total=int((now - request.received) * 1e6),
                 ),
             )
             trackers += self.frontend.reply(request, header, frames, by_reference)
             self.stats.answered(now, batch.model, batch.version, request.samples, now - request.received,
-                                request.dispatched - request.received, done.compute_us / 1e6)
+                                batch.started - request.received, done.compute_us / 1e6)
             row += request.samples
         return trackers
 

@@ -152,10 +152,8 @@ class WorkerTable:
 
     def worker_of(self, identity: bytes) -> WorkerHandle | None:
         """The worker behind a socket identity, if it belongs to a live generation."""
-        role = self._roles.get(identity)
-        if role is None or role[0].generation != role[1]:
-            return None
-        return role[0]
+        role = self._live_role(identity)
+        return None if role is None else role[0]
 
     def on_message(self, identity: bytes, message: messages.Message) -> WorkerHandle | None:
         """Handle a lifecycle message; return the worker that became ready, if any."""
@@ -177,10 +175,12 @@ class WorkerTable:
 
     def executor_of(self, identity: bytes) -> ExecutorHandle | None:
         """The executor behind a socket identity, if it belongs to a live generation."""
+        role = self._live_role(identity)
+        return None if role is None else role[2]
+
+    def _live_role(self, identity: bytes) -> tuple[WorkerHandle, int, ExecutorHandle | None] | None:
         role = self._roles.get(identity)
-        if role is None or role[0].generation != role[1]:
-            return None
-        return role[2]
+        return None if role is None or role[0].generation != role[1] else role
 
     def note_memory(self, worker: WorkerHandle, memory: int, reserved: int) -> None:
         """The leak watch: a worker's memory after a batch, against its level after warm-up."""
