@@ -122,3 +122,22 @@ def test_example_config_is_valid():
     example = Path(__file__).parent.parent / "systemd" / "inferd.toml"
     c = config.load(example)
     assert c.models
+
+
+def test_a_sighup_plan_applies_live_keys_and_keeps_the_rest():
+    from inferd.supervisor.reconfigure import plan
+
+    def model(shape: int, **knobs) -> dict:
+        return {"inputs": [{"dtype": "float32", "shape": [shape]}], **knobs}
+
+    old = config.parse({"queue": {"max_size": 1024}, "workers": {"streams": 2},
+                        "models": {"m": model(2, max_wait_ms=1, version="v1")}})
+    new = config.parse({"queue": {"max_size": 77}, "workers": {"streams": 4},
+                        "models": {"m": model(3, max_wait_ms=5, version="v2"), "n": model(1)}})
+    result = plan(old, new)
+    assert result.applied == ["queue.max_size 1024 -> 77", "models.m.version 'v1' -> 'v2'",
+                              "models.m.max_wait_ms 1 -> 5", "models.n added"]
+    assert [line.split()[0] for line in result.need_restart] == ["workers.streams", "models.m.inputs"]
+    assert result.added_models == ["n"] and result.version_changed == ["m"]
+    assert result.config.queue.max_size == 77 and result.config.workers.streams == 2
+    assert result.config.models["m"].max_wait_ms == 5 and result.config.models["m"].inputs[0].shape == (2,)

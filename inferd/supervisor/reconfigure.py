@@ -7,7 +7,9 @@ the old values of keys that cannot (each named, so the operator is told).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
@@ -25,6 +27,8 @@ LIVE_KEYS = {
     "queue.max_per_client",
     "queue.default_timeout_ms",
 }
+T = TypeVar("T", bound=msgspec.Struct)
+
 LIVE_MODEL_KEYS = {"max_batch_size", "max_wait_ms", "warmup_batch_sizes", "version"}
 
 
@@ -51,25 +55,32 @@ def _describe(key: str, old: object, new: object) -> str:
     return f"{key} {_value(old)} -> {_value(new)}"
 
 
+def _merge(before: T, after: T, prefix: str, live: Callable[[str], bool], applied: list[str],
+           need_restart: list[str]) -> tuple[T, list[str]]:
+    """`after`, with the fields that cannot change live kept as in `before`; and the fields that changed live."""
+    keep = {}
+    changed = []
+    for field in msgspec.structs.fields(before):
+        a, b = getattr(before, field.name), getattr(after, field.name)
+        if a == b:
+            continue
+        if live(field.name):
+            applied.append(_describe(prefix + field.name, a, b))
+            changed.append(field.name)
+        else:
+            need_restart.append(_describe(prefix + field.name, a, b))
+            keep[field.name] = a
+    return msgspec.structs.replace(after, **keep), changed
+
+
 def plan(old: Config, new: Config) -> Plan:
     """Decide, key by key, what of `new` applies now."""
     applied: list[str] = []
     need_restart: list[str] = []
     sections = {}
     for section in ("server", "workers", "queue"):
-        before, after = getattr(old, section), getattr(new, section)
-        keep = {}
-        for field in msgspec.structs.fields(before):
-            a, b = getattr(before, field.name), getattr(after, field.name)
-            if a == b:
-                continue
-            key = f"{section}.{field.name}"
-            if key in LIVE_KEYS:
-                applied.append(_describe(key, a, b))
-            else:
-                need_restart.append(_describe(key, a, b))
-                keep[field.name] = a
-        sections[section] = msgspec.structs.replace(after, **keep)
+        sections[section], _ = _merge(getattr(old, section), getattr(new, section), f"{section}.",
+                                      lambda name, s=section: f"{s}.{name}" in LIVE_KEYS, applied, need_restart)
     models: dict[str, ModelConfig] = {}
     added: list[str] = []
     version_changed: list[str] = []
@@ -84,20 +95,10 @@ def plan(old: Config, new: Config) -> Plan:
             added.append(name)
             models[name] = after
             continue
-        keep = {}
-        for field in msgspec.structs.fields(before):
-            a, b = getattr(before, field.name), getattr(after, field.name)
-            if a == b:
-                continue
-            key = f"models.{name}.{field.name}"
-            if field.name in LIVE_MODEL_KEYS:
-                applied.append(_describe(key, a, b))
-                if field.name == "version":
-                    version_changed.append(name)
-            else:
-                need_restart.append(_describe(key, a, b))
-                keep[field.name] = a
-        models[name] = msgspec.structs.replace(after, **keep)
+        models[name], changed = _merge(before, after, f"models.{name}.", LIVE_MODEL_KEYS.__contains__,
+                                       applied, need_restart)
+        if "version" in changed:
+            version_changed.append(name)
     config = Config(server=sections["server"], workers=sections["workers"], queue=sections["queue"],
                     models=models, source=new.source)
     return Plan(config, applied, need_restart, added, version_changed)
