@@ -11,9 +11,10 @@ against the frames that actually arrived before anything else looks at them.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, NamedTuple, Union
+from typing import Annotated, NamedTuple, Union
 
 import msgspec
 import numpy as np
@@ -106,23 +107,29 @@ _reply_decoder = msgspec.json.Decoder(ReplyHeader)
 _encoder = msgspec.json.Encoder()
 
 
-def split_envelope(frames: Sequence[Any]) -> tuple[list[Any], list[Any]]:
-    """Split a message read from a ROUTER into its routing envelope and its body.
-
-    The envelope is the peer identity, plus the empty delimiter a REQ socket adds;
-    echoing it in front of the reply routes the reply back to that peer.
-    """
-    if len(frames) > 1 and len(frames[1]) == 0:
-        return list(frames[:2]), list(frames[2:])
-    return list(frames[:1]), list(frames[1:])
-
-
 def request_id_of(header: Buffer) -> RequestId | None:
     """Best-effort id of a header that failed to decode, so its error reply can name it."""
     try:
         return _id_decoder.decode(header).id
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _input_sizes(inputs: tuple[TensorMeta, ...]) -> tuple[int, ...] | str:
+    """The bytes each declared input must have, or the sentence saying why the declaration is invalid.
+
+    Cached: a client sends the same few signatures again and again.
+    """
+    sizes = []
+    for index, meta in enumerate(inputs):
+        dtype = DTYPES.get(meta.dtype)
+        if dtype is None:
+            return f"input {index} has unknown dtype {meta.dtype!r}; known: {', '.join(DTYPES)}"
+        if any(dim <= 0 for dim in meta.shape):
+            return f"input {index} has shape {list(meta.shape)}: every dim must be at least 1"
+        sizes.append(math.prod(meta.shape) * dtype.itemsize)
+    return tuple(sizes)
 
 
 def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
@@ -154,17 +161,10 @@ def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
             f"the header declares {len(header.inputs)} input(s) but {len(buffers)} buffer(s) follow it",
             header.id,
         )
-    for index, (meta, buffer) in enumerate(zip(header.inputs, buffers)):
-        dtype = DTYPES.get(meta.dtype)
-        if dtype is None:
-            raise InvalidRequest(
-                f"input {index} has unknown dtype {meta.dtype!r}; known: {', '.join(DTYPES)}", header.id
-            )
-        if any(dim <= 0 for dim in meta.shape):
-            raise InvalidRequest(
-                f"input {index} has shape {list(meta.shape)}: every dim must be at least 1", header.id
-            )
-        expected = math.prod(meta.shape) * dtype.itemsize
+    sizes = _input_sizes(header.inputs)
+    if isinstance(sizes, str):
+        raise InvalidRequest(sizes, header.id)
+    for index, (meta, buffer, expected) in enumerate(zip(header.inputs, buffers, sizes)):
         if len(buffer) != expected:
             raise InvalidRequest(
                 f"input {index} is {len(buffer)} bytes, but {meta.dtype} {list(meta.shape)} "
@@ -212,12 +212,17 @@ def encode_request(
     return [_encoder.encode(header), *(memoryview(a).cast("B") if a.size else b"" for a in ready)]
 
 
+def decode_reply_header(frame: Buffer) -> ReplyHeader:
+    """Decode only the header frame of a reply (for callers that do not look at the outputs)."""
+    return _reply_decoder.decode(frame)
+
+
 def decode_reply(body: Sequence[Buffer]) -> tuple[ReplyHeader, list[np.ndarray]]:
     """Decode a reply body (envelope removed) into its header and its output arrays.
 
     The arrays are views over the received frames, not copies.
     """
-    header = _reply_decoder.decode(body[0])
+    header = decode_reply_header(body[0])
     if header.status != OK:
         return header, []
     if len(body) - 1 != len(header.outputs):

@@ -59,23 +59,6 @@ def test_error_reply_carries_no_outputs():
     assert b"outputs" not in protocol.error_reply(4, "invalid", "bad")
 
 
-@pytest.mark.parametrize(
-    "frames",
-    [
-        [b"id", b""],
-        [b"id", b"", b"header"],
-    ],
-)
-def test_envelope_keeps_a_req_delimiter(frames):
-    envelope, body = protocol.split_envelope(frames)
-    assert envelope == frames[:2] and body == frames[2:]
-
-
-def test_envelope_of_a_dealer_is_its_identity_only():
-    envelope, body = protocol.split_envelope([b"id", b"header", b"buf"])
-    assert envelope == [b"id"] and body == [b"header", b"buf"]
-
-
 HEADER = b'{"id": 1, "model": "m", "inputs": [{"dtype": "float32", "shape": [2, 3]}]}'
 GOOD = b"\0" * 24
 

@@ -25,6 +25,19 @@ def test_quantiles_are_within_a_bucket_of_the_truth():
     assert histogram.count == len(values) and histogram.sum == pytest.approx(values.sum())
 
 
+def test_counting_a_batch_at_once_equals_counting_each_value():
+    values = [0.0004, 0.002, 0.002, 0.3, 500.0, 0.00001]
+    one_by_one, at_once, repeated = Histogram(), Histogram(), Histogram()
+    for v in values:
+        one_by_one.add(v)
+        repeated.add(0.002)
+    at_once.add_all(values)
+    repeated_at_once = Histogram()
+    repeated_at_once.add(0.002, len(values))
+    for a, b in ((one_by_one, at_once), (repeated, repeated_at_once)):
+        assert (a.counts, a.count, a.max) == (b.counts, b.count, b.max) and a.sum == pytest.approx(b.sum)
+
+
 def test_an_empty_histogram_says_zero():
     assert Histogram().quantile(0.99) == 0.0 and Histogram().summary_ms()["max"] == 0.0
 
@@ -43,7 +56,7 @@ def test_cumulative_buckets_for_prometheus_are_monotonic_and_end_with_the_count(
 def test_recent_windows_forget_what_is_older_than_asked():
     stats = Stats(now=0.0)
     for t in range(0, 100, 2):
-        stats.answered(float(t), "m", "v1", 1, 0.01, 0.001, 0.005)
+        stats.answered(float(t), "m", "v1", 1, [0.01], [0.001], 0.005)
     minute, span = stats.recent(100.0, 60)
     assert 25 <= minute[("m", "v1")].samples <= 32 and 55 <= span <= 65
     assert stats.since_start[("m", "v1")].samples == 50

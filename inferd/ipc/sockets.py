@@ -38,6 +38,26 @@ def recv_parts(socket: zmq.Socket) -> list[zmq.Frame]:
     return parts
 
 
+def recv_routed(socket: zmq.Socket) -> tuple[list[bytes], list[Any]]:
+    """The next message on a ROUTER (call when `readable`): its routing envelope and its body.
+
+    The envelope is the peer identity, plus the empty delimiter a REQ peer adds. The
+    envelope and the first body frame (a header: small) are copied into bytes, which
+    costs less than a Frame; the frames after it come as zero-copy buffers.
+    """
+    envelope = [_recv(socket, 0)]
+    if not _get(socket, RCVMORE):
+        return envelope, []
+    first = _recv(socket, 0)
+    if not first and _get(socket, RCVMORE):
+        envelope.append(first)
+        first = _recv(socket, 0)
+    body = [first]
+    while _get(socket, RCVMORE):
+        body.append(_recv(socket, 0, copy=False).buffer)
+    return envelope, body
+
+
 def send_parts(socket: zmq.Socket, parts: Sequence[Any]) -> None:
     """Send one multipart message, copying each frame, without blocking.
 

@@ -26,7 +26,7 @@ WAITING, TAKEN, EXPIRED = range(3)
 FULL, CLIENT_FULL = "full", "client_full"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class QueuedRequest:
     """A validated request, where its reply goes, and its clock (monotonic seconds)."""
 

@@ -243,29 +243,30 @@ class Dispatcher:
             math.prod(ref.shape[1:]) * protocol.DTYPES[ref.dtype].itemsize for ref in done.outputs
         ]
         now = time.monotonic()
-        trackers: list[zmq.MessageTracker] = []
+        # Requests of a batch mostly carry the same sample count: their output metadata is shared.
+        metas: dict[int, tuple[TensorMeta, ...]] = {}
+        replies = []
         row = 0
         for request in batch.requests:
+            samples = request.samples
+            outputs = metas.get(samples)
+            if outputs is None:
+                outputs = metas[samples] = tuple(TensorMeta(ref.dtype, (samples, *ref.shape[1:]))
+                                                 for ref in done.outputs)
             frames = [
-                buf[ref.offset + row * size : ref.offset + (row + request.samples) * size]
+                buf[ref.offset + row * size : ref.offset + (row + samples) * size]
                 for ref, size in zip(done.outputs, row_bytes)
             ]
-            header = ReplyHeader(
-                id=request.header.id,
-                status=protocol.OK,
-                model=batch.model,
-                version=batch.version,
-                outputs=tuple(TensorMeta(ref.dtype, (request.samples, *ref.shape[1:])) for ref in done.outputs),
-                timing_us=Timing(
-                    queue=int((batch.started - request.received) * 1e6),
-                    compute=done.compute_us,
-                    total=int((now - request.received) * 1e6),
-                ),
-            )
-            trackers += self.frontend.reply(request, header, frames, by_reference)
-            self.stats.answered(now, batch.model, batch.version, request.samples, now - request.received,
-                                batch.started - request.received, done.compute_us / 1e6)
-            row += request.samples
+            # Positional: id, status, model, version, outputs, timing (queue, compute, total).
+            timing = Timing(int((batch.started - request.received) * 1e6), done.compute_us,
+                            int((now - request.received) * 1e6))
+            header = ReplyHeader(request.header.id, protocol.OK, batch.model, batch.version, outputs, timing)
+            replies.append((request, header, frames))
+            row += samples
+        trackers = self.frontend.reply_ok(replies, by_reference)
+        self.stats.answered(now, batch.model, batch.version, row,
+                            [now - r.received for r in batch.requests],
+                            [batch.started - r.received for r in batch.requests], done.compute_us / 1e6)
         return trackers
 
     def _fail(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import zmq
 import zmq.auth
@@ -20,7 +20,7 @@ import zmq.auth
 from inferd import protocol
 from inferd.config import Config, ModelConfig
 from inferd.errors import InvalidRequest
-from inferd.ipc.sockets import readable, recv_parts, send_parts, send_parts_tracked
+from inferd.ipc.sockets import readable, recv_routed, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.batcher import FULL, BatchQueue, QueuedRequest
 from inferd.supervisor.stats import Stats
@@ -32,10 +32,10 @@ BURST = 256  # messages read per readiness, so one busy socket cannot starve the
 # dropped (and counted): its memory cost to the daemon is bounded.
 SEND_HWM = 1000
 RECV_HWM = 1000  # and a client that floods gets TCP backpressure, not daemon memory
+SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
 
 
-@dataclass(frozen=True)
-class ReplyTo:
+class ReplyTo(NamedTuple):
     """Where a reply goes: the socket the request came on and its routing envelope."""
 
     socket: zmq.Socket
@@ -55,11 +55,9 @@ def load_curve_secret(path: str) -> bytes:
     return secret
 
 
-def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig, live: str) -> int:
-    """Check a request against what the model takes; return its sample count or raise InvalidRequest."""
+def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig) -> int:
+    """Check a request's inputs against what the model takes; return its sample count or raise InvalidRequest."""
     rid = header.id
-    if header.version is not None and header.version != live:
-        raise InvalidRequest(f"version {header.version!r} of {name} is not live; the live version is {live!r}", rid)
     if len(header.inputs) != len(model.inputs):
         raise InvalidRequest(f"{name} takes {len(model.inputs)} input(s), the request has {len(header.inputs)}", rid)
     samples = header.inputs[0].shape[0]
@@ -104,6 +102,9 @@ class Frontend:
         """Take a new config: models and their limits, the default deadline."""
         self.config = config
         self.default_timeout_s = config.queue.default_timeout_ms / 1000
+        # (model, inputs) -> samples, for signatures that passed check_against_model: clients
+        # send the same few again and again, and the check is pure Python.
+        self._checked: dict[tuple[str, tuple[protocol.TensorMeta, ...]], int] = {}
 
     def bind(self) -> None:
         """Bind a ROUTER on every `server.listen` endpoint; tcp ones with CURVE when it is configured."""
@@ -138,8 +139,8 @@ class Frontend:
         for _ in range(BURST):
             if not readable(socket):
                 return
-            envelope, body = protocol.split_envelope(recv_parts(socket))
-            self.submit(ReplyTo(socket, [f.bytes for f in envelope]), [f.buffer for f in body])
+            envelope, body = recv_routed(socket)
+            self.submit(ReplyTo(socket, envelope), body)
 
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer]) -> None:
         """Admit one request body, or answer it at once; every body gets exactly one reply."""
@@ -155,7 +156,17 @@ class Frontend:
                     header.id,
                 )
             name = header.model
-            samples = check_against_model(header, name, model, self.live.get(name, ""))
+            live = self.live.get(name, "")
+            if header.version is not None and header.version != live:
+                raise InvalidRequest(
+                    f"version {header.version!r} of {name} is not live; the live version is {live!r}", header.id)
+            signature = (name, header.inputs)
+            samples = self._checked.get(signature)
+            if samples is None:
+                samples = check_against_model(header, name, model)
+                if len(self._checked) >= SIGNATURES_KEPT:
+                    self._checked.clear()
+                self._checked[signature] = samples
         except InvalidRequest as exc:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
@@ -178,10 +189,26 @@ class Frontend:
             return
         self.stats.queue_depth(now, header.model, self.live[header.model], self.queue.depth(header.model))
 
-    def reply(self, request: QueuedRequest, header: ReplyHeader, outputs: Sequence[Buffer],
-              by_reference: bool) -> list[zmq.MessageTracker]:
-        """Send a request's outputs; `by_reference`: large ones without a copy (see send_parts_tracked)."""
-        return self._send(request.reply_to, header.status, [protocol.encode_reply(header), *outputs], by_reference)
+    def reply_ok(self, replies: Sequence[tuple[QueuedRequest, ReplyHeader, Sequence[Buffer]]],
+                 by_reference: bool) -> list[zmq.MessageTracker]:
+        """Send the `ok` replies of a batch: each request its header and outputs; `by_reference`:
+        large outputs without a copy (see send_parts_tracked). They go out back to back, so
+        ZeroMQ's I/O thread, woken by the first, finds the rest waiting and writes them together."""
+        messages = [
+            (request.reply_to, [*request.reply_to.envelope, protocol.encode_reply(header), *outputs])
+            for request, header, outputs in replies
+        ]
+        self.replies[protocol.OK] += len(messages)
+        trackers: list[zmq.MessageTracker] = []
+        for reply_to, parts in messages:
+            try:
+                if by_reference:
+                    trackers += send_parts_tracked(reply_to.socket, parts)
+                else:
+                    send_parts(reply_to.socket, parts)
+            except zmq.ZMQError as exc:
+                self._undeliverable(exc)
+        return trackers
 
     def reply_error(self, request: QueuedRequest, status: str, error: str) -> None:
         """Answer a queued request with an error status."""
@@ -194,19 +221,11 @@ class Frontend:
         """Send an error reply, and count it against its model when the model is one this daemon serves."""
         if model in self.live:
             self.stats.reply(time.monotonic(), model, self.live[model], status)
-        self._send(reply_to, status, [protocol.error_reply(request_id, status, error, model)])
-
-    def _send(self, reply_to: ReplyTo, status: str, frames: list, by_reference: bool = False
-              ) -> list[zmq.MessageTracker]:
         self.replies[status] += 1
-        parts = [*reply_to.envelope, *frames]
         try:
-            if by_reference:
-                return send_parts_tracked(reply_to.socket, parts)
-            send_parts(reply_to.socket, parts)
+            send_parts(reply_to.socket, [*reply_to.envelope, protocol.error_reply(request_id, status, error, model)])
         except zmq.ZMQError as exc:
             self._undeliverable(exc)
-        return []
 
     def _undeliverable(self, exc: zmq.ZMQError) -> None:
         # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way the

@@ -215,7 +215,9 @@ class Supervisor:
             oldest = self.dispatcher.oldest()
             if oldest is not None:
                 wait = min(wait, self._hang_check_in(oldest, now))
-            events = self._poll(wait, spin=self._active)
+            # Requests waiting mean every executor they could use is busy: the loop will be woken
+            # by an answer, and the cores are better left to the executors than spun on.
+            events = self._poll(wait, spin=self._active and not len(self.queue))
             self._active = bool(events)
             # Signals first: a request that arrives with a SIGTERM is already refused.
             for target, _ in sorted(events, key=lambda event: event[0] != self._wakeup_r.fileno()):
@@ -250,6 +252,7 @@ class Supervisor:
         if not events and spin and self._spin_s:
             spin_until = time.monotonic() + self._spin_s
             while not events and time.monotonic() < spin_until:
+                os.sched_yield()
                 events = self.poller.poll(0)
         return events or self.poller.poll(int(wait * 1000) + (wait > 0))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 WINDOW_S = 5.0
@@ -38,13 +39,22 @@ class Histogram:
         self.sum = 0.0
         self.max = 0.0
 
-    def add(self, value: float) -> None:
-        """Count one value (seconds)."""
-        self.counts[bisect.bisect_left(BOUNDS, value)] += 1
-        self.count += 1
-        self.sum += value
+    def add(self, value: float, times: int = 1) -> None:
+        """Count `value` (seconds) `times` times."""
+        self.counts[bisect.bisect_left(BOUNDS, value)] += times
+        self.count += times
+        self.sum += value * times
         if value > self.max:
             self.max = value
+
+    def add_all(self, values: Sequence[float]) -> None:
+        """Count each of `values` (seconds) once."""
+        counts, bisect_left = self.counts, bisect.bisect_left
+        for value in values:
+            counts[bisect_left(BOUNDS, value)] += 1
+        self.count += len(values)
+        self.sum += sum(values)
+        self.max = max(self.max, *values)
 
     def merge(self, other: Histogram) -> None:
         """Add every count of `other` to this one."""
@@ -145,14 +155,15 @@ class Stats:
             series.replies[status] += 1
 
     def answered(self, now: float, model: str, version: str, samples: int,
-                 total_s: float, queue_s: float, compute_s: float) -> None:
-        """Count an `ok` reply and its latencies."""
+                 totals_s: Sequence[float], queues_s: Sequence[float], compute_s: float) -> None:
+        """Count the `ok` replies of one batch: its samples, each request's total and queue
+        latency, and the batch's compute time once per request."""
         for series in self._series(now, model, version):
-            series.replies["ok"] += 1
+            series.replies["ok"] += len(totals_s)
             series.samples += samples
-            series.total.add(total_s)
-            series.queue.add(queue_s)
-            series.compute.add(compute_s)
+            series.total.add_all(totals_s)
+            series.queue.add_all(queues_s)
+            series.compute.add(compute_s, len(totals_s))
 
     def batch(self, now: float, model: str, version: str, samples: int) -> None:
         """Count a batch of `samples` samples."""
