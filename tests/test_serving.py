@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import models
 import msgspec
@@ -285,6 +287,15 @@ def test_supervisor_never_imports_torch(shared_daemon):
     assert "libtorch" not in maps
     worker_pid = shared_daemon.status()["workers"][0]["pid"]
     assert "libtorch" in open(f"/proc/{worker_pid}/maps").read()
+
+
+def test_zeromq_io_threads_of_the_supervisor_do_not_preempt_its_loop(shared_daemon):
+    # SCHED_BATCH: a woken I/O thread waits for the loop to block instead of taking its core.
+    pid = shared_daemon.process.pid
+    io_threads = [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()
+                  if (task / "comm").read_text().startswith("ZMQbg/IO")]
+    assert io_threads
+    assert all(os.sched_getscheduler(tid) == os.SCHED_BATCH for tid in io_threads)
 
 
 def test_msgspec_header_is_plain_json(shared_daemon):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import zmq
 
-from inferd.ipc.sockets import readable, recv_routed, send_parts, send_parts_tracked
+from inferd.ipc.sockets import recv_parts, recv_routed, send_parts, send_parts_tracked
 
 
 @pytest.fixture
@@ -33,8 +33,9 @@ def router():
 
 def _receive(socket: zmq.Socket) -> tuple[list[bytes], list]:
     assert socket.poll(2000)
-    assert readable(socket)
-    return recv_routed(socket)
+    message = recv_routed(socket)
+    assert message is not None
+    return message
 
 
 def test_a_dealer_envelope_is_its_identity_and_the_body_keeps_every_frame(router):
@@ -67,3 +68,12 @@ def test_empty_frames_are_not_lost(router, sent, body):
     envelope, received = _receive(socket)
     assert [bytes(frame) for frame in received] == body
     assert len(envelope) == (2 if len(sent) == 2 else 1)
+
+
+def test_nothing_waiting_is_none_not_an_exception(router):
+    socket, connect = router
+    assert recv_routed(socket) is None and recv_parts(socket) is None
+    connect(zmq.DEALER).send_multipart([b"a", b"b"])
+    assert socket.poll(2000)
+    parts = recv_parts(socket)
+    assert [bytes(p) for p in parts[1:]] == [b"a", b"b"] and recv_parts(socket) is None

@@ -1,9 +1,10 @@
 """Sending and receiving multipart messages on the hot path, without pyzmq's per-call sugar.
 
-pyzmq's send_multipart builds an enum flag per frame (SNDMORE | ...), which
-costs more than the send itself for small frames, and a non-blocking recv on
-an empty socket raises zmq.Again (an exception per burst). These helpers call
-the backend directly with plain integer flags and check readiness first.
+pyzmq's send_multipart builds an enum flag per frame (SNDMORE | ...), and its
+getsockopt (RCVMORE, EVENTS) builds an enum per call; either costs more than
+the send or receive itself for small frames. These helpers call the backend
+directly with plain integer flags, read "more" from each Frame, and learn that
+nothing is waiting from one zmq.Again per burst.
 """
 
 from __future__ import annotations
@@ -16,45 +17,43 @@ from zmq.backend import Socket as _BackendSocket
 
 _send = _BackendSocket.send
 _recv = _BackendSocket.recv
-_get = _BackendSocket.get
 SNDMORE = int(zmq.SNDMORE)
 DONTWAIT = int(zmq.DONTWAIT)
-RCVMORE = int(zmq.RCVMORE)
-EVENTS = int(zmq.EVENTS)
-POLLIN = int(zmq.POLLIN)
 COPY_THRESHOLD = 64 * 1024  # pyzmq's guidance: below this, copying is cheaper than tracking
 
 
-def readable(socket: zmq.Socket) -> bool:
-    """True when a message is waiting (so a receive will not block or raise)."""
-    return bool(_get(socket, EVENTS) & POLLIN)
-
-
-def recv_parts(socket: zmq.Socket) -> list[zmq.Frame]:
-    """All frames of the next message (call when `readable`), as zero-copy Frames."""
-    parts = [_recv(socket, 0, copy=False)]
-    while _get(socket, RCVMORE):
-        parts.append(_recv(socket, 0, copy=False))
+def recv_parts(socket: zmq.Socket) -> list[zmq.Frame] | None:
+    """All frames of the next message as zero-copy Frames, or None when none is waiting."""
+    try:
+        frame = _recv(socket, DONTWAIT, copy=False)
+    except zmq.Again:
+        return None
+    parts = [frame]
+    while frame.more:
+        frame = _recv(socket, 0, copy=False)
+        parts.append(frame)
     return parts
 
 
-def recv_routed(socket: zmq.Socket) -> tuple[list[bytes], list[Any]]:
-    """The next message on a ROUTER (call when `readable`): its routing envelope and its body.
+def recv_routed(socket: zmq.Socket) -> tuple[list[bytes], list[memoryview]] | None:
+    """The next message on a ROUTER: its routing envelope and its body; None when none is waiting.
 
-    The envelope is the peer identity, plus the empty delimiter a REQ peer adds. The
-    envelope and the first body frame (a header: small) are copied into bytes, which
-    costs less than a Frame; the frames after it come as zero-copy buffers.
+    The envelope is the peer identity (as bytes: it is hashed and sent back), plus the
+    empty delimiter a REQ peer adds. The body frames are zero-copy buffers.
     """
-    envelope = [_recv(socket, 0)]
-    if not _get(socket, RCVMORE):
-        return envelope, []
-    first = _recv(socket, 0)
-    if not first and _get(socket, RCVMORE):
-        envelope.append(first)
-        first = _recv(socket, 0)
-    body = [first]
-    while _get(socket, RCVMORE):
-        body.append(_recv(socket, 0, copy=False).buffer)
+    try:
+        identity = _recv(socket, DONTWAIT)
+    except zmq.Again:
+        return None
+    envelope = [identity]
+    frame = _recv(socket, 0, copy=False)  # a ROUTER puts the identity before at least one frame
+    if frame.more and not len(frame):
+        envelope.append(b"")
+        frame = _recv(socket, 0, copy=False)
+    body = [frame.buffer]
+    while frame.more:
+        frame = _recv(socket, 0, copy=False)
+        body.append(frame.buffer)
     return envelope, body
 
 

@@ -20,7 +20,7 @@ import zmq.auth
 from inferd import protocol
 from inferd.config import Config, ModelConfig
 from inferd.errors import InvalidRequest
-from inferd.ipc.sockets import readable, recv_routed, send_parts, send_parts_tracked
+from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.batcher import FULL, BatchQueue, QueuedRequest
 from inferd.supervisor.stats import Stats
@@ -137,10 +137,10 @@ class Frontend:
     def on_readable(self, socket: zmq.Socket) -> None:
         """Read what is waiting on `socket` (up to a burst) and admit or answer each request."""
         for _ in range(BURST):
-            if not readable(socket):
+            message = recv_routed(socket)
+            if message is None:
                 return
-            envelope, body = recv_routed(socket)
-            self.submit(ReplyTo(socket, envelope), body)
+            self.submit(ReplyTo(socket, message[0]), message[1])
 
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer]) -> None:
         """Admit one request body, or answer it at once; every body gets exactly one reply."""

