@@ -66,6 +66,8 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
     statuses: Counter[str] = Counter()
     traced: list[tuple[float, float, bool]] = []
     copy_replies = payload < COPY_THRESHOLD
+    answered = 0
+    cpu_started = time.process_time()
     measure_from = time.monotonic() + warmup
     stop_at = measure_from + seconds
     while True:
@@ -90,12 +92,14 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
             header = protocol.decode_reply_header(frames[0] if copy_replies else frames[0].buffer)
             sent = sent_at.pop(header.id)
             free.append(header.id)
+            answered += 1
             if measure_from <= sent < stop_at:
                 statuses[header.status] += 1
                 if header.status == protocol.OK:
                     latencies.append(done - sent)
                 if trace:
                     traced.append((sent, done - sent, header.status == protocol.OK))
+    cpu_us_per_request = (time.process_time() - cpu_started) / max(1, answered) * 1e6
     socket.close()
     context.term()
     if trace:
@@ -113,6 +117,7 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
         "bytes_per_s": round(ok * payload / seconds, 1),
         "latency_ms": percentiles(latencies),
         "statuses": dict(statuses),
+        "cpu_us_per_request": round(cpu_us_per_request, 1),  # the generator's own, warm-up included
     }
 
 

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,16 @@ def _answered(daemon, model: str) -> int:
     return sum(daemon.call("stats")["models"][model]["requests"].values())
 
 
+def _batches(daemon, model: str) -> Counter[int]:
+    """Batches since the daemon started, by size."""
+    distribution = daemon.call("stats")["models"][model]["batch_size"]["distribution"]
+    return Counter({int(size): n for size, n in distribution.items()})
+
+
+def _cpu_seconds(processes: list[psutil.Process]) -> list[float]:
+    return [sum(p.cpu_times()[:2]) for p in processes]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="of each load generator run")
@@ -112,21 +123,22 @@ def main() -> int:
         try:
             supervisor = psutil.Process(daemon.process.pid)
             processes = [supervisor, *(psutil.Process(w["pid"]) for w in daemon.status()["workers"])]
-            before = sum(sum(p.cpu_times()[:2]) for p in processes)
+            before = sum(_cpu_seconds(processes))
             time.sleep(IDLE_S)
-            idle_percent = (sum(sum(p.cpu_times()[:2]) for p in processes) - before) / IDLE_S * 100
+            idle_percent = (sum(_cpu_seconds(processes)) - before) / IDLE_S * 100
             rows.append({"kind": "idle", "streams": streams, "workers": workers,
                          "cpu_percent_of_one_core": round(idle_percent, 2)})
             for name, model, shape, concurrency in CASES:
-                before = sum(supervisor.cpu_times()[:2])
+                before, batches_before = _cpu_seconds(processes), _batches(daemon, model)
                 answered_before = _answered(daemon, model)
                 result = run_loadgen(daemon.endpoint, model, shape, concurrency, args.seconds)
-                cpu = sum(supervisor.cpu_times()[:2]) - before
-                stats = daemon.call("stats")["models"][model]
+                supervisor_s, *workers_s = (a - b for a, b in zip(_cpu_seconds(processes), before))
+                batches = _batches(daemon, model) - batches_before
                 requests = max(1, _answered(daemon, model) - answered_before)
                 rows.append({"kind": "inferd", "case": name, "streams": streams, "workers": workers, **result,
-                             "mean_batch": stats["batch_size"]["mean"],
-                             "supervisor_cpu_us_per_request": round(cpu / requests * 1e6, 1)})
+                             "mean_batch": round(sum(s * n for s, n in batches.items()) / max(1, batches.total()), 2),
+                             "supervisor_cpu_us_per_request": round(supervisor_s / requests * 1e6, 1),
+                             "worker_cpu_us_per_request": round(sum(workers_s) / requests * 1e6, 1)})
         finally:
             daemon.stop()
     record("matrix", rows)
@@ -140,12 +152,15 @@ def main() -> int:
 def render(references: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """The results table, with each target's measured ratio."""
     mlp, cnn, echo = references["mlp"], references["cnn"], references["echo"]
-    t1_limit = mlp["batch1_latency_ms"]["p50"] + 2 * echo["mlp C=1"]["latency_ms"]["p50"] + 0.15
+    transport = 2 * echo["mlp C=1"]["latency_ms"]["p50"] + 0.15
+    t1_limit = mlp["batch1_latency_ms"]["p50"] + transport
+    t1_idle_limit = mlp["batch1_after_idle_latency_ms"]["p50"] + transport
     lines = []
     for run in runs:
         case, latency = run["case"], run["latency_ms"]
         if case == "mlp C=1":
-            target = f"T1 p50 {latency['p50']:.3f} <= {t1_limit:.3f} ms"
+            target = (f"T1 p50 {latency['p50']:.3f} <= {t1_limit:.3f} ms "
+                      f"(with the after-idle model time: <= {t1_idle_limit:.3f})")
             ok = latency["p50"] <= t1_limit
         elif case == "mlp C=64":
             ratio = run["samples_per_s"] / mlp["samples_per_s"]["32"]
@@ -164,11 +179,14 @@ def render(references: dict[str, Any], runs: list[dict[str, Any]]) -> str:
             ok = ok and tail <= 2.5
         lines.append([case, run["streams"], run["workers"], run["samples_per_s"],
                       f"{run['bytes_per_s'] / 2**20:.0f}", latency["p50"], latency["p99"], run["mean_batch"],
-                      run["supervisor_cpu_us_per_request"], target, {True: "met", False: "MISSED", None: ""}[ok]])
+                      run["supervisor_cpu_us_per_request"], run["worker_cpu_us_per_request"],
+                      run["cpu_us_per_request"], target, {True: "met", False: "MISSED", None: ""}[ok]])
     header = ["case", "streams", "workers", "samples/s", "MiB/s", "p50 ms", "p99 ms", "mean batch",
-              "supervisor CPU us/request", "target", ""]
-    refs = (f"references: mlp in-process batch-1 p50 {mlp['batch1_latency_ms']['p50']} ms, "
-            f"b32 {mlp['samples_per_s']['32']} samples/s; cnn best {cnn['best_samples_per_s']} samples/s; "
+              "CPU us/request: supervisor", "workers", "load generator", "target", ""]
+    b32 = mlp["samples_per_s"]["32"]
+    refs = (f"references: mlp in-process batch-1 p50 {mlp['batch1_latency_ms']['p50']} ms back to back, "
+            f"{mlp['batch1_after_idle_latency_ms']['p50']} ms after 1 ms idle; "
+            f"b32 {b32} samples/s ({1e6 / b32:.0f} us/sample); cnn best {cnn['best_samples_per_s']} samples/s; "
             f"bare echo p50 {echo['mlp C=1']['latency_ms']['p50']} ms (1 KB), "
             f"{echo['mlp C=64']['samples_per_s']} req/s at C=64, "
             f"{echo['echo 16MB C=4']['bytes_per_s'] / 2**20:.0f} MiB/s (16 MB)")

@@ -1,0 +1,33 @@
+"""The benchmark's own tools still work: the load generator against the bare echo, and the daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import models
+
+from bench import loadgen
+from inferd.harness import free_port
+
+
+def test_the_load_generator_drives_the_bare_echo_and_counts_every_reply():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    echo = subprocess.Popen([sys.executable, "-m", "bench.echo", endpoint])
+    try:
+        # Requests sent while the echo starts wait in ZeroMQ; the warm-up covers its start.
+        result = loadgen.run(endpoint, "m", (256,), "float32", concurrency=8, seconds=0.5, warmup=1.5)
+    finally:
+        echo.kill()
+        echo.wait()
+    assert result["statuses"].keys() == {"ok"} and result["requests"] > 8
+    assert result["samples_per_s"] == result["requests"] / 0.5
+    assert 0 < result["latency_ms"]["p50"] <= result["latency_ms"]["p99"] <= result["latency_ms"]["max"]
+    assert result["cpu_us_per_request"] > 0
+
+
+def test_the_load_generator_against_the_daemon_gets_answers_of_the_right_model(shared_daemon):
+    result = loadgen.run(shared_daemon.endpoint, "mlp", (models.MLP_IN,), "float32", concurrency=4, seconds=0.5, warmup=0.1)
+    assert result["statuses"].keys() == {"ok"} and result["requests"] > 4
+    wrong = loadgen.run(shared_daemon.endpoint, "mlp", (models.MLP_IN + 1,), "float32", concurrency=2, seconds=0.2, warmup=0.0)
+    assert wrong["statuses"].keys() == {"invalid"} and wrong["latency_ms"]["p50"] != wrong["latency_ms"]["p50"]
