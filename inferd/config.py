@@ -69,8 +69,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     spin_us: Annotated[
         int,
         Meta(ge=0, le=100_000),
-        _doc("After activity the supervisor polls without sleeping this long, in microseconds (0: never): "
-             "lower latency where idle cores wake slowly, for some CPU while busy."),
+        _doc("After activity, while no request waits for a busy executor, the supervisor polls without "
+             "sleeping this long, in microseconds (0: never): lower latency where idle cores wake slowly."),
     ] = 500
     log_level: Annotated[
         str, _doc("debug, info, warning or error; INFERD_LOG_LEVEL in the environment overrides it.")

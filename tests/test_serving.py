@@ -7,15 +7,18 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import models
 import msgspec
 import numpy as np
+import psutil
 import pytest
 import torch
 import zmq
+from conftest import SLOW, Daemon, base_config
 from wire import RawPeer
 
 from inferd import AsyncClient, InferenceError, InvalidRequest, RetryPolicy
@@ -280,8 +283,6 @@ def test_many_threads_hammering_one_client(shared_daemon, repo):
 
 
 def test_supervisor_never_imports_torch(shared_daemon):
-    import psutil
-
     supervisor = psutil.Process(shared_daemon.process.pid)
     maps = open(f"/proc/{supervisor.pid}/maps").read()
     assert "libtorch" not in maps
@@ -304,3 +305,39 @@ def test_msgspec_header_is_plain_json(shared_daemon):
         header = {"id": 9, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 16]}], "timeout_ms": 5000}
         peer.send_frames([msgspec.json.encode(header), GOOD.tobytes()])
         assert peer.recv()[0]["status"] == "ok"
+
+
+def test_the_supervisor_sleeps_when_idle_and_does_not_spin_behind_busy_executors(repo, workdir):
+    # With a spin long enough to fill every gap between batches, were it allowed while requests
+    # wait, the supervisor must cost about what it costs with no spin at all.
+    spinning = _supervisor_cpu_seconds(repo, workdir / "spin", spin_us=100_000)
+    sleeping = _supervisor_cpu_seconds(repo, workdir / "sleep", spin_us=0)
+    assert spinning["idle"] < 0.1 and sleeping["idle"] < 0.1, (spinning, sleeping)
+    assert spinning["backlog"] < 2 * sleeping["backlog"] + 0.1, (spinning, sleeping)
+
+
+def _supervisor_cpu_seconds(repo: Path, workdir: Path, spin_us: int) -> dict[str, float]:
+    """CPU seconds of the supervisor over 2 s idle, then while 300 requests wait for one executor."""
+    workdir.mkdir()
+    config = base_config(workdir, repo, {"slow": SLOW}, server={"spin_us": spin_us},
+                         workers={"devices": ["cpu"], "streams": 1})
+    daemon = Daemon(workdir, config).start()
+    try:
+        supervisor = psutil.Process(daemon.process.pid)
+        time.sleep(1.0)
+        used = {"idle": _cpu_used(supervisor, lambda: time.sleep(2.0))}
+        x = np.ones((4, models.SLOW_FEATURES), dtype=np.float32)
+        with daemon.client() as client:
+            def backlog() -> None:
+                for future in [client.submit("slow", x) for _ in range(300)]:
+                    future.result(timeout=60)
+            used["backlog"] = _cpu_used(supervisor, backlog)
+    finally:
+        daemon.stop()
+    return used
+
+
+def _cpu_used(process: psutil.Process, work: Callable[[], None]) -> float:
+    before = sum(process.cpu_times()[:2])
+    work()
+    return sum(process.cpu_times()[:2]) - before

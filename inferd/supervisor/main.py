@@ -252,7 +252,8 @@ class Supervisor:
 
         With `spin` (the last poll found work), the loop polls without sleeping for
         server.spin_us first: a core that went idle (a virtual CPU above all) takes
-        far longer to wake than the next request takes to come. Otherwise it blocks.
+        far longer to wake than the next request takes to come. Each turn yields the
+        core to any other thread that wants it. Otherwise it blocks.
         """
         events = self.poller.poll(0)
         if not events and spin and self._spin_s:
