@@ -257,10 +257,10 @@ class Dispatcher:
                 buf[ref.offset + row * size : ref.offset + (row + samples) * size]
                 for ref, size in zip(done.outputs, row_bytes)
             ]
-            # Positional: id, status, model, version, outputs, timing (queue, compute, total).
-            timing = Timing(int((batch.started - request.received) * 1e6), done.compute_us,
-                            int((now - request.received) * 1e6))
-            header = ReplyHeader(request.header.id, protocol.OK, batch.model, batch.version, outputs, timing)
+            timing = Timing(queue=int((batch.started - request.received) * 1e6), compute=done.compute_us,
+                            total=int((now - request.received) * 1e6))
+            header = ReplyHeader(id=request.header.id, status=protocol.OK, model=batch.model,
+                                 version=batch.version, outputs=outputs, timing_us=timing)
             replies.append((request, header, frames))
             row += samples
         trackers = self.frontend.reply_ok(replies, by_reference)
