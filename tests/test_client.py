@@ -137,7 +137,9 @@ def test_calls_beyond_the_send_queue_wait_for_room_not_for_their_deadline(server
     # the server's, 1000 messages each, and the kernel's) fill, and the calls past them
     # must go out as they drain, not time out as if no daemon were reachable.
     server = server_factory(lambda n, h, b: ok(h, X))
-    with Client(server.endpoint, timeout=10.0) as client:
+    # The deadline only has to outlast the drain (~200 MB through a Python server: seconds on a
+    # slow machine); a call that waited for a reconnect instead would miss any deadline.
+    with Client(server.endpoint, timeout=30.0) as client:
         client.infer("m", X)  # connected
         server.reading.clear()
         big = np.zeros((1, 16384), dtype=np.float32)  # 64 KiB
