@@ -32,6 +32,7 @@ def test_counting_a_batch_at_once_equals_counting_each_value():
         one_by_one.add(v)
         repeated.add(0.002)
     at_once.add_all(values)
+    at_once.add_all([])
     repeated_at_once = Histogram()
     repeated_at_once.add(0.002, len(values))
     for a, b in ((one_by_one, at_once), (repeated, repeated_at_once)):

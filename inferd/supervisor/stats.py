@@ -52,9 +52,10 @@ class Histogram:
         counts, bisect_left = self.counts, bisect.bisect_left
         for value in values:
             counts[bisect_left(BOUNDS, value)] += 1
-        self.count += len(values)
-        self.sum += sum(values)
-        self.max = max(self.max, *values)
+        if values:
+            self.count += len(values)
+            self.sum += sum(values)
+            self.max = max(self.max, max(values))
 
     def merge(self, other: Histogram) -> None:
         """Add every count of `other` to this one."""
