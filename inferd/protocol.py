@@ -1,7 +1,8 @@
 """The wire format of inferd's data endpoints, and nothing else.
 
 A request is one ZeroMQ multipart message ``[header, buffer_0, ..., buffer_n-1]``;
-a REQ client's empty delimiter frame before the header is accepted and echoed.
+a REQ client's empty delimiter frame before the header is accepted and echoed
+(ZeroMQ routing, which `ipc.sockets.recv_routed` reads off with the identity).
 The header is UTF-8 JSON; buffer i holds input i, C-contiguous, little-endian,
 exactly ``prod(shape) * itemsize`` bytes. A reply is ``[header, output_0, ...]``.
 
