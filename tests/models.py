@@ -118,23 +118,13 @@ class MlpRefusingBigBatches(Mlp):
         return self.net(x)
 
 
-class Wide(torch.nn.Module):
-    """float32 [16] -> [8]: the Mlp's input, another output shape."""
+class Head(torch.nn.Module):
+    """float32 [16] -> [width]: the Mlp's input with another output shape (16384: 64 KiB a
+    sample, too much for a small arena slot)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.linear = torch.nn.Linear(MLP_IN, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)
-
-
-class HugeOutput(torch.nn.Module):
-    """float32 [16] -> [16384]: 64 KiB of output a sample, too much for a small arena slot."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(MLP_IN, 16384)
+        self.linear = torch.nn.Linear(MLP_IN, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -174,8 +164,8 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     (root / "mlp" / "corrupt").mkdir(parents=True)
     (root / "mlp" / "corrupt" / "model.pt").write_bytes(b"PK\x03\x04 this is not a TorchScript archive")
     files["refuses_big"] = save_script(MlpRefusingBigBatches, root, "mlp", "refuses_big", 4)
-    files["wide"] = save_script(Wide, root, "mlp", "wide", 5)
-    files["huge_output"] = save_script(HugeOutput, root, "mlp", "huge_output", 10)
+    files["wide"] = save_script(lambda: Head(8), root, "mlp", "wide", 5)
+    files["huge_output"] = save_script(lambda: Head(16384), root, "mlp", "huge_output", 10)
     files["slow_warm"] = save_script(SlowToWarm, root, "mlp", "slow_warm", 6)
     files["slower_warm"] = save_script(lambda: SlowToWarm(4000), root, "mlp", "slower_warm", 6)
     files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
