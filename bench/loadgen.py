@@ -19,9 +19,7 @@ import numpy as np
 import zmq
 
 from inferd import protocol
-from inferd.ipc.sockets import COPY_THRESHOLD
-
-SNDMORE = int(zmq.SNDMORE)
+from inferd.ipc.sockets import recv_parts, send_parts_tracked
 
 
 def percentiles(latencies_s: list[float]) -> dict[str, float]:
@@ -53,7 +51,6 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
     # generator shares the machine with what it measures, so it spends as little CPU as it can.
     pool = 2 * concurrency
     encoded = [protocol.encode_request(i, model, [inputs[i % variety]], timeout_ms=timeout_ms) for i in range(pool)]
-    large = [len(frame) >= COPY_THRESHOLD for frame in encoded[0]]
     free = deque(range(pool))
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
@@ -65,7 +62,6 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
     latencies: list[float] = []
     statuses: Counter[str] = Counter()
     traced: list[tuple[float, float, bool]] = []
-    copy_replies = payload < COPY_THRESHOLD
     answered = 0
     cpu_started = time.process_time()
     measure_from = time.monotonic() + warmup
@@ -75,9 +71,8 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
         if now < stop_at:
             while len(sent_at) < concurrency:
                 request_id = free.popleft()
-                frames = encoded[request_id]
-                for index, frame in enumerate(frames):
-                    socket.send(frame, SNDMORE if index < len(frames) - 1 else 0, copy=not large[index])
+                # The encoded frames never change, so large ones may go by reference.
+                send_parts_tracked(socket, encoded[request_id])
                 sent_at[request_id] = time.monotonic()
         elif not sent_at:
             break
@@ -86,10 +81,9 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
                 statuses["lost"] += len(sent_at)
                 break
             continue
-        while socket.get(zmq.EVENTS) & zmq.POLLIN:
-            frames = socket.recv_multipart(copy=copy_replies)
+        while (frames := recv_parts(socket)) is not None:
             done = time.monotonic()
-            header = protocol.decode_reply_header(frames[0] if copy_replies else frames[0].buffer)
+            header = protocol.decode_reply_header(frames[0].buffer)
             sent = sent_at.pop(header.id)
             free.append(header.id)
             answered += 1

@@ -88,14 +88,11 @@ def bare_echo(seconds: float) -> dict[str, dict[str, Any]]:
         server.wait()
 
 
-def _answered(daemon, model: str) -> int:
-    return sum(daemon.call("stats")["models"][model]["requests"].values())
-
-
-def _batches(daemon, model: str) -> Counter[int]:
-    """Batches since the daemon started, by size."""
-    distribution = daemon.call("stats")["models"][model]["batch_size"]["distribution"]
-    return Counter({int(size): n for size, n in distribution.items()})
+def _answered_and_batches(daemon, model: str) -> tuple[int, Counter[int]]:
+    """Requests answered and batches by size, since the daemon started."""
+    stats = daemon.call("stats")["models"][model]
+    distribution = stats["batch_size"]["distribution"]
+    return sum(stats["requests"].values()), Counter({int(size): n for size, n in distribution.items()})
 
 
 def _cpu_seconds(processes: list[psutil.Process]) -> list[float]:
@@ -133,12 +130,13 @@ def main() -> int:
             rows.append({"kind": "idle", "streams": streams, "workers": workers,
                          "cpu_percent_of_one_core": round(idle_percent, 2)})
             for name, model, shape, concurrency in CASES:
-                before, batches_before = _cpu_seconds(processes), _batches(daemon, model)
-                answered_before = _answered(daemon, model)
+                before = _cpu_seconds(processes)
+                answered_before, batches_before = _answered_and_batches(daemon, model)
                 result = run_loadgen(daemon.endpoint, model, shape, concurrency, args.seconds)
                 supervisor_s, *workers_s = (a - b for a, b in zip(_cpu_seconds(processes), before))
-                batches = _batches(daemon, model) - batches_before
-                requests = max(1, _answered(daemon, model) - answered_before)
+                answered, batches = _answered_and_batches(daemon, model)
+                batches -= batches_before
+                requests = max(1, answered - answered_before)
                 rows.append({"kind": "inferd", "case": name, "streams": streams, "workers": workers, **result,
                              "mean_batch": round(sum(s * n for s, n in batches.items()) / max(1, batches.total()), 2),
                              "supervisor_cpu_us_per_request": round(supervisor_s / requests * 1e6, 1),
