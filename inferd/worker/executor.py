@@ -61,8 +61,8 @@ class Executor(threading.Thread):
         self.socket.send(messages.encode(hello))
         device = runner.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # Read after every batch: a descriptor kept open costs a pread (~3 us); opening the
-        # file each time cost 20-120 us, up to 4 % of a worker's CPU at batch 32.
+        # Read after every batch: a descriptor kept open costs one pread, where opening the
+        # file each time cost several times that.
         self._statm = os.open("/proc/self/statm", os.O_RDONLY) if self.stream is None else None
 
     def run(self) -> None:
