@@ -171,6 +171,7 @@ class _Mailbox:
         self.items: queue.SimpleQueue = queue.SimpleQueue()
         self.wake_r, self._wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._lock = threading.Lock()
         self._open = True
 
@@ -180,7 +181,10 @@ class _Mailbox:
             if not self._open:
                 return False
             self.items.put(item)
-            os.write(self._wake_w, b"\0")
+            try:
+                os.write(self._wake_w, b"\0")
+            except BlockingIOError:
+                pass  # the pipe is full: the I/O thread has a wake-up pending, and takes every item
             return True
 
     def shut(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from wire import error, ok
 
 from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable
-from inferd.client import _Call
+from inferd.client import _Call, _Mailbox
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 
@@ -148,3 +149,18 @@ def test_calls_beyond_the_send_queue_wait_for_room_not_for_their_deadline(server
         server.reading.set()
         for future in futures:
             np.testing.assert_array_equal(future.result(), X)
+
+
+def test_posting_past_a_full_wake_pipe_neither_blocks_nor_loses_a_post():
+    # Nobody drains the wake pipe here, as when the I/O thread is busy or stopping: a post
+    # that blocked on the full pipe would hold the mailbox lock the I/O thread needs to shut it.
+    mailbox = _Mailbox()
+    posted = []
+    poster = threading.Thread(target=lambda: posted.extend(mailbox.post(None) for _ in range(200_000)), daemon=True)
+    poster.start()
+    poster.join(timeout=20)
+    assert not poster.is_alive(), "a post blocked on the wake pipe"
+    mailbox.shut()
+    assert all(posted) and len(posted) == 200_000 and mailbox.items.qsize() == 200_000
+    assert mailbox.post(None) is False
+    mailbox.close()
