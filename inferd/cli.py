@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from inferd import __version__, paths, protocol
 from inferd import config as config_module
 from inferd.errors import ERROR_BY_STATUS, InferdError
 from inferd.ipc.control import ControlClient, ControlError, encode_command
+from inferd.paths import RuntimeFiles
 
 DEFAULT_TIMEOUT_S = 5.0
 
@@ -71,6 +73,7 @@ def serve(config_path: str | None, log_level: str | None) -> int:
     from inferd import demo
     from inferd.logs import set_level, setup_logging
     from inferd.supervisor.main import Supervisor
+    from inferd.supervisor.state import StartupError
 
     setup_logging("inferd")
     if config_path is None:
@@ -82,7 +85,11 @@ def serve(config_path: str | None, log_level: str | None) -> int:
     if log_level is not None:
         config = msgspec.structs.replace(config, server=msgspec.structs.replace(config.server, log_level=log_level))
     set_level(config.server.log_level)
-    return Supervisor(config).run()
+    try:
+        supervisor = Supervisor(config)
+    except StartupError as exc:
+        raise CliError(str(exc)) from None
+    return supervisor.run()
 
 
 @inferd.command("check-config")
@@ -156,7 +163,7 @@ def _switch(ctx: click.Context, command: str, **args: Any) -> None:
 
     with _client(ctx) as client:
         try:
-            result = client.call(command, on_progress=progress, wait_forever=ctx.obj["timeout"] is None, **args)
+            result = client.call(command, on_progress=progress, until_done=ctx.obj["timeout"] is None, **args)
         except ControlError as exc:
             raise CliError(str(exc)) from None
     click.echo(f"{result['model']} {result['version']} is live (was {result['previous']}): load {result['load_s']:.2f} s, "
@@ -259,11 +266,59 @@ def keygen(folder: str, name: str) -> None:
 @inferctl.command()
 @click.pass_context
 def stacks(ctx: click.Context) -> None:
-    """Print the thread stacks of the supervisor and of every worker (where is a stuck daemon?)."""
-    result = _call(ctx, "stacks")
+    """Print the thread stacks of the supervisor and of every worker (where is a stuck daemon?).
+
+    When the control socket does not answer, the daemon's processes are sent SIGUSR1
+    and the stacks they write (faulthandler, from the signal itself) are printed.
+    """
+    endpoint = _control_endpoint(ctx.obj["control"], ctx.obj["config_path"])
+    try:
+        result = _call(ctx, "stacks")
+    except CliError as exc:
+        if not endpoint.startswith("ipc://") or "did not answer" not in exc.message:
+            raise
+        click.echo(f"{exc.message}; asking its processes with SIGUSR1", err=True)
+        result = signalled_stacks(RuntimeFiles(endpoint, ""))
     click.echo("== supervisor ==\n" + result["supervisor"])
     for name, text in result["workers"].items():
         click.echo(f"== {name} ==\n" + (text or "(no answer)"))
+
+
+SIGNALLED_WAIT_S = 2.0
+
+
+def signalled_stacks(files: RuntimeFiles) -> dict[str, Any]:
+    """The stacks a stuck daemon's processes write on SIGUSR1, read from their stacks files."""
+    import psutil
+
+    try:
+        pid = int(files.pid.read_text())
+        supervisor = psutil.Process(pid)
+        workers = {child: int(child.cmdline()[0].split()[1].removeprefix("worker"))
+                   for child in supervisor.children() if child.cmdline()[0].startswith("inferd: worker")}
+    except (OSError, ValueError, IndexError, psutil.Error) as exc:
+        raise CliError(f"cannot find the daemon's processes from {files.pid}: {exc}") from None
+    targets = {"supervisor": (supervisor, files.stacks),
+               **{f"worker{i} (pid {p.pid})": (p, files.worker_stacks(i)) for p, i in workers.items()}}
+    sizes = {name: path.stat().st_size if path.exists() else 0 for name, (_, path) in targets.items()}
+    for process, _ in targets.values():
+        try:
+            process.send_signal(signal.SIGUSR1)
+        except psutil.AccessDenied:
+            raise CliError(f"cannot signal pid {process.pid}: run inferctl as root or as the daemon's user") from None
+        except psutil.NoSuchProcess:
+            continue
+    deadline = time.monotonic() + SIGNALLED_WAIT_S
+    texts: dict[str, str] = {}
+    while time.monotonic() < deadline and len(texts) < len(targets):
+        time.sleep(0.05)
+        for name, (_, path) in targets.items():
+            if name not in texts and path.exists() and path.stat().st_size > sizes[name]:
+                with open(path, errors="replace") as written:
+                    written.seek(sizes[name])
+                    texts[name] = written.read()
+    return {"supervisor": texts.get("supervisor", "(no answer)"),
+            "workers": {name: texts.get(name, "") for name in targets if name != "supervisor"}}
 
 
 @inferctl.command()

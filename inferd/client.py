@@ -28,10 +28,10 @@ from typing import Any, Union
 
 import numpy as np
 import zmq
-import zmq.auth
 from zmq.utils.monitor import parse_monitor_message
 
-from inferd import protocol
+from inferd import curve, protocol
+from inferd.curve import KeyFile
 from inferd.endpoints import Endpoint, EndpointPool, Resolver
 from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
 
@@ -138,26 +138,15 @@ def _decode(frames: list[zmq.Frame]) -> tuple[protocol.ReplyHeader, list[np.ndar
     return protocol.decode_reply([frame.buffer for frame in frames])
 
 
-KeyFile = Union[str, "os.PathLike[str]"]
-
-
 def _curve(server_key: KeyFile | None, client_key: KeyFile | None) -> Callable[[zmq.Socket], None]:
     """What to do to each new socket so that it speaks CURVE (nothing, without keys)."""
     if (server_key is None) != (client_key is None):
         raise ValueError("CURVE needs both server_key (the server's public key file) and client_key "
                          "(this client's secret key file)")
-    if server_key is None:
+    if server_key is None or client_key is None:
         return lambda socket: None
-    server_public = zmq.auth.load_certificate(server_key)[0]
-    public, secret = zmq.auth.load_certificate(client_key)
-    if secret is None:
-        raise ValueError(f"{client_key} holds no secret key (use the .key_secret file)")
-
-    def secure(socket: zmq.Socket) -> None:
-        socket.curve_serverkey = server_public
-        socket.curve_publickey, socket.curve_secretkey = public, secret
-
-    return secure
+    server_public, pair = curve.load_public(server_key), curve.load_pair(client_key)
+    return lambda socket: curve.secure_client(socket, server_public, pair)
 
 
 class _Mailbox:

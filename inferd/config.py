@@ -24,8 +24,12 @@ DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 
 
-def _doc(text: str, default_doc: str | None = None) -> Meta:
-    return Meta(description=text, extra={"default_doc": default_doc} if default_doc else {})
+def _doc(text: str, default_doc: str | None = None, live: bool = False) -> Meta:
+    """A key's documentation; `live`: a SIGHUP applies a new value at once (else it waits for a restart)."""
+    extra: dict[str, Any] = {"live": live}
+    if default_doc:
+        extra["default_doc"] = default_doc
+    return Meta(description=text, extra=extra)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,13 +41,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     control: Annotated[
         Union[str, None],
         _doc(
-            "Endpoint for inferctl; an ipc:// socket is created mode 0660.",
+            "Endpoint for inferctl; an ipc:// socket is created mode 0660. A tcp:// one needs CURVE "
+            "(curve_secret_key): anyone who reaches it could reload models.",
             "ipc:///run/inferd/control.sock (a user who cannot write /run/inferd: "
             "$XDG_RUNTIME_DIR/inferd/control.sock, else /tmp/inferd-$UID/control.sock)",
         ),
     ] = None
     metrics: Annotated[
-        str, _doc('HOST:PORT of the Prometheus endpoint; "" turns it off (served once the metrics work lands).')
+        str, _doc('HOST:PORT of the Prometheus endpoint (text format at /metrics); "" turns it off.')
     ] = "127.0.0.1:9464"
     state_dir: Annotated[
         Union[str, None],
@@ -64,16 +69,18 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         float, Meta(gt=0, le=4096), _doc("Largest request accepted, in MiB; larger ones are answered `invalid`.")
     ] = 64
     drain_timeout_s: Annotated[
-        float, Meta(ge=0), _doc("On SIGTERM, how long queued and running work may take to finish, in seconds.")
+        float, Meta(ge=0),
+        _doc("On SIGTERM, how long queued and running work may take to finish, in seconds.", live=True),
     ] = 30
     spin_us: Annotated[
         int,
         Meta(ge=0, le=100_000),
         _doc("After activity, while no request waits for a busy executor, the supervisor polls without "
-             "sleeping this long, in microseconds (0: never): lower latency where idle cores wake slowly."),
+             "sleeping this long, in microseconds (0: never): lower latency where idle cores wake slowly.",
+             live=True),
     ] = 500
     log_level: Annotated[
-        str, _doc("debug, info, warning or error; INFERD_LOG_LEVEL in the environment overrides it.")
+        str, _doc("debug, info, warning or error; INFERD_LOG_LEVEL in the environment overrides it.", live=True)
     ] = "info"
 
 
@@ -94,23 +101,25 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
     reload_memory_factor: Annotated[
         float,
         Meta(ge=0),
-        _doc("Memory guard: before a new version loads, the device must have this many times its file size free."),
+        _doc("Memory guard: before a new version loads, the device must have this many times its file size free.",
+             live=True),
     ] = 2.0
     batch_timeout_s: Annotated[
         float,
         Meta(gt=0),
         _doc("A batch running longer than this means its worker is hung: it is aborted and replaced "
-             "(and the systemd watchdog pauses meanwhile)."),
+             "(and the systemd watchdog pauses meanwhile).", live=True),
     ] = 60
     max_restarts: Annotated[
         int,
         Meta(ge=0),
-        _doc("A worker that dies more often than this within a minute is given up (shown in status)."),
+        _doc("A worker that dies more often than this within a minute is given up (shown in status).", live=True),
     ] = 5
     leak_warn_mb: Annotated[
         float,
         Meta(gt=0),
-        _doc("Leak watch: warn once when a worker's memory grows this much over its level after warm-up, in MiB."),
+        _doc("Leak watch, in MiB: warn when one batch grows a worker's memory this much, and once when it has "
+             "grown this much over its level after warm-up.", live=True),
     ] = 100
     fragmentation_trim: Annotated[
         float,
@@ -118,7 +127,13 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc("A GPU worker that sits idle with more than this share of its reserved memory unused returns it."),
     ] = 0.25
     start_timeout_s: Annotated[
-        float, Meta(gt=0), _doc("How long a worker may take to load and warm its models before it counts as failed.")
+        float, Meta(gt=0),
+        _doc("How long a worker may take to load and warm its models before it counts as failed.", live=True),
+    ] = 300
+    load_timeout_s: Annotated[
+        float, Meta(gt=0),
+        _doc("How long a running worker may take to load and warm a new version; past it the reload is "
+             "abandoned and the worker replaced (its live versions serve on elsewhere meanwhile).", live=True),
     ] = 300
 
 
@@ -126,16 +141,27 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
     """[queue]: admission and deadlines."""
 
     max_size: Annotated[
-        int, Meta(ge=1, le=1_000_000), _doc("Requests waiting at most, over all models; more are answered `overloaded`.")
+        int, Meta(ge=1, le=1_000_000),
+        _doc("Requests waiting at most, over all models; more are answered `overloaded`.", live=True),
     ] = 1024
+    max_bytes: Annotated[
+        int, Meta(ge=1),
+        _doc("Bytes of requests waiting at most, over all models; more are answered `overloaded`.", "1 GiB",
+             live=True),
+    ] = 1 << 30
     max_per_client: Annotated[
         int,
         Meta(ge=0),
         _doc("Requests one connection may have waiting (0: no cap); more are answered `overloaded`, "
-             "so one client flooding cannot starve the others."),
+             "so one client flooding cannot starve the others.", live=True),
     ] = 512
+    max_bytes_per_client: Annotated[
+        int, Meta(ge=1),
+        _doc("Bytes of requests one connection may have waiting; more are answered `overloaded`. It also sizes "
+             "what ZeroMQ may buffer for one connection (README, \"Memory\").", "256 MiB", live=True),
+    ] = 256 << 20
     default_timeout_ms: Annotated[
-        int, Meta(ge=1), _doc("Deadline of a request whose header gives no timeout_ms, in milliseconds.")
+        int, Meta(ge=1), _doc("Deadline of a request whose header gives no timeout_ms, in milliseconds.", live=True)
     ] = 1000
 
 
@@ -158,19 +184,30 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         Union[str, None],
         _doc("Folder holding VERSION/model.pt (TorchScript) or VERSION/model.pt2 (torch.export).", "STATE_DIR/models/NAME"),
     ] = None
-    version: Annotated[str, _doc('Version served first: a version folder name, or "latest".')] = "latest"
+    version: Annotated[
+        str, _doc('Version served first: a version folder name, or "latest" (a SIGHUP that changes it reloads).',
+                  live=True),
+    ] = "latest"
     max_batch_size: Annotated[
-        int, Meta(ge=1, le=65536), _doc("Samples per batch at most; a request with more is `invalid`.")
+        int, Meta(ge=1, le=65536),
+        _doc("Samples per batch at most; a request with more is `invalid`. Live only while a full batch still "
+             "fits an arena slot.", live=True),
     ] = 32
     max_wait_ms: Annotated[
         float,
         Meta(ge=0),
-        _doc("How long a partial batch may wait for company while every executor is busy, in milliseconds."),
+        _doc("How long a partial batch may wait for company while every executor is busy, in milliseconds.",
+             live=True),
     ] = 2
     warmup_batch_sizes: Annotated[
         Union[tuple[Annotated[int, Meta(ge=1)], ...], None],
-        _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]"),
+        _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]", live=True),
     ] = None
+    precision: Annotated[
+        str,
+        _doc('"fp32", "fp16" or "bf16" (GPU only): the model is converted when it loads, floating inputs are cast '
+             "on the device, floating outputs come back as float32."),
+    ] = "fp32"
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -238,10 +275,14 @@ def _check_folder(value: str) -> str | None:
     return None if value == "" or Path(value).is_dir() else f"{value!r} is not a folder"
 
 
-def _check_version(value: str) -> str | None:
+def version_problem(value: str) -> str | None:
+    """Why `value` cannot name a version folder (it would be empty or leave the repository); None if it can."""
     if value in ("", ".", "..") or "/" in value or "\\" in value:
-        return f"{value!r} is not a version folder name"
+        return f"{value!r} is not a version name"
     return None
+
+
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -255,7 +296,8 @@ CHECKS: dict[tuple[type, str], Callable[[Any], Union[str, None]]] = {
     (ServerConfig, "curve_authorized_keys"): _check_folder,
     (WorkersConfig, "devices"): _check_devices,
     (ModelConfig, "inputs"): _check_inputs,
-    (ModelConfig, "version"): _check_version,
+    (ModelConfig, "version"): version_problem,
+    (ModelConfig, "precision"): lambda v: None if v in PRECISIONS else f"{v!r}: use one of {', '.join(PRECISIONS)}",
 }
 
 
@@ -379,7 +421,7 @@ def decode(data: bytes) -> Config:
 
 
 def _default_text(field: msgspec.structs.FieldInfo, meta: Meta | None) -> str:
-    if meta is not None and meta.extra.get("default_doc"):
+    if meta is not None and meta.extra and meta.extra.get("default_doc"):
         return meta.extra["default_doc"]
     if field.required:
         return "(required)"
@@ -389,16 +431,27 @@ def _default_text(field: msgspec.structs.FieldInfo, meta: Meta | None) -> str:
     return "`" + msgspec.json.encode(default).decode() + "`"
 
 
+def _meta(field: msgspec.structs.FieldInfo) -> Meta | None:
+    metas = [m for m in getattr(field.type, "__metadata__", ()) if isinstance(m, Meta)]
+    return next((m for m in metas if m.description), None)
+
+
+def live_keys(cls: type[msgspec.Struct]) -> frozenset[str]:
+    """The keys of a section that a SIGHUP applies at once."""
+    return frozenset(f.name for f in msgspec.structs.fields(cls) if (meta := _meta(f)) and meta.extra.get("live"))
+
+
 def reference_markdown() -> str:
     """The config reference as a Markdown table per section, from the declarations above."""
     out: list[str] = []
     tables = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()), ("[models.NAME]", ModelConfig)]
     for title, cls in tables:
-        out += [f"#### `{title}`", "", "| key | default | meaning |", "|---|---|---|"]
+        out += [f"#### `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
         for field in msgspec.structs.fields(cls):
-            metas = [m for m in getattr(field.type, "__metadata__", ()) if isinstance(m, Meta)]
-            meta = next((m for m in metas if m.description), None)
-            out.append(f"| `{field.name}` | {_default_text(field, meta)} | {meta.description if meta else ''} |")
+            meta = _meta(field)
+            when = "applied" if meta and meta.extra.get("live") else "restart"
+            out.append(f"| `{field.name}` | {_default_text(field, meta)} | {when} | "
+                       f"{meta.description if meta else ''} |")
         out.append("")
     return "\n".join(out)
 

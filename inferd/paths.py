@@ -63,3 +63,44 @@ def find_control() -> str:
         if (folder / CONTROL_SOCKET_NAME).exists():
             return f"ipc://{folder / CONTROL_SOCKET_NAME}"
     return default_control()
+
+
+class RuntimeFiles:
+    """The files a running daemon keeps beside its control socket, named after it.
+
+    With an ipc:// control endpoint they sit next to the socket (`control.sock.pid`,
+    `control.sock.stacks`, ...), so `inferctl` finds them from the endpoint alone; with
+    a tcp:// one they are named after the daemon's instance in the runtime folder.
+    """
+
+    def __init__(self, control: str, instance: str) -> None:
+        ipc = control.startswith("ipc://")
+        self.base = Path(control[len("ipc://"):]) if ipc else runtime_dir() / f"inferd-{instance}"
+        self.control_socket: Path | None = self.base if ipc else None
+
+    def _sibling(self, suffix: str) -> Path:
+        return self.base.with_name(self.base.name + suffix)
+
+    @property
+    def backend(self) -> Path:
+        """The ipc socket the workers talk to the supervisor on."""
+        return self._sibling(".backend")
+
+    @property
+    def pid(self) -> Path:
+        """Holds the supervisor's pid, for `inferctl stacks` when the control socket does not answer."""
+        return self._sibling(".pid")
+
+    @property
+    def stacks(self) -> Path:
+        """Where SIGUSR1 makes the supervisor write its thread stacks."""
+        return self._sibling(".stacks")
+
+    def worker_stacks(self, worker: int) -> Path:
+        """Where SIGUSR1 makes worker `worker` write its thread stacks."""
+        return self._sibling(f".worker{worker}.stacks")
+
+    def every(self, workers: int) -> list[Path]:
+        """Every file a daemon with `workers` workers may leave, the control socket included."""
+        files = [self.backend, self.pid, self.stacks, *(self.worker_stacks(i) for i in range(workers))]
+        return [*([self.control_socket] if self.control_socket else []), *files]

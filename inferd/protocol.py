@@ -30,7 +30,6 @@ OVERLOADED = "overloaded"
 TIMEOUT = "timeout"
 UNAVAILABLE = "unavailable"
 INTERNAL = "internal"
-STATUSES = (OK, INVALID, OVERLOADED, TIMEOUT, UNAVAILABLE, INTERNAL)
 
 # Every dtype travels little-endian; the name is what the header carries.
 DTYPES: dict[str, np.dtype] = {
@@ -92,10 +91,11 @@ class ReplyHeader(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Request(NamedTuple):
-    """A decoded request: its header and one buffer per input, in order."""
+    """A decoded request: its header, one buffer per input in order, and the bytes of the whole message."""
 
     header: RequestHeader
     buffers: list[Buffer]
+    nbytes: int
 
 
 class _IdOnly(msgspec.Struct):
@@ -109,10 +109,14 @@ _encoder = msgspec.json.Encoder()
 
 
 def request_id_of(header: Buffer) -> RequestId | None:
-    """Best-effort id of a header that failed to decode, so its error reply can name it."""
+    """Best-effort id of a header that failed to decode, so its error reply can name it.
+
+    Skipping a value nested deeper than msgspec recurses raises RecursionError: that
+    header has no id anyone can read either.
+    """
     try:
         return _id_decoder.decode(header).id
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return None
 
 
@@ -154,6 +158,8 @@ def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
         raise InvalidRequest(f"the header is not a valid request: {exc}", request_id_of(body[0])) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"the header is not a JSON object: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("the header nests deeper than any request does") from None
     if header.timeout_ms is not None and header.timeout_ms <= 0:
         raise InvalidRequest(f"timeout_ms must be positive, got {header.timeout_ms}", header.id)
     buffers = body[1:]
@@ -172,7 +178,7 @@ def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
                 f"needs {expected} bytes",
                 header.id,
             )
-    return Request(header, buffers)
+    return Request(header, list(buffers), size)
 
 
 def encode_reply(header: ReplyHeader) -> bytes:
@@ -181,10 +187,11 @@ def encode_reply(header: ReplyHeader) -> bytes:
 
 
 def error_reply(
-    request_id: RequestId | None, status: str, error: str, model: str | None = None
+    request_id: RequestId | None, status: str, error: str, model: str | None = None, version: str | None = None,
 ) -> bytes:
-    """Encode the header of a reply that carries no outputs, only an error sentence."""
-    return _encoder.encode(ReplyHeader(id=request_id, status=status, model=model, error=error))
+    """Encode the header of a reply that carries no outputs, only an error sentence (and the
+    version that handled the request, where one did)."""
+    return _encoder.encode(ReplyHeader(id=request_id, status=status, model=model, version=version, error=error))
 
 
 def wire_array(array: np.ndarray) -> np.ndarray:

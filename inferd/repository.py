@@ -14,7 +14,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from inferd.config import Config, ModelConfig
+from inferd.config import Config, ModelConfig, version_problem
 
 log = logging.getLogger("inferd.repository")
 
@@ -32,8 +32,9 @@ def _natural_key(name: str) -> list[object]:
 
 def model_file(repository: str | Path, version: str) -> Path:
     """The model file of `version`, refusing names that leave the repository."""
-    if not version or "/" in version or "\\" in version or version in (".", ".."):
-        raise RepositoryError(f"{version!r} is not a version name")
+    problem = version_problem(version)
+    if problem is not None:
+        raise RepositoryError(problem)
     folder = Path(repository) / version
     for name in MODEL_FILES:
         if (folder / name).is_file():
@@ -78,12 +79,10 @@ def check(config: Config) -> list[str]:
     return problems
 
 
-class LiveVersions:
-    """Which version of each model is live, and which was live before the last reload.
-
-    Kept in `state_dir` so a restart serves the live versions again and a
-    rollback still knows where to go back to.
-    """
+class SavedVersions:
+    """The file in `state_dir` that records which version of each model is live, and which was
+    live before the last reload, so a restart serves the live versions again and a rollback
+    still knows where to go back to."""
 
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / LIVE_FILE

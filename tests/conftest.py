@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,19 @@ from wire import ScriptedServer  # noqa: E402
 from inferd.harness import DaemonProcess, local_config  # noqa: E402
 
 START_TIMEOUT_S = 90
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "the condition",
+             every: float = 0.02) -> Any:
+    """Poll `predicate` until it returns something true, and return that; fail the test with
+    `what` if it has not within `timeout` seconds. Tests wait for a condition, never a guessed time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
+        time.sleep(every)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -145,6 +145,16 @@ class SlowToWarm(Mlp):
         return self.net(x) + 0.0 * h.sum()
 
 
+class HangsOnFullBatches(Mlp):
+    """An Mlp whose forward never returns for a batch of 16 or more: its warm-up at max_batch_size hangs."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spins = 0
+        while x.shape[0] >= 16:
+            spins += 1
+        return self.net(x) + spins * 0.0
+
+
 class HugeFailing(torch.nn.Module):
     """300 MB of weights and a forward that always fails: memory must come back after the refusal."""
 
@@ -169,6 +179,7 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     files["slow_warm"] = save_script(SlowToWarm, root, "mlp", "slow_warm", 6)
     files["slower_warm"] = save_script(lambda: SlowToWarm(4000), root, "mlp", "slower_warm", 6)
     files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
+    files["hangs"] = save_script(HangsOnFullBatches, root, "mlp", "hangs", 11)
     for version, seed, honest in (("canary_good", 8, True), ("canary_bad", 9, False)):
         files[version] = save_script(Mlp, root, "mlp", version, seed)
         module = torch.jit.load(str(files[version]))

@@ -11,7 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from inferd.ipc.arena import SHM_DIR, Arena, ArenaError, SlotPool, align_up, arena_name, sweep_stale
+from inferd.ipc.arena import SHM_DIR, Arena, ArenaError, arena_name, sweep_stale
+from inferd.ipc.slots import SlotPool, align_up
 
 
 @pytest.fixture
@@ -87,10 +88,10 @@ def test_sweep_removes_arenas_of_dead_reused_or_foreign_pids_and_keeps_live_ones
     try:
         time.sleep(0.1)
         files = {
-            "dead": SHM_DIR / arena_name(dead.pid, 0),
-            "live": SHM_DIR / arena_name(live.pid, 0),
-            "reused": SHM_DIR / arena_name(reused.pid, 0),
-            "foreign": SHM_DIR / arena_name(foreign.pid, 0),
+            "dead": SHM_DIR / arena_name(f"{dead.pid}-abc", 0),
+            "live": SHM_DIR / arena_name(f"{live.pid}-abc", 0),
+            "reused": SHM_DIR / arena_name(f"{reused.pid}-abc", 0),
+            "foreign": SHM_DIR / arena_name(f"{foreign.pid}-abc", 0),
         }
         for path in files.values():
             path.write_bytes(b"x")

@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from inferd.protocol import RequestHeader, TensorMeta
-from inferd.supervisor.batcher import CLIENT_FULL, EXPIRED, FULL, TAKEN, BatchQueue, ModelPolicy, QueuedRequest
+from inferd.supervisor.batcher import EXPIRED, TAKEN, BatchQueue, Bounds, ModelPolicy, QueuedRequest, Refusal
 
 
 def request(model: str = "a", samples: int = 1, received: float = 0.0, timeout: float = 10.0, rid: int = 0,
-            client: str = "c"):
+            client: str = "c", nbytes: int = 8):
     header = RequestHeader(id=rid, model=model, inputs=(TensorMeta("float32", (samples, 2)),))
-    return QueuedRequest(header, [b""], None, client, samples, received, received + timeout)
+    return QueuedRequest(header, [b""], None, client, samples, nbytes, received, received + timeout)
+
+
+def bounds(max_size: int = 100, max_per_client: int = 0) -> Bounds:
+    return Bounds(max_size, 1 << 30, max_per_client, 1 << 30)
 
 
 def cap(idle: bool, spare: bool):
@@ -22,20 +24,20 @@ def cap(idle: bool, spare: bool):
 
 
 def queue(max_size: int = 100, **policies: ModelPolicy) -> BatchQueue:
-    return BatchQueue(max_size, policies or {"a": ModelPolicy(max_batch_size=4, max_wait_s=0.005)})
+    return BatchQueue(bounds(max_size), policies or {"a": ModelPolicy(max_batch_size=4, max_wait_s=0.005)})
 
 
 def test_put_refuses_beyond_max_size_and_changes_nothing():
     q = queue(max_size=3)
     assert all(q.put(request(rid=i)) is None for i in range(3))
-    assert q.put(request(rid=99)) == FULL
+    assert q.put(request(rid=99)) == Refusal.FULL
     assert len(q) == 3 and q.depth("a") == 3
 
 
 def test_one_client_cannot_take_more_than_its_share():
-    q = BatchQueue(100, {"a": ModelPolicy(4, 0.0)}, max_per_client=2)
+    q = BatchQueue(bounds(max_per_client=2), {"a": ModelPolicy(4, 0.0)})
     assert q.put(request(client="flood")) is None and q.put(request(client="flood")) is None
-    assert q.put(request(client="flood")) == CLIENT_FULL
+    assert q.put(request(client="flood")) == Refusal.CLIENT_FULL
     assert q.put(request(client="other")) is None, "another client still gets in"
     q.take(cap(True, True), 0.0)
     assert q.queued_by("flood") == 0 and q.queued_by("other") == 0
@@ -134,34 +136,22 @@ def test_drain_returns_every_waiting_request():
     assert len(q.drain()) == 5 and len(q) == 0 and q.take(cap(True, True), 0.0) is None
 
 
-def test_concurrent_producers_and_a_consumer_lose_and_duplicate_nothing():
-    q = queue(max_size=10_000, a=ModelPolicy(7, 0.0), b=ModelPolicy(3, 0.0))
-    taken: list[QueuedRequest] = []
-    stop = threading.Event()
-
-    def produce(offset: int) -> None:
-        for i in range(1000):
-            while q.put(request("ab"[i % 2], rid=offset + i)) is not None:
-                pass
-
-    def consume() -> None:
-        while not stop.is_set() or len(q):
-            batch = q.take(cap(True, True), 0.0)
-            if batch:
-                taken.extend(batch[1])
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    producers = [threading.Thread(target=produce, args=(k * 10_000,)) for k in range(8)]
-    for t in producers:
-        t.start()
-    for t in producers:
-        t.join()
-    stop.set()
-    consumer.join()
-    ids = [r.header.id for r in taken]
-    assert len(ids) == 8000 and len(set(ids)) == 8000
-    assert len(q) == 0
+def test_bytes_are_bounded_over_all_and_per_connection_and_freed_when_requests_leave():
+    q = BatchQueue(Bounds(max_size=100, max_bytes=1000, max_per_client=0, max_bytes_per_client=600),
+                   {"a": ModelPolicy(4, 0.0)})
+    assert q.put(request(client="x", nbytes=500)) is None
+    assert q.put(request(client="x", nbytes=200)) == Refusal.CLIENT_BYTES, "x would hold 700 of its 600"
+    assert q.put(request(client="y", nbytes=500)) is None
+    assert q.put(request(client="z", nbytes=1)) == Refusal.BYTES, "1001 of 1000 over all"
+    assert len(q) == 2 and q.nbytes == 1000
+    q.take(cap(True, True), 0.0)  # both go in one batch
+    assert q.nbytes == 0
+    assert q.put(request(client="x", nbytes=600)) is None, "taken requests no longer count"
+    q.put(request(client="y", nbytes=100, timeout=0.001))
+    q.expire(1.0)
+    assert q.nbytes == 600, "expired ones neither"
+    q.drain()
+    assert q.nbytes == 0 and q.put(request(client="x", nbytes=600)) is None
 
 
 def test_the_deadline_heap_stays_bounded_with_long_deadlines():
@@ -184,7 +174,7 @@ def test_a_max_batch_size_lowered_under_a_waiting_request_does_not_jam_its_lane(
     q = queue()
     q.put(request(samples=4, rid=1))
     q.put(request(samples=1, rid=2))
-    q.configure(100, 0, {"a": ModelPolicy(max_batch_size=2, max_wait_s=0.005)})
+    q.configure(bounds(), {"a": ModelPolicy(max_batch_size=2, max_wait_s=0.005)})
     name, batch = q.take(cap(True, True), 0.0)
     assert [r.header.id for r in batch] == [1], "the request accepted under the old limit goes alone"
     name, batch = q.take(cap(True, True), 0.0)

@@ -14,7 +14,7 @@ import models
 import msgspec
 import numpy as np
 import pytest
-from conftest import MLP
+from conftest import MLP, wait_for
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from wire import RawPeer
@@ -26,13 +26,6 @@ BIN = Path(sys.executable).parent
 TWO = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
 X2 = np.ones((1, 2), dtype=np.float32)
 X_MLP = np.ones((1, models.MLP_IN), dtype=np.float32)
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "the condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout} s"
-        time.sleep(0.05)
 
 
 def test_a_hung_worker_is_aborted_replaced_and_its_requests_answered(start_daemon):

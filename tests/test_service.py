@@ -81,7 +81,7 @@ def test_a_stuck_batch_pauses_the_watchdog_until_its_worker_is_replaced(service)
         reply = peer.recv()[0]
     assert reply["status"] == "internal" and "ran longer than workers.batch_timeout_s" in reply["error"]
     received = systemd.drain()
-    assert any("STALLED: batch 1 of stuck" in m for m in received), received
+    assert any("HUNG: batch 1 of stuck" in m for m in received), received
     log = daemon.log()
     assert log.index("watchdog pings stop") < log.index("watchdog pings resume")
     systemd.messages.clear()

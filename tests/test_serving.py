@@ -220,15 +220,19 @@ def test_two_workers_share_the_load(shared_daemon):
 def test_a_slow_model_does_not_hold_up_a_fast_one(shared_daemon):
     x_slow = np.ones((4, 64), dtype=np.float32)  # a whole batch each
     x_fast = np.ones((1, models.MLP_IN), dtype=np.float32)
-    with shared_daemon.client() as flood, shared_daemon.client() as fast:
+    with shared_daemon.client() as flood, RawPeer(shared_daemon.endpoint) as fast:
+        started = time.monotonic()
         slow = [flood.submit("slow", x_slow) for _ in range(500)]  # under queue.max_per_client
         slow[0].result()  # the daemon is working through the backlog
-        fast.infer("mlp", x_fast)
-        done = sum(f.done() for f in slow)
+        fast.send(1, "mlp", [x_fast])
+        header = fast.recv()[0]
         for future in slow:
             future.result()
-    # The fast request was answered while most of the slow backlog still waited.
-    assert done < len(slow) // 2, f"{done} of {len(slow)} slow requests were done when the fast one came back"
+        backlog_s = time.monotonic() - started
+    # Timed by the daemon: this process, busy with 500 replies on two cores, reads its own late.
+    # The fast request waits for an executor to finish the slow batch it runs, not for the backlog.
+    assert header["status"] == "ok"
+    assert header["timing_us"]["total"] / 1e6 < backlog_s / 5, (header["timing_us"], backlog_s)
 
 
 def test_a_client_that_leaves_mid_request_costs_only_its_request(shared_daemon):

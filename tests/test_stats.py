@@ -78,6 +78,9 @@ class FakeNvml(types.SimpleNamespace):
     def nvmlShutdown(self):
         pass
 
+    def nvmlDeviceGetCount(self):
+        return 2
+
     def nvmlDeviceGetHandleByIndex(self, index):
         self.asked.append(index)
         return index

@@ -1,18 +1,21 @@
-"""Shared-memory arenas: one per worker, cut into fixed slots, one batch per slot.
+"""Shared-memory arenas: one per worker, cut into slots (ipc/slots.py), one batch per slot.
 
 Only the supervisor creates and unlinks an arena; a worker attaches to it by
 name. Segments live in /dev/shm as plain files opened directly (what shm_open
 does on Linux), so no resource tracker is involved and cleanup never depends on
-a finalizer: the supervisor unlinks on every exit it survives, and the next
-start sweeps the arenas of supervisors that are gone.
+a finalizer: the supervisor unlinks on every exit it survives, its reaper
+(supervisor/reaper.py) on every exit it does not, and a start sweeps whatever
+a supervisor that is gone still left.
 """
 
 from __future__ import annotations
 
 import logging
+import ctypes
 import mmap
 import os
 import re
+import secrets
 from pathlib import Path
 
 import psutil
@@ -21,18 +24,18 @@ log = logging.getLogger("inferd.arena")
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "inferd-"
-ALIGN = 64
-_NAME = re.compile(rf"^{PREFIX}(\d+)-\w+$")
+_NAME = re.compile(rf"^{PREFIX}(\d+)-")
 
 
-def align_up(offset: int, alignment: int = ALIGN) -> int:
-    """`offset` rounded up to a multiple of `alignment`."""
-    return (offset + alignment - 1) // alignment * alignment
+def new_instance() -> str:
+    """A name for this daemon's run: its pid (for the stale sweep) and a random part, so that
+    daemons whose pids collide (containers sharing /dev/shm) never share a name."""
+    return f"{os.getpid()}-{secrets.token_hex(3)}"
 
 
-def arena_name(supervisor_pid: int, worker: int) -> str:
-    """The segment name of a worker's arena: `inferd-<supervisor pid>-<worker>`."""
-    return f"{PREFIX}{supervisor_pid}-w{worker}"
+def arena_name(instance: str, worker: int) -> str:
+    """The segment name of a worker's arena: `inferd-<supervisor pid>-<random>-w<worker>`."""
+    return f"{PREFIX}{instance}-w{worker}"
 
 
 class ArenaError(Exception):
@@ -90,8 +93,6 @@ class Arena:
 
     def address(self) -> int:
         """The mapping's address in this process (for cudaHostRegister)."""
-        import ctypes
-
         return ctypes.addressof(ctypes.c_char.from_buffer(self._mapping))
 
     def close(self) -> None:
@@ -126,10 +127,11 @@ def owner_alive(pid: int, created: float) -> bool:
     return started <= created + 1.0 and "inferd" in cmdline
 
 
-def sweep_stale() -> list[str]:
-    """Unlink arenas whose supervisor no longer runs; return their names."""
+def sweep_stale(folder: Path = SHM_DIR) -> list[str]:
+    """Unlink the `inferd-<pid>-...` files in `folder` (arenas in /dev/shm, sockets in a
+    runtime folder) whose supervisor no longer runs; return their names."""
     removed = []
-    for path in SHM_DIR.glob(f"{PREFIX}*"):
+    for path in folder.glob(f"{PREFIX}*"):
         match = _NAME.match(path.name)
         if not match:
             continue
@@ -144,38 +146,7 @@ def sweep_stale() -> list[str]:
         except FileNotFoundError:
             continue
         except PermissionError:
-            log.warning("stale arena %s belongs to another user; cannot remove it", path)
+            log.warning("%s, left by a supervisor that is gone, belongs to another user; cannot remove it", path)
             continue
         removed.append(path.name)
-        log.info("removed stale arena %s", path.name)
     return removed
-
-
-class SlotPool:
-    """Equal, page-aligned slots of one arena, handed out and taken back by index."""
-
-    def __init__(self, arena_size: int, count: int) -> None:
-        self.slot_size = arena_size // count // mmap.PAGESIZE * mmap.PAGESIZE
-        if self.slot_size == 0:
-            raise ArenaError(f"an arena of {arena_size} bytes cannot hold {count} slots")
-        self.count = count
-        self._free = list(range(count - 1, -1, -1))
-
-    def acquire(self) -> int | None:
-        """A free slot's index, or None when every slot is in use."""
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        """Give a slot back; releasing a slot twice is a bug and raises."""
-        if slot in self._free or not 0 <= slot < self.count:
-            raise ValueError(f"slot {slot} is not in use")
-        self._free.append(slot)
-
-    def offset(self, slot: int) -> int:
-        """Byte offset of a slot in its arena."""
-        return slot * self.slot_size
-
-    @property
-    def free(self) -> int:
-        """How many slots are free."""
-        return len(self._free)

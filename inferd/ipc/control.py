@@ -35,6 +35,7 @@ class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
     result: Any = None
     error: Union[str, None] = None
     progress: Union[str, None] = None
+    wait_s: Union[float, None] = None  # with progress: the final answer comes within this many seconds
 
 
 _encoder = msgspec.json.Encoder()
@@ -59,6 +60,13 @@ def encode_answer(answer: Answer) -> bytes:
 
 class ControlError(Exception):
     """The daemon cannot be reached, or refused the command; the message is one sentence."""
+
+
+class NoAnswer(ControlError):
+    """The daemon did not answer in time (it may be stuck, or gone)."""
+
+
+FINISH_GRACE_S = 5.0  # beyond the end a daemon announced (`wait_s`), what its last answer may take
 
 
 class ControlClient:
@@ -99,13 +107,15 @@ class ControlClient:
         return self._receive(limit)
 
     def call(self, command: str, timeout: float | None = None, on_progress: Callable[[str], None] | None = None,
-             wait_forever: bool = False, **args: Any) -> Any:
+             until_done: bool = False, **args: Any) -> Any:
         """Run a command and return its result; raise ControlError with the daemon's sentence.
 
         Progress answers go to `on_progress` until the final answer comes. With
-        `wait_forever`, only a dropped connection ends the wait.
+        `until_done`, the wait is not cut at `timeout` but at the end the daemon
+        announces in its progress answers (a reload ends within its load timeout),
+        or when the connection drops.
         """
-        limit = None if wait_forever else self.timeout if timeout is None else timeout
+        limit = self.timeout if timeout is None else timeout
         self._socket.send(encode_command(command, **args))
         deadline = None if limit is None else time.monotonic() + limit
         while True:
@@ -115,6 +125,10 @@ class ControlClient:
                 break
             if on_progress is not None:
                 on_progress(answer.progress)
+            if until_done and answer.wait_s is not None:
+                promised = time.monotonic() + answer.wait_s + FINISH_GRACE_S
+                deadline = promised if deadline is None else max(deadline, promised)
+                limit = max(limit or 0.0, answer.wait_s + FINISH_GRACE_S)
         if not answer.ok:
             raise ControlError(answer.error or f"{command} failed")
         return answer.result
@@ -134,4 +148,4 @@ class ControlClient:
                 if parse_monitor_message(self._monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
                     raise ControlError(f"the daemon at {self.endpoint} went away before it answered")
                 continue
-            raise ControlError(f"the daemon at {self.endpoint} did not answer within {limit or wait:g} s")
+            raise NoAnswer(f"the daemon at {self.endpoint} did not answer within {limit or wait:g} s")

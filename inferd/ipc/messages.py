@@ -58,22 +58,32 @@ class BootFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class RunBatch(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Run `model` at `version` on the inputs; write outputs in [out_offset, out_end)."""
+    """Run `model` at `version` on the inputs, which lie in the slot [slot_offset, slot_offset + slot_size)
+    as ipc/slots.py lays them out; the outputs go after them in the same slot.
+
+    `samples` and `deadlines` are per request, in row order: a request whose deadline
+    (time.monotonic(), one clock for every process of the machine) has passed when the
+    compute would start is not computed.
+    """
 
     batch_id: int
     model: str
     version: str
+    slot_offset: int
+    slot_size: int
     inputs: tuple[TensorRef, ...]
-    out_offset: int
-    out_end: int
+    samples: tuple[int, ...]
+    deadlines: tuple[float, ...]
 
 
 class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """The batch ran; its outputs lie where the refs say.
+    """The batch ran; its outputs lie where the refs say, the rows of every request that was computed.
 
-    `memory`: the worker's memory after the batch (allocated device bytes on a
-    GPU, resident host bytes on the CPU); `reserved`: the GPU allocator's
-    reserved bytes (0 on the CPU). The leak watch reads both.
+    `expired`: indices of the requests whose deadline had passed before the compute; they
+    were not computed and have no rows. `memory`: the worker's memory after the batch
+    (allocated device bytes on a GPU, resident host bytes on the CPU); `reserved`: the GPU
+    allocator's reserved bytes (0 on the CPU); `growth`: what this batch alone grew the
+    memory by, where that can be told apart from other executors' batches (else 0).
     """
 
     batch_id: int
@@ -81,6 +91,8 @@ class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
     compute_us: int
     memory: int
     reserved: int
+    growth: int
+    expired: tuple[int, ...]
 
 
 class BatchFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -18,10 +18,10 @@ from inferd import __version__
 from inferd.repository import RepositoryError, describe_versions
 from inferd.supervisor.control import ControlReply, deferred
 from inferd.supervisor.report import stats_report, worker_summary
-from inferd.supervisor.state import SERVING
+from inferd.supervisor.state import DaemonState
 
 if TYPE_CHECKING:
-    from inferd.supervisor.main import Supervisor
+    from inferd.supervisor.view import DaemonView
 
 
 STACKS_WAIT_S = 0.5
@@ -40,12 +40,12 @@ def _own_stacks() -> str:
 class Commands:
     """The handler object of the ControlServer."""
 
-    def __init__(self, daemon: Supervisor) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
 
     def command_health(self) -> dict[str, Any]:
         """Ready to serve: accepting requests, and every model live on a ready worker."""
-        if self.daemon.state != SERVING:
+        if self.daemon.state != DaemonState.SERVING:
             return {"healthy": False, "reason": f"the daemon is {self.daemon.state}"}
         for name, version in self.daemon.live.items():
             if not any(w.serves(name, version) for w in self.daemon.workers.workers):
@@ -94,8 +94,9 @@ class Commands:
             "models": {
                 name: {
                     "live_version": version,
-                    "previous_version": self.daemon.reload.previous.get(name),
-                    "reloading_to": self.daemon.reload.active[name].version if name in self.daemon.reload.active else None,
+                    "previous_version": self.daemon.live.previous(name),
+                    "reloading_to": self.daemon.reloads.active[name].version if name in self.daemon.reloads.active
+                    else None,
                     "queue_depth": self.daemon.queue.depth(name),
                     "max_batch_size": self.daemon.config.models[name].max_batch_size,
                     "max_wait_ms": self.daemon.config.models[name].max_wait_ms,
@@ -110,25 +111,25 @@ class Commands:
                 }
                 for w in self.daemon.workers.workers
             ],
-            "replies": dict(self.daemon.frontend.replies),
-            "undelivered_replies": self.daemon.frontend.undelivered,
+            "replies": dict(self.daemon.stats.replies),
+            "undelivered_replies": self.daemon.stats.undelivered,
         }
 
     @deferred
     def command_reload(self, reply: ControlReply, version: str, model: str | None = None,
                        allow_signature_change: bool = False) -> None:
         """Blue-green: load `version` beside the live one on every worker, then flip; answer when done."""
-        self.daemon.reload.start(self._model(model), version, allow_signature_change, reply)
+        self.daemon.reloads.start(self._model(model), version, allow_signature_change, reply)
 
     @deferred
     def command_rollback(self, reply: ControlReply, model: str | None = None) -> None:
         """Blue-green back to the version live before the last reload."""
         name = self._model(model)
-        previous = self.daemon.reload.previous.get(name)
+        previous = self.daemon.live.previous(name)
         if previous is None:
             reply.fail(f"{name} has not been reloaded; there is nothing to roll back to")
             return
-        self.daemon.reload.start(name, previous, True, reply)
+        self.daemon.reloads.start(name, previous, True, reply)
 
     def command_versions(self, model: str | None = None) -> dict[str, Any]:
         """The versions in each repository, with file sizes and dates, and which is live."""
@@ -136,7 +137,7 @@ class Commands:
         result = {}
         for name in names:
             try:
-                found = describe_versions(self.daemon.config.models[name].repository)
+                found = describe_versions(self.daemon.config.models[name].repository or "")
             except RepositoryError as exc:
                 raise ValueError(str(exc)) from None
             for entry in found:

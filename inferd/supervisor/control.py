@@ -1,30 +1,30 @@
 """The control server: the socket `inferctl` talks to.
 
-Each command maps to a `command_<name>` method of a handler object (the
-supervisor), so a command and a signal that mean the same thing run the same
-code. `infer` hands its wire-format request to the frontend, so it is
+Each command maps to a `command_<name>` method of a handler object
+(supervisor/commands.py), so a command and a signal that mean the same thing
+run the same code. `infer` hands its wire-format request to the frontend, so it is
 validated, batched and answered exactly like a request from a client.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import zmq
 
+from inferd.curve import CurveServer
 from inferd.ipc.control import Answer, ControlClient, ControlError, decode_command, encode_answer
 from inferd.supervisor.frontend import Frontend, ReplyTo
+from inferd.supervisor.guard import failure
+from inferd.supervisor.state import StartupError
 
 log = logging.getLogger("inferd.control")
-
-
-class AlreadyRunning(Exception):
-    """Another daemon answers on the control endpoint."""
 
 
 def _socket_path(endpoint: str) -> Path | None:
@@ -41,13 +41,40 @@ def _check_not_running(endpoint: str) -> None:
             pid = client.call("status")["pid"]
     except (ControlError, KeyError, TypeError, zmq.ZMQError):
         return
-    raise AlreadyRunning(f"another inferd (pid {pid}) is already running with control socket {endpoint}")
+    raise StartupError(f"another inferd (pid {pid}) is already running with control socket {endpoint}")
 
 
 def deferred(handler: Callable[..., None]) -> Callable[..., None]:
     """Mark a `command_<name>` handler that answers later, through the ControlReply it is given."""
     handler.deferred = True  # type: ignore[attr-defined]
     return handler
+
+
+def bad_arguments(command: str, method: Callable[..., Any], args: dict[str, Any]) -> str | None:
+    """The sentence for arguments `method` does not take, or required ones left out; None when they fit."""
+    parameters = [p for p in inspect.signature(method).parameters.values() if p.name != "reply"]
+    known = [p.name for p in parameters]
+    unknown = sorted(set(args) - set(known))
+    takes = f"it takes {', '.join(known)}" if known else "it takes none"
+    if unknown:
+        return f"{command} has no argument {', '.join(map(repr, unknown))}; {takes}"
+    missing = [p.name for p in parameters if p.default is inspect.Parameter.empty and p.name not in args]
+    if missing:
+        return f"{command} needs the argument {', '.join(map(repr, missing))}; {takes}"
+    return None
+
+
+class Reply(Protocol):
+    """Whoever waits for a long command: progress lines, then one success or one failure."""
+
+    def progress(self, text: str, wait_s: float | None = None) -> None:
+        """A step towards the end; `wait_s`: the end comes within this many seconds from now."""
+
+    def finish(self, result: Any) -> None:
+        """The command succeeded with `result`."""
+
+    def fail(self, error: str) -> None:
+        """The command failed; `error` is one sentence."""
 
 
 class ControlReply:
@@ -58,10 +85,10 @@ class ControlReply:
         self._envelope = envelope
         self.done = False
 
-    def progress(self, text: str) -> None:
-        """Tell the waiting command how far it got."""
+    def progress(self, text: str, wait_s: float | None = None) -> None:
+        """Tell the waiting command how far it got (and, with `wait_s`, how long the rest may take)."""
         if not self.done:
-            self._server.answer(self._envelope, Answer(ok=True, progress=text))
+            self._server.answer(self._envelope, Answer(ok=True, progress=text, wait_s=wait_s))
 
     def finish(self, result: Any) -> None:
         """The command succeeded with `result`."""
@@ -84,7 +111,7 @@ class LoggedReply:
         self.what = what
         self.done = False
 
-    def progress(self, text: str) -> None:
+    def progress(self, text: str, wait_s: float | None = None) -> None:
         """Log a step."""
         log.info("%s: %s", self.what, text)
 
@@ -102,27 +129,41 @@ class LoggedReply:
 class ControlServer:
     """Owns the control socket and routes each command to its handler."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, handler: Any, frontend: Frontend) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, handler: Any, frontend: Frontend,
+                 curve: CurveServer) -> None:
         self.endpoint = endpoint
         self.handler = handler
         self.frontend = frontend
-        _check_not_running(endpoint)
-        path = _socket_path(endpoint)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
+        self._curve = curve
         self.socket = context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.socket.linger = 0
-        self.socket.bind(endpoint)
-        if path is not None:
-            os.chmod(path, 0o660)
-        log.info("control socket at %s", endpoint)
+        self._bound = False
 
-    def close(self) -> None:
-        """Close the socket and remove its file."""
-        self.socket.close(linger=0)
+    def bind(self) -> None:
+        """Take the control endpoint: refused when another daemon answers on it, or when it is tcp://
+        without CURVE (whoever reaches the port could reload models)."""
+        if self.endpoint.startswith("tcp://"):
+            if not self._curve.enabled:
+                raise StartupError(f"server.control {self.endpoint} is a tcp endpoint without CURVE: anyone who "
+                                   "reaches it could reload models; set server.curve_secret_key and "
+                                   "server.curve_authorized_keys, or use an ipc:// control socket")
+            self._curve.secure(self.socket)
+        _check_not_running(self.endpoint)
         path = _socket_path(self.endpoint)
         if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.socket.bind(self.endpoint)
+        self._bound = True
+        if path is not None:
+            os.chmod(path, 0o660)
+        log.info("control socket at %s", self.endpoint)
+
+    def close(self) -> None:
+        """Close the socket and remove its file (only if this daemon bound it)."""
+        self.socket.close(linger=0)
+        path = _socket_path(self.endpoint)
+        if path is not None and self._bound:
             path.unlink(missing_ok=True)
 
     def on_readable(self) -> None:
@@ -135,7 +176,10 @@ class ControlServer:
             envelope = [frames[0].bytes]
             if len(frames) < 2:
                 continue
-            self._serve(envelope, frames[1].buffer, [f.buffer for f in frames[2:]])
+            try:
+                self._serve(envelope, frames[1].buffer, [f.buffer for f in frames[2:]])
+            except Exception:  # noqa: BLE001 - the last guard: one command never takes the daemon down
+                ControlReply(self, envelope).fail(failure("a control command"))
 
     def _serve(self, envelope: list[bytes], command_frame: memoryview, body: list[memoryview]) -> None:
         reply = ControlReply(self, envelope)
@@ -144,6 +188,9 @@ class ControlServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             reply.fail(f"malformed command: {exc}")
             return
+        except RecursionError:
+            reply.fail("malformed command: it nests deeper than any command does")
+            return
         if command.command == "infer":
             self.frontend.submit(ReplyTo(self.socket, envelope), body)
             return
@@ -151,12 +198,16 @@ class ControlServer:
         if method is None:
             reply.fail(f"unknown command {command.command!r}")
             return
+        problem = bad_arguments(command.command, method, command.args)
+        if problem is not None:
+            reply.fail(problem)
+            return
         try:
             if getattr(method, "deferred", False):
                 method(reply, **command.args)
             else:
                 reply.finish(method(**command.args))
-        except (TypeError, ValueError) as exc:
+        except ValueError as exc:
             reply.fail(str(exc))
 
     def answer(self, envelope: list[bytes], answer: Answer) -> None:

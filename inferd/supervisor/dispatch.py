@@ -1,9 +1,12 @@
 """The dispatcher: batches into arena slots and out to executors, results back to requests.
 
 A batch is stacked once, straight from the received frames into a free slot of
-the chosen worker's arena; the worker gets only a descriptor. When it answers,
-each request's rows of every output are sent back as its reply and the slot is
-free again. A batch whose worker fails is answered `internal`, request by request.
+the chosen worker's arena (laid out as ipc/slots.py says); the worker gets only
+a descriptor. When it answers, each request's rows of every output are sent
+back as its reply and the slot is free again. A request the worker did not
+compute because its deadline had passed is answered `timeout`; a batch whose
+worker fails is answered `internal`, request by request. Every reply names the
+version that handled it.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import zmq
 
 from inferd import protocol
 from inferd.config import Config
-from inferd.ipc.arena import align_up
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
+from inferd.ipc.slots import place, row_bytes
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
 
@@ -31,6 +35,7 @@ log = logging.getLogger("inferd.dispatch")
 SLOW_FACTOR = 5  # a batch this many times its model's median compute time gets a warning
 SLOW_MIN_COUNT = 50  # ... once the median rests on this many measurements
 SLOW_WARN_EVERY_S = 10.0
+EXPIRED_ERROR = "the deadline passed before the request ran"
 
 
 @dataclass(eq=False)
@@ -45,25 +50,9 @@ class Batch:
     slot: int
     started: float
 
-
-def slot_bytes_needed(config: Config, model: str, outputs: tuple) -> int:
-    """Bytes of one slot that a full batch of `model` needs, inputs and outputs, aligned."""
-    spec = config.models[model]
-    total = 0
-    per_sample = [(s.dtype, s.shape) for s in spec.inputs] + [(o.dtype, o.shape) for o in outputs]
-    for dtype, shape in per_sample:
-        total = align_up(total) + spec.max_batch_size * math.prod(shape) * protocol.DTYPES[dtype].itemsize
-    return total
-
-
-def slot_shortfall(config: Config, model: str, outputs: tuple, slot_size: int) -> str | None:
-    """Why a full batch of `model` with these outputs would not fit a slot of `slot_size` bytes; None if it fits."""
-    needed = slot_bytes_needed(config, model, outputs)
-    if needed <= slot_size:
-        return None
-    return (f"a full batch of {model} needs {needed / 2**20:.1f} MiB of arena slot but a slot has "
-            f"{slot_size / 2**20:.1f} MiB (workers.shm_mb / (2 x workers.streams)); "
-            "raise workers.shm_mb or lower max_batch_size")
+    def describe(self) -> str:
+        """How the log and error sentences name it."""
+        return f"batch {self.id} of {self.model} {self.version}"
 
 
 class SlotOverflow(Exception):
@@ -73,7 +62,7 @@ class SlotOverflow(Exception):
 class Dispatcher:
     """Sends batches to executors and turns their answers into replies."""
 
-    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: dict[str, str],
+    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: LiveVersions,
                  stats: Stats) -> None:
         self.config = config
         self.workers = workers
@@ -86,6 +75,10 @@ class Dispatcher:
         self._slow_warned: dict[str, float] = {}
         self._ids = itertools.count(1)
 
+    def configure(self, config: Config) -> None:
+        """Take a new config (a SIGHUP): the models' inputs as they are now."""
+        self.config = config
+
     def capacity(self, model: str) -> tuple[bool, bool]:
         """For `model`'s live version: (some executor is idle, some executor can take one more batch)."""
         idle = spare = False
@@ -97,6 +90,9 @@ class Dispatcher:
     def dispatch(self, model: str, requests: list[QueuedRequest]) -> None:
         """Copy `requests` into a slot of the least busy executor of the live version and send it there."""
         version = self.live[model]
+        requests = self._keep_version(requests, model, version)
+        if not requests:
+            return
         executor = self._pick_executor(model, version)
         if executor is None:
             for request in requests:
@@ -114,17 +110,31 @@ class Dispatcher:
             message = self._stack(batch, worker)
         except SlotOverflow:  # the load-time slot checks make this unreachable; never write past a slot
             worker.slots.release(slot)
-            for request in requests:
-                self.frontend.reply_error(request, protocol.INTERNAL, "the batch does not fit an arena slot")
+            self._fail(batch, "the batch does not fit an arena slot")
             return
         if not self.workers.send(executor.identity, message):
             worker.slots.release(slot)
             self._fail(batch, f"worker{worker.index} cannot be reached")
             return
-        executor.inflight += 1
-        executor.last_used = now
+        self.workers.batch_sent(executor, now)
         self.inflight[batch.id] = batch
         self.stats.batch(now, model, version, sum(r.samples for r in requests))
+
+    def _keep_version(self, requests: list[QueuedRequest], model: str, version: str) -> list[QueuedRequest]:
+        """The requests `version` may compute: a request that named another version (live when it came,
+        replaced since) is answered `unavailable`, never computed by another version."""
+        if all(r.header.version in (None, version) for r in requests):
+            return requests
+        kept = []
+        for request in requests:
+            named = request.header.version
+            if named in (None, version):
+                kept.append(request)
+            else:
+                self.frontend.reply_error(
+                    request, protocol.UNAVAILABLE,
+                    f"version {named!r} of {model} was replaced by {version!r} while the request waited", version)
+        return kept
 
     def on_result(self, executor: ExecutorHandle, result: BatchDone | BatchFailed) -> None:
         """Answer every request of a finished batch and free its slot."""
@@ -132,23 +142,27 @@ class Dispatcher:
         if batch is None or batch.executor is not executor:
             log.warning("result for unknown batch %d ignored", result.batch_id)
             return
-        self._finish(batch)
-        executor.worker.batches += 1
+        del self.inflight[batch.id]
+        worker = executor.worker
         trackers: list[zmq.MessageTracker] = []
         if isinstance(result, BatchFailed):
+            self.workers.batch_returned(executor, computed=True)
             self._fail(batch, result.error)
         else:
-            self.workers.note_memory(executor.worker, result.memory, result.reserved)
+            computed = len(result.expired) < len(batch.requests)
+            self.workers.batch_returned(executor, computed)
+            self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe())
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
-            by_reference = not any(worker is executor.worker for worker, _, _ in self.sending)
+            by_reference = not any(w is worker for w, _, _ in self.sending)
             trackers = self._reply_outputs(batch, result, by_reference)
-            self._watch_slow(batch, result.compute_us / 1e6)
+            if computed:
+                self._watch_slow(batch, result.compute_us / 1e6)
         if trackers:
             # Replies still read the slot; it is free once ZeroMQ has sent them.
-            self.sending.append((executor.worker, batch.slot, trackers))
+            self.sending.append((worker, batch.slot, trackers))
         else:
-            executor.worker.slots.release(batch.slot)
+            worker.slots.release(batch.slot)
 
     def release_sent(self) -> None:
         """Free the slots whose replies ZeroMQ has finished sending."""
@@ -163,13 +177,10 @@ class Dispatcher:
     def fail_worker(self, worker: WorkerHandle, reason: str, status: str = protocol.INTERNAL) -> None:
         """Answer every batch in flight on `worker` with `status` and take its slots back."""
         for batch in [b for b in self.inflight.values() if b.executor.worker is worker]:
-            self._finish(batch)
+            del self.inflight[batch.id]
+            self.workers.batch_returned(batch.executor, computed=False)
             worker.slots.release(batch.slot)
             self._fail(batch, reason, status)
-
-    def _finish(self, batch: Batch) -> None:
-        del self.inflight[batch.id]
-        batch.executor.inflight -= 1
 
     def oldest(self) -> Batch | None:
         """The batch that has been running longest, if any runs."""
@@ -194,17 +205,16 @@ class Dispatcher:
         now = time.monotonic()
         if compute_s > SLOW_FACTOR * median and now - self._slow_warned.get(batch.model, -math.inf) > SLOW_WARN_EVERY_S:
             self._slow_warned[batch.model] = now
-            log.warning("batch %d of %s %s on worker%d took %.1f ms, over %dx the median %.1f ms",
-                        batch.id, batch.model, batch.version, batch.executor.worker.index, compute_s * 1000,
-                        SLOW_FACTOR, median * 1000)
+            log.warning("%s on worker%d took %.1f ms, over %dx the median %.1f ms", batch.describe(),
+                        batch.executor.worker.index, compute_s * 1000, SLOW_FACTOR, median * 1000)
 
     def _pick_executor(self, model: str, version: str) -> ExecutorHandle | None:
         executors = self.workers.executors_for(model, version)
         if not executors:
             return None
         # Least busy first; among equals the one used last, whose thread, core
-        # caches and model weights are still warm (measured: a cold executor
-        # doubles batch-1 latency on the CPU). Load spreads as executors fill.
+        # caches and model weights are still warm (a cold executor doubles
+        # batch-1 latency on the CPU). Load spreads as executors fill.
         best = max(executors, key=lambda e: (-e.inflight, e.last_used))
         return best if best.inflight < PIPELINE_DEPTH else None
 
@@ -212,42 +222,45 @@ class Dispatcher:
         """Copy each input of every request, one after the other, into the slot."""
         spec = self.config.models[batch.model]
         buf = worker.arena.buf
-        base = worker.slots.offset(batch.slot)
+        base, size = worker.slots.offset(batch.slot), worker.slots.slot_size
         samples = sum(r.samples for r in batch.requests)
-        end = base + worker.slots.slot_size
-        offset = base
+        offsets, end = place(base, [samples * row_bytes(s.dtype, s.shape) for s in spec.inputs])
+        if end > base + size:
+            raise SlotOverflow
         refs = []
-        for index, input_spec in enumerate(spec.inputs):
-            offset = align_up(offset)
+        for index, (input_spec, offset) in enumerate(zip(spec.inputs, offsets)):
             refs.append(TensorRef(input_spec.dtype, (samples, *input_spec.shape), offset))
             for request in batch.requests:
                 data = request.buffers[index]
-                if offset + len(data) > end:
-                    raise SlotOverflow
                 buf[offset : offset + len(data)] = data
                 offset += len(data)
         return RunBatch(
             batch_id=batch.id,
             model=batch.model,
             version=batch.version,
+            slot_offset=base,
+            slot_size=size,
             inputs=tuple(refs),
-            out_offset=align_up(offset),
-            out_end=end,
+            samples=tuple(r.samples for r in batch.requests),
+            deadlines=tuple(r.deadline for r in batch.requests),
         )
 
     def _reply_outputs(self, batch: Batch, done: BatchDone, by_reference: bool) -> list[zmq.MessageTracker]:
-        """Send each request its rows of every output; with `by_reference`, large ones without a copy
-        (the trackers of those are returned)."""
+        """Send each computed request its rows of every output (with `by_reference`, large ones without
+        a copy: their trackers are returned), and each expired one `timeout`."""
         buf = batch.executor.worker.arena.buf
-        row_bytes = [
-            math.prod(ref.shape[1:]) * protocol.DTYPES[ref.dtype].itemsize for ref in done.outputs
-        ]
+        sizes = [math.prod(ref.shape[1:]) * protocol.DTYPES[ref.dtype].itemsize for ref in done.outputs]
         now = time.monotonic()
+        expired = set(done.expired)
         # Requests of a batch mostly carry the same sample count: their output metadata is shared.
         metas: dict[int, tuple[TensorMeta, ...]] = {}
         replies = []
+        computed = []
         row = 0
-        for request in batch.requests:
+        for index, request in enumerate(batch.requests):
+            if index in expired:
+                self.frontend.reply_error(request, protocol.TIMEOUT, EXPIRED_ERROR, batch.version)
+                continue
             samples = request.samples
             outputs = metas.get(samples)
             if outputs is None:
@@ -255,21 +268,26 @@ class Dispatcher:
                                                  for ref in done.outputs)
             frames = [
                 buf[ref.offset + row * size : ref.offset + (row + samples) * size]
-                for ref, size in zip(done.outputs, row_bytes)
+                for ref, size in zip(done.outputs, sizes)
             ]
             timing = Timing(queue=int((batch.started - request.received) * 1e6), compute=done.compute_us,
                             total=int((now - request.received) * 1e6))
             header = ReplyHeader(id=request.header.id, status=protocol.OK, model=batch.model,
                                  version=batch.version, outputs=outputs, timing_us=timing)
             replies.append((request, header, frames))
+            computed.append(request)
             row += samples
+        if expired:
+            log.info("%s: %d request(s) not computed, their deadline passed while the batch waited for "
+                     "its executor", batch.describe(), len(expired))
+        if not computed:
+            return []
         trackers = self.frontend.reply_ok(replies, by_reference)
-        self.stats.answered(now, batch.model, batch.version, row,
-                            [now - r.received for r in batch.requests],
-                            [batch.started - r.received for r in batch.requests], done.compute_us / 1e6)
+        self.stats.answered(now, batch.model, batch.version, row, [now - r.received for r in computed],
+                            [batch.started - r.received for r in computed], done.compute_us / 1e6)
         return trackers
 
     def _fail(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:
-        log.error("batch %d of %s (%d requests) failed: %s", batch.id, batch.model, len(batch.requests), reason)
+        log.error("%s (%d requests) failed: %s", batch.describe(), len(batch.requests), reason)
         for request in batch.requests:
-            self.frontend.reply_error(request, status, reason)
+            self.frontend.reply_error(request, status, reason, batch.version)

@@ -4,26 +4,31 @@ It decodes and validates each request, puts it in the BatchQueue or answers it
 at once (`invalid`, `overloaded`, `unavailable`), and sends every reply. It
 never blocks: a reply that cannot be delivered (peer gone, or its high-water
 mark reached) is counted and dropped, so one slow client cannot stall the loop.
+Admission is decided here: whether the daemon takes requests at all, which
+models no worker serves yet, and the bounds of the queue.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import zmq
-import zmq.auth
 
 from inferd import protocol
 from inferd.config import Config, ModelConfig
+from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
 from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
-from inferd.supervisor.batcher import FULL, BatchQueue, QueuedRequest
+from inferd.supervisor.batcher import BatchQueue, QueuedRequest, Refusal
+from inferd.supervisor.guard import failure
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.state import DaemonState
 from inferd.supervisor.stats import Stats
+from inferd.supervisor.workers import WorkerState, WorkerTable
 
 log = logging.getLogger("inferd.frontend")
 
@@ -31,7 +36,8 @@ BURST = 256  # messages read per readiness, so one busy socket cannot starve the
 # A client that stops reading gets this many replies queued, then its replies are
 # dropped (and counted): its memory cost to the daemon is bounded.
 SEND_HWM = 1000
-RECV_HWM = 1000  # and a client that floods gets TCP backpressure, not daemon memory
+MAX_RECV_HWM = 1000  # and a client that floods small requests gets TCP backpressure, not daemon memory
+MIN_RECV_HWM = 16
 SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
 
 
@@ -47,12 +53,20 @@ def _loopback(endpoint: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def load_curve_secret(path: str) -> bytes:
-    """The secret key in a key file written by `inferctl keygen` (zmq.auth's format)."""
-    _, secret = zmq.auth.load_certificate(path)
-    if secret is None:
-        raise ValueError(f"{path} holds no secret key (use the .key_secret file)")
-    return secret
+def receive_limits(config: Config) -> tuple[int, int]:
+    """(largest message ZeroMQ receives, messages it may hold per connection); so one connection can
+    make ZeroMQ hold at most (hwm + 1) x largest bytes (README, "Memory").
+
+    Between server.max_message_mb and `largest` a message is received and answered
+    `invalid` with its size; a larger one makes ZeroMQ drop the connection. The number
+    of messages held is what the per-connection byte share allows, but at least
+    MIN_RECV_HWM: fewer makes ZeroMQ's I/O thread stop and wait for the loop every
+    few small requests, which costs a pipelining client a quarter of its throughput.
+    """
+    limit = int(config.server.max_message_mb * (1 << 20))
+    largest = limit + max(1 << 20, limit // 4)
+    hwm = max(MIN_RECV_HWM, min(MAX_RECV_HWM, config.queue.max_bytes_per_client // largest))
+    return largest, hwm
 
 
 def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig) -> int:
@@ -79,28 +93,38 @@ def check_against_model(header: protocol.RequestHeader, name: str, model: ModelC
     return samples
 
 
+def _refusal_sentence(refusal: Refusal, queue: BatchQueue) -> str:
+    bounds = queue.bounds
+    return {
+        Refusal.FULL: f"the queue is full ({bounds.max_size} requests); retry later",
+        Refusal.BYTES: f"the queue holds {queue.nbytes} bytes of requests and this one would pass queue.max_bytes "
+                       f"({bounds.max_bytes}); retry later",
+        Refusal.CLIENT_FULL: f"this connection already has {bounds.max_per_client} requests waiting "
+                             "(queue.max_per_client); retry later",
+        Refusal.CLIENT_BYTES: "this connection's waiting requests would pass queue.max_bytes_per_client "
+                              f"({bounds.max_bytes_per_client} bytes); retry later",
+    }[refusal]
+
+
 class Frontend:
     """Client-facing sockets, request admission, and reply delivery."""
 
-    def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue, stats: Stats) -> None:
+    def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue, stats: Stats,
+                 live: LiveVersions, curve: CurveServer) -> None:
         self.queue = queue
         self.stats = stats
-        self.max_message_bytes = int(config.server.max_message_mb * (1 << 20))
-        self.configure(config)
-        # Refuse before ZeroMQ buffers absurd frames; between the limit and this
-        # ceiling a message is received and answered `invalid` with its size.
-        self.hard_limit = 2 * self.max_message_bytes + (1 << 20)
+        self.live = live
         self.sockets: list[zmq.Socket] = []
-        self.live: dict[str, str] = {}
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
-        self.undelivered = 0
-        self.replies: Counter[str] = Counter()
         self._context = context
+        self._curve = curve
+        self.configure(config)
 
     def configure(self, config: Config) -> None:
         """Take a new config: models and their limits, the default deadline."""
         self.config = config
+        self.max_message_bytes = int(config.server.max_message_mb * (1 << 20))
         self.default_timeout_s = config.queue.default_timeout_ms / 1000
         # (model, inputs) -> samples, for signatures that passed check_against_model: clients
         # send the same few again and again, and the check is pure Python.
@@ -108,25 +132,23 @@ class Frontend:
 
     def bind(self) -> None:
         """Bind a ROUTER on every `server.listen` endpoint; tcp ones with CURVE when it is configured."""
-        server = self.config.server
-        secret = load_curve_secret(server.curve_secret_key) if server.curve_secret_key else None
-        for endpoint in server.listen:
+        largest, recv_hwm = receive_limits(self.config)
+        for endpoint in self.config.server.listen:
             socket = self._context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
             socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-            socket.setsockopt(zmq.RCVHWM, RECV_HWM)
-            socket.setsockopt(zmq.MAXMSGSIZE, self.hard_limit)
+            socket.setsockopt(zmq.RCVHWM, recv_hwm)
+            socket.setsockopt(zmq.MAXMSGSIZE, largest)
             socket.linger = 0
             tcp = endpoint.startswith("tcp://")
-            if tcp and secret is not None:
-                socket.curve_secretkey = secret
-                socket.curve_server = True
-            socket.bind(endpoint)
+            if tcp and self._curve.enabled:
+                self._curve.secure(socket)
             self.sockets.append(socket)
-            if tcp and secret is None and not _loopback(endpoint):
+            socket.bind(endpoint)
+            if tcp and not self._curve.enabled and not _loopback(endpoint):
                 log.warning("%s is reachable from the network without authentication; "
                             "set server.curve_secret_key and server.curve_authorized_keys", endpoint)
-            log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and secret is not None else "")
+            log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and self._curve.enabled else "")
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every client socket, letting queued replies leave for at most `linger_ms`."""
@@ -134,13 +156,33 @@ class Frontend:
             socket.close(linger=linger_ms)
         self.sockets = []
 
+    def admit(self, state: DaemonState, workers: WorkerTable) -> None:
+        """Decide what is admitted from now on: nothing while the daemon starts or stops, or while no
+        worker is ready; and no request for a model whose live version no ready worker has."""
+        if state == DaemonState.STARTING:
+            self.refusal = "the daemon is starting"
+        elif state in (DaemonState.DRAINING, DaemonState.STOPPING):
+            self.refusal = "the daemon is shutting down"
+        elif not any(w.state == WorkerState.READY for w in workers.workers):
+            self.refusal = "no worker is ready; they are restarting"
+        else:
+            self.refusal = None
+        self.unserved = {
+            name for name, version in self.live.items()
+            if not any(w.serves(name, version) for w in workers.workers)
+        }
+
     def on_readable(self, socket: zmq.Socket) -> None:
         """Read what is waiting on `socket` (up to a burst) and admit or answer each request."""
         for _ in range(BURST):
             message = recv_routed(socket)
             if message is None:
                 return
-            self.submit(ReplyTo(socket, message[0]), message[1])
+            reply_to = ReplyTo(socket, message[0])
+            try:
+                self.submit(reply_to, message[1])
+            except Exception:  # noqa: BLE001 - the last guard: one message never takes the daemon down
+                self.send_error(reply_to, None, protocol.INTERNAL, failure("a request"))
 
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer]) -> None:
         """Admit one request body, or answer it at once; every body gets exactly one reply."""
@@ -171,23 +213,18 @@ class Frontend:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
             return
-        if self.refusal is not None or header.model in self.unserved:
-            refusal = self.refusal or f"no worker has {header.model} {self.live.get(header.model)} loaded yet"
-            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, refusal, header.model)
+        if self.refusal is not None or name in self.unserved:
+            refusal = self.refusal or f"no worker has {name} {self.live.get(name)} loaded yet"
+            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, refusal, name)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
         client = (id(reply_to.socket), reply_to.envelope[0])
-        queued = QueuedRequest(header, request.buffers, reply_to, client, samples, now, now + timeout)
+        queued = QueuedRequest(header, request.buffers, reply_to, client, samples, request.nbytes, now, now + timeout)
         refused = self.queue.put(queued)
         if refused is not None:
-            reason = (
-                f"the queue is full ({self.queue.max_size} requests); retry later" if refused == FULL else
-                f"this connection already has {self.queue.max_per_client} requests waiting "
-                "(queue.max_per_client); retry later"
-            )
-            self.send_error(reply_to, header.id, protocol.OVERLOADED, reason, header.model)
+            self.send_error(reply_to, header.id, protocol.OVERLOADED, _refusal_sentence(refused, self.queue), name)
             return
-        self.stats.queue_depth(now, header.model, self.live[header.model], self.queue.depth(header.model))
+        self.stats.queue_depth(now, name, self.live[name], self.queue.depth(name))
 
     def reply_ok(self, replies: Sequence[tuple[QueuedRequest, ReplyHeader, Sequence[Buffer]]],
                  by_reference: bool) -> list[zmq.MessageTracker]:
@@ -198,7 +235,6 @@ class Frontend:
             (request.reply_to, [*request.reply_to.envelope, protocol.encode_reply(header), *outputs])
             for request, header, outputs in replies
         ]
-        self.replies[protocol.OK] += len(messages)
         trackers: list[zmq.MessageTracker] = []
         for reply_to, parts in messages:
             try:
@@ -210,25 +246,26 @@ class Frontend:
                 self._undeliverable(exc)
         return trackers
 
-    def reply_error(self, request: QueuedRequest, status: str, error: str) -> None:
-        """Answer a queued request with an error status."""
-        self.send_error(request.reply_to, request.header.id, status, error, request.header.model)
+    def reply_error(self, request: QueuedRequest, status: str, error: str, version: str | None = None) -> None:
+        """Answer a queued request with an error status; `version`: the one that handled it, if one did."""
+        self.send_error(request.reply_to, request.header.id, status, error, request.header.model, version)
 
     def send_error(
         self, reply_to: ReplyTo, request_id: protocol.RequestId | None, status: str, error: str,
-        model: str | None = None,
+        model: str | None = None, version: str | None = None,
     ) -> None:
-        """Send an error reply, and count it against its model when the model is one this daemon serves."""
-        if model in self.live:
-            self.stats.reply(time.monotonic(), model, self.live[model], status)
-        self.replies[status] += 1
+        """Send an error reply, and count it (against its model when the model is one this daemon serves)."""
+        served = model in self.live
+        counted = version or (self.live[model] if model is not None and served else None)
+        self.stats.reply(time.monotonic(), model if served else None, counted, status)
         try:
-            send_parts(reply_to.socket, [*reply_to.envelope, protocol.error_reply(request_id, status, error, model)])
+            send_parts(reply_to.socket,
+                       [*reply_to.envelope, protocol.error_reply(request_id, status, error, model, version)])
         except zmq.ZMQError as exc:
             self._undeliverable(exc)
 
     def _undeliverable(self, exc: zmq.ZMQError) -> None:
         # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way the
         # reply has nowhere to go, and waiting for it would stall everyone else.
-        self.undelivered += 1
+        self.stats.undelivered += 1
         log.debug("reply undeliverable (%s)", exc.strerror)

@@ -13,17 +13,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from inferd.supervisor.report import worker_report
+from inferd.supervisor.state import StartupError
 from inferd.supervisor.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
 
 if TYPE_CHECKING:
-    from inferd.supervisor.main import Supervisor
+    from inferd.supervisor.view import DaemonView
 
 log = logging.getLogger("inferd.metrics")
 
@@ -35,7 +36,7 @@ def _histogram(family: HistogramMetricFamily, labels: list[str], histogram: Hist
     family.add_metric(labels, buckets, histogram.sum)
 
 
-def build_families(daemon: Supervisor) -> list[Metric]:
+def build_families(daemon: DaemonView) -> list[Metric]:
     """Every metric, from the daemon's state now (call on the loop thread)."""
     requests = CounterMetricFamily("inferd_requests", "Requests answered, by status.", labels=["model", "version", "status"])
     samples = CounterMetricFamily("inferd_samples", "Samples answered ok.", labels=["model", "version"])
@@ -72,12 +73,12 @@ def build_families(daemon: Supervisor) -> list[Metric]:
     families: list[Metric] = [requests, samples, *durations.values(), batch_size, queue_depth, live]
     families += _worker_families(daemon)
     undelivered = CounterMetricFamily("inferd_replies_undelivered", "Replies whose client had gone or stopped reading.")
-    undelivered.add_metric([], daemon.frontend.undelivered)
+    undelivered.add_metric([], daemon.stats.undelivered)
     families.append(undelivered)
     return families
 
 
-def _worker_families(daemon: Supervisor) -> list[Metric]:
+def _worker_families(daemon: DaemonView) -> list[Metric]:
     restarts = CounterMetricFamily("inferd_worker_restarts", "Times a worker process was replaced.", labels=["worker"])
     up = GaugeMetricFamily("inferd_worker_ready", "1 while the worker is ready to run batches.", labels=["worker", "device"])
     rss = GaugeMetricFamily("inferd_worker_resident_memory_bytes", "Host memory of the worker process.", labels=["worker"])
@@ -109,7 +110,7 @@ def _worker_families(daemon: Supervisor) -> list[Metric]:
 class _LoopCollector:
     """A collector that has the supervisor's loop build the families and waits for them."""
 
-    def __init__(self, daemon: Supervisor, call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, daemon: DaemonView, call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
         self._daemon = daemon
         self._call_soon_threadsafe = call_soon_threadsafe
 
@@ -130,17 +131,31 @@ class _LoopCollector:
 
 
 class MetricsServer:
-    """The HTTP endpoint Prometheus scrapes."""
+    """The HTTP endpoint Prometheus scrapes (none when server.metrics is "")."""
 
-    def __init__(self, address: str, daemon: Supervisor) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
+        self._daemon = daemon
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, address: str) -> None:
+        """Serve at `address` (HOST:PORT) from a thread of prometheus-client's."""
+        if not address:
+            return
         host, _, port = address.rpartition(":")
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_LoopCollector(daemon, daemon.call_soon_threadsafe))
-        self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+        registry.register(_LoopCollector(self._daemon, self._daemon.call_soon_threadsafe))
+        try:
+            self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics at {address} (server.metrics): {exc.strerror}") from None
         log.info("metrics at http://%s/metrics", address)
 
     def close(self) -> None:
         """Stop serving."""
+        if self._server is None or self._thread is None:
+            return
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+        self._server = None

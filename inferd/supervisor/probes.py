@@ -9,10 +9,11 @@ simply absent.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import psutil
+
+from inferd.supervisor.nvml import NvmlId, cuda_devices, open_nvml
 
 log = logging.getLogger("inferd.probes")
 
@@ -22,14 +23,8 @@ class Probes:
 
     def __init__(self) -> None:
         self._processes: dict[int, psutil.Process] = {}
-        self._nvml: Any = None
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            self._nvml = pynvml
-        except Exception:  # no driver or no library: a machine without NVIDIA GPUs
-            self._nvml = None
+        self._nvml: Any = open_nvml()
+        self._cuda: list[NvmlId] = cuda_devices(self._nvml.nvmlDeviceGetCount()) if self._nvml else []
 
     def close(self) -> None:
         """Release NVML."""
@@ -89,11 +84,7 @@ class Probes:
 
     def _handle(self, cuda_index: int) -> Any:
         """The NVML handle of what CUDA calls device `cuda_index` (CUDA_VISIBLE_DEVICES renumbers them)."""
-        nvml = self._nvml
-        visible = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
-        if cuda_index < len(visible):
-            entry = visible[cuda_index]
-            if entry.isdigit():
-                return nvml.nvmlDeviceGetHandleByIndex(int(entry))
-            return nvml.nvmlDeviceGetHandleByUUID(entry)
-        return nvml.nvmlDeviceGetHandleByIndex(cuda_index)
+        device = self._cuda[cuda_index]
+        if isinstance(device, int):
+            return self._nvml.nvmlDeviceGetHandleByIndex(device)
+        return self._nvml.nvmlDeviceGetHandleByUUID(device)

@@ -1,35 +1,34 @@
-"""What a config reload (SIGHUP) may change while the daemon runs, and what needs a restart.
+"""Reconfiguring (SIGHUP): re-read the config file, apply what may change while the daemon runs,
+and name what needs a restart.
 
 `plan` compares the running config with the one just read and returns the
-config to run with from now on: the new values of keys that can change live,
-the old values of keys that cannot (each named, so the operator is told).
+config to run with from now on: the new values of keys that can change live
+(config.py marks them), the old values of keys that cannot (each named, so the
+operator is told). `Reconfigurer` carries the plan out: new models, new
+versions (a blue-green reload each), and the new config for every part.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
 
-from inferd.config import Config, ModelConfig
+from inferd import config as config_module
+from inferd.config import SECTIONS, Config, ModelConfig, live_keys
+from inferd.ipc.slots import slot_shortfall
+from inferd.repository import RepositoryError, resolve_version
+from inferd.supervisor.control import LoggedReply
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.reload import ReloadManager
+from inferd.supervisor.workers import WorkerTable
 
-# Keys whose new value takes effect at once; any other change waits for a restart.
-LIVE_KEYS = {
-    "server.drain_timeout_s",
-    "server.log_level",
-    "server.spin_us",
-    "workers.reload_memory_factor",
-    "workers.batch_timeout_s",
-    "workers.max_restarts",
-    "queue.max_size",
-    "queue.max_per_client",
-    "queue.default_timeout_ms",
-}
+log = logging.getLogger("inferd.reconfigure")
+
 T = TypeVar("T", bound=msgspec.Struct)
-
-LIVE_MODEL_KEYS = {"max_batch_size", "max_wait_ms", "warmup_batch_sizes", "version"}
 
 
 @dataclass
@@ -78,9 +77,9 @@ def plan(old: Config, new: Config) -> Plan:
     applied: list[str] = []
     need_restart: list[str] = []
     sections = {}
-    for section in ("server", "workers", "queue"):
+    for section, cls in SECTIONS.items():
         sections[section], _ = _merge(getattr(old, section), getattr(new, section), f"{section}.",
-                                      lambda name, s=section: f"{s}.{name}" in LIVE_KEYS, applied, need_restart)
+                                      live_keys(cls).__contains__, applied, need_restart)
     models: dict[str, ModelConfig] = {}
     added: list[str] = []
     version_changed: list[str] = []
@@ -95,10 +94,71 @@ def plan(old: Config, new: Config) -> Plan:
             added.append(name)
             models[name] = after
             continue
-        models[name], changed = _merge(before, after, f"models.{name}.", LIVE_MODEL_KEYS.__contains__,
+        models[name], changed = _merge(before, after, f"models.{name}.", live_keys(ModelConfig).__contains__,
                                        applied, need_restart)
         if "version" in changed:
             version_changed.append(name)
     config = Config(server=sections["server"], workers=sections["workers"], queue=sections["queue"],
                     models=models, source=new.source)
     return Plan(config, applied, need_restart, added, version_changed)
+
+
+class Reconfigurer:
+    """Carries out a SIGHUP: what the new config changes, as far as it can change while serving."""
+
+    def __init__(self, workers: WorkerTable, reloads: ReloadManager, live: LiveVersions,
+                 saved_live: dict[str, str], configure: Callable[[Config], None]) -> None:
+        self.workers = workers
+        self.reloads = reloads
+        self.live = live
+        self.saved_live = saved_live  # what the state file said at start: a model added later may be in it
+        self.configure = configure  # hands a config to every part of the daemon
+
+    def reconfigure(self, running: Config) -> None:
+        """Re-read `running`'s config file and apply it as far as it can be applied while serving."""
+        if running.source is None or running.source == "demo":
+            log.warning("SIGHUP: the demo has no config file to re-read; nothing changed")
+            return
+        try:
+            new = config_module.load(running.source)
+        except config_module.ConfigError as exc:
+            log.error("SIGHUP: %s has %d problem(s), nothing changed: %s", running.source,
+                      len(exc.problems), "; ".join(exc.problems))
+            return
+        change = self._keep_slots_large_enough(running, plan(running, new))
+        for name in change.added_models:
+            try:
+                self.reloads.add_model(name, resolve_version(change.config.models[name], self.saved_live.get(name)))
+            except RepositoryError as exc:
+                log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
+                change.config.models.pop(name)
+        self.configure(change.config)
+        for name in change.version_changed:
+            try:
+                target = resolve_version(change.config.models[name])
+            except RepositoryError as exc:
+                log.error("SIGHUP: models.%s.version: %s", name, exc)
+                continue
+            if target != self.live[name]:
+                self.reloads.start(name, target, False, LoggedReply(f"reload of {name} to {target} (SIGHUP)"))
+        for worker in self.workers.workers:
+            self.reloads.catch_up(worker)
+        log.info("SIGHUP: applied %s", "; ".join(change.applied) or "nothing (no live change)")
+        if change.need_restart:
+            log.warning("SIGHUP: these changes need a restart and were not applied: %s",
+                        "; ".join(change.need_restart))
+
+    def _keep_slots_large_enough(self, running: Config, change: Plan) -> Plan:
+        """Refuse a larger max_batch_size whose full batch would not fit an arena slot."""
+        for name, model in list(change.config.models.items()):
+            old = running.models.get(name)
+            if old is None or model.max_batch_size <= old.max_batch_size:
+                continue
+            for worker in self.workers.workers:
+                loaded = worker.loaded.get((name, self.live[name]))
+                if loaded and slot_shortfall(name, model, loaded.outputs, worker.slots.slot_size):
+                    change.config.models[name] = msgspec.structs.replace(model, max_batch_size=old.max_batch_size)
+                    change.need_restart.append(f"models.{name}.max_batch_size {model.max_batch_size}: a full "
+                                               "batch would not fit an arena slot; raise workers.shm_mb too")
+                    break
+        return change

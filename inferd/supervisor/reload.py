@@ -1,15 +1,18 @@
 """Blue-green reload: load a version beside the live one everywhere, then flip in one step.
 
     reload V ──▶ LoadVersion(V) to every ready worker ──▶ all VersionLoaded ──▶ live[model] = V (saved)
-                                     │ any VersionFailed / worker death            │
-                                     ▼                                             ▼
-                 UnloadVersion(V) where it loaded; the old version serves on   old version unloaded on each
-                                                                               worker once its last batch is back
+                                     │ any VersionFailed, a worker death,          │
+                                     │ a load past workers.load_timeout_s          ▼
+                                     ▼                                  old version unloaded on each
+                 UnloadVersion(V) where it loaded; the old version     worker once its last batch is back
+                 serves on (a worker whose load hung is replaced)
 
 Batches already sent finish on the version they were sent with; every batch
-formed after the flip uses V. A worker that was starting during the reload
-comes up with the old version and is brought up to the live one ("catch-up")
-before it gets that model's batches.
+formed after the flip uses V. The flip waits until every ready worker that
+serves the model has V: a worker that came up during the reload (with the old
+version) is asked to load V too. A worker that starts after the flip comes up
+with the old version and is brought to the live one ("catch-up") before it
+gets that model's batches.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from inferd.config import Config
 from inferd.ipc import messages
-from inferd.repository import LiveVersions, RepositoryError, model_file
-from inferd.supervisor.control import ControlReply
-from inferd.supervisor.dispatch import Dispatcher, slot_shortfall
-from inferd.supervisor.workers import READY, WorkerHandle, WorkerTable
+from inferd.repository import RepositoryError, SavedVersions, model_file
+from inferd.supervisor.control import Reply
+from inferd.supervisor.dispatch import Dispatcher
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.workers import WorkerHandle, WorkerState, WorkerTable
 from inferd.systemd import notify
 
 log = logging.getLogger("inferd.reload")
@@ -38,7 +43,8 @@ class Reload:
     model: str
     version: str
     previous: str
-    reply: ControlReply
+    expect: tuple[messages.TensorSpec, ...] | None
+    reply: Reply
     started: float
     pending: set[WorkerHandle]
     loaded: dict[WorkerHandle, messages.VersionLoaded] = field(default_factory=dict)
@@ -46,11 +52,10 @@ class Reload:
 
 
 class ReloadManager:
-    """Runs reloads and rollbacks, and keeps every worker on the live versions."""
+    """Runs reloads and rollbacks, keeps every worker on the live versions, and is the one writer of them."""
 
-    def __init__(self, config: Config, workers: WorkerTable, dispatcher: Dispatcher,
-                 live: dict[str, str], previous: dict[str, str], state: LiveVersions,
-                 call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
+    def __init__(self, config: Config, workers: WorkerTable, dispatcher: Dispatcher, live: LiveVersions,
+                 saved: SavedVersions, call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
         self.config = config
         # fsync takes milliseconds, sometimes tens: never on the loop that serves requests.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
@@ -58,15 +63,22 @@ class ReloadManager:
         self.workers = workers
         self.dispatcher = dispatcher
         self.live = live
-        self.previous = previous
-        self.state = state
+        self.saved = saved
         self.active: dict[str, Reload] = {}
         # Versions waiting to be unloaded from a worker once its last batch of them is back.
         self.retiring: set[tuple[WorkerHandle, str, str]] = set()
         # Loads that bring a worker to the live version outside any reload.
         self.catching_up: set[tuple[WorkerHandle, str, str]] = set()
 
-    def start(self, model: str, version: str, allow_signature_change: bool, reply: ControlReply) -> None:
+    def configure(self, config: Config) -> None:
+        """Take a new config (a SIGHUP): model configs, the memory guard, the load timeout."""
+        self.config = config
+
+    def add_model(self, model: str, version: str) -> None:
+        """Serve a model a config reload added, at `version`; every ready worker catches up to it."""
+        self.live.add(model, version)
+
+    def start(self, model: str, version: str, allow_signature_change: bool, reply: Reply) -> None:
         """Begin a reload of `model` to `version`; refusals answer `reply` at once."""
         if model in self.active:
             reply.fail(f"a reload of {model} (to {self.active[model].version}) is already running; wait for it")
@@ -76,7 +88,7 @@ class ReloadManager:
             reply.fail(f"{model} {version} is already live")
             return
         try:
-            model_file(self.config.models[model].repository, version)
+            model_file(self.config.models[model].repository or "", version)
         except RepositoryError as exc:
             reply.fail(f"cannot reload {model}: {exc}")
             return
@@ -84,22 +96,30 @@ class ReloadManager:
         if not targets:
             reply.fail(f"no ready worker serves {model}; nothing can load {version}")
             return
-        expect = None if allow_signature_change else self._signature(model, live)
-        load = messages.LoadVersion(model, version, self.config.models[model], expect,
-                                    self.config.workers.reload_memory_factor)
+        expect = None if allow_signature_change else self.workers.signature(model, live)
         # A version reloaded soon after it was replaced may still be waiting to be
         # unloaded; it is wanted again, and an unload sent after this load would undo it.
         self.retiring = {r for r in self.retiring if r[1:] != (model, version)}
-        for worker in targets:
-            self.workers.send_control(worker, load)
-        self.active[model] = Reload(model, version, live, reply, time.monotonic(), targets)
+        reload = Reload(model, version, live, expect, reply, time.monotonic(), set())
+        self.active[model] = reload
         notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         log.info("reloading %s: %s -> %s on %d worker(s)", model, live, version, len(targets))
-        reply.progress(f"loading {model} {version} beside {live} on {len(targets)} worker(s)")
+        reply.progress(f"loading {model} {version} beside {live} on {len(targets)} worker(s)",
+                       wait_s=self.config.workers.load_timeout_s)
+        for worker in targets:
+            self._load(reload, worker)
+        self._settle(reload)
+
+    def _load(self, reload: Reload, worker: WorkerHandle) -> None:
+        if self.workers.load(worker, reload.model, reload.version, reload.expect, time.monotonic()):
+            reload.pending.add(worker)
+        elif reload.failure is None:
+            reload.failure = f"worker{worker.index} cannot be reached"
 
     def on_message(self, worker: WorkerHandle, message: messages.VersionLoaded | messages.VersionFailed) -> None:
         """A worker finished loading a version (or could not)."""
         version = message.loaded.version if isinstance(message, messages.VersionLoaded) else message.version
+        self.workers.load_answered(worker, message.model, version)
         key = (worker, message.model, version)
         if key in self.catching_up:
             self.catching_up.discard(key)
@@ -111,11 +131,9 @@ class ReloadManager:
         reload.pending.discard(worker)
         if isinstance(message, messages.VersionLoaded):
             reload.loaded[worker] = message
-            worker.loaded[(message.model, version)] = message.loaded
-            self.workers.versions_changed(worker)
-            shortfall = slot_shortfall(self.config, message.model, message.loaded.outputs, worker.slots.slot_size)
-            if shortfall is not None and reload.failure is None:
-                reload.failure = f"worker{worker.index}: {shortfall}"
+            problem = self.workers.version_loaded(worker, message.model, message.loaded)
+            if problem is not None and reload.failure is None:
+                reload.failure = problem
             reload.reply.progress(
                 f"worker{worker.index}: loaded in {message.load_s:.2f} s, warmed up in {message.warm_s:.2f} s"
             )
@@ -128,27 +146,46 @@ class ReloadManager:
         self.retiring = {r for r in self.retiring if r[0] is not worker}
         self.catching_up = {c for c in self.catching_up if c[0] is not worker}
         for reload in list(self.active.values()):
+            reload.loaded.pop(worker, None)
             if worker in reload.pending:
                 reload.pending.discard(worker)
                 reload.failure = reload.failure or f"worker{worker.index} died while loading {reload.version}"
                 self._settle(reload)
-            reload.loaded.pop(worker, None)
+
+    def check_loads(self, now: float) -> None:
+        """Abandon what waits on a load that outlived workers.load_timeout_s, and replace the worker
+        whose loader hung. Such workers are replaced one at a time: the executors of a hung loader
+        still serve the live versions, so the others serve on while one is replaced."""
+        limit = self.config.workers.load_timeout_s
+        for worker in self.workers.workers:
+            late = [key for key, asked in worker.loading.items() if now - asked > limit]
+            if not late:
+                continue
+            model, version = late[0]
+            why = f"worker{worker.index} did not load {model} {version} within workers.load_timeout_s ({limit:g} s)"
+            for reload in list(self.active.values()):
+                if worker in reload.pending:
+                    reload.pending.discard(worker)
+                    reload.failure = reload.failure or why
+                    self._settle(reload)
+            self.catching_up = {c for c in self.catching_up if c[0] is not worker}
+            if not any(w.state in (WorkerState.REPLACING, WorkerState.BOOTING, WorkerState.DEAD)
+                       for w in self.workers.workers if w is not worker):
+                self.workers.replace(worker, why)
 
     def catch_up(self, worker: WorkerHandle) -> None:
         """Bring a worker that came up with an old version to the live version of each model."""
-        if worker.state != READY:
+        if worker.state != WorkerState.READY:
             return
         for model, version in self.live.items():
             if (model, version) in worker.loaded or (worker, model, version) in self.catching_up:
                 continue
             if model in self.active and worker in self.active[model].pending:
                 continue
-            self.catching_up.add((worker, model, version))
             self.retiring.discard((worker, model, version))
-            self.workers.send_control(worker, messages.LoadVersion(
-                model, version, self.config.models[model], None, self.config.workers.reload_memory_factor
-            ))
-            log.info("worker%d: catching up %s to the live version %s", worker.index, model, version)
+            if self.workers.load(worker, model, version, None, time.monotonic()):
+                self.catching_up.add((worker, model, version))
+                log.info("worker%d: catching up %s to the live version %s", worker.index, model, version)
 
     def retire_idle(self) -> None:
         """Unload each retiring version from workers where its last batch is back.
@@ -161,9 +198,7 @@ class ReloadManager:
                 self.retiring.discard((worker, model, version))
             elif not self.dispatcher.has_inflight(worker, model, version):
                 self.retiring.discard((worker, model, version))
-                worker.loaded.pop((model, version), None)
-                self.workers.send_control(worker, messages.UnloadVersion(model, version))
-                self.workers.versions_changed(worker)
+                self.workers.version_unloaded(worker, model, version)
 
     def _wanted(self, worker: WorkerHandle, model: str, version: str) -> bool:
         """True for a live version, and for one a reload or catch-up is loading on `worker`."""
@@ -176,6 +211,12 @@ class ReloadManager:
 
     def _settle(self, reload: Reload) -> None:
         """Once every worker has answered: flip, or give up and free what was loaded."""
+        if not reload.pending and reload.failure is None:
+            # Never flip while a ready worker serving the model lacks the new version (one
+            # that came up during the reload): it loads it first.
+            for worker in self.workers.workers:
+                if worker.serves(reload.model, reload.previous) and (reload.model, reload.version) not in worker.loaded:
+                    self._load(reload, worker)
         if reload.pending:
             return
         del self.active[reload.model]
@@ -189,10 +230,9 @@ class ReloadManager:
             reload.reply.fail(f"{reload.version} was not made live: {reason}; {reload.previous} keeps serving")
             return
         switch_started = time.perf_counter()
-        self.live[reload.model] = reload.version
-        self.previous[reload.model] = reload.previous
+        self.live.flip(reload.model, reload.version)
         switch_ms = (time.perf_counter() - switch_started) * 1000
-        saving = self._writer.submit(self._save, dict(self.live), dict(self.previous))
+        saving = self._writer.submit(self._save, *self.live.snapshot())
         for worker in self.workers.workers:
             if (reload.model, reload.previous) in worker.loaded:
                 self._retire(worker, reload.model, reload.previous)
@@ -217,13 +257,13 @@ class ReloadManager:
         """In the writer thread: save, and return (milliseconds it took, error or None)."""
         started = time.perf_counter()
         try:
-            self.state.save(live, previous)
+            self.saved.save(live, previous)
             error = None
         except OSError as exc:
-            error = f"cannot save the live versions to {self.state.path}: {exc}"
+            error = f"cannot save the live versions to {self.saved.path}: {exc}"
         return (time.perf_counter() - started) * 1000, error
 
-    def _saved(self, reload: Reload, result: dict, outcome: tuple[float, str | None]) -> None:
+    def _saved(self, reload: Reload, result: dict[str, Any], outcome: tuple[float, str | None]) -> None:
         save_ms, error = outcome
         if error is not None:
             log.error("%s; a restart would serve the versions saved before", error)
@@ -239,17 +279,15 @@ class ReloadManager:
         if isinstance(message, messages.VersionFailed):
             log.error("worker%d cannot load the live %s %s: %s; it will not serve %s",
                       worker.index, message.model, message.version, message.error, message.model)
-            worker.last_error = message.error
+            self.workers.note_error(worker, message.error)
             return
         model, version = message.model, message.loaded.version
-        shortfall = slot_shortfall(self.config, model, message.loaded.outputs, worker.slots.slot_size)
-        if shortfall is not None:  # a model added by SIGHUP, whose outputs were not known before
-            log.error("worker%d cannot serve %s %s: %s", worker.index, model, version, shortfall)
-            worker.last_error = shortfall
-            self.workers.send_control(worker, messages.UnloadVersion(model, version))
+        problem = self.workers.version_loaded(worker, model, message.loaded)
+        if problem is not None:  # a model added by SIGHUP, whose outputs were not known before
+            log.error("%s; it will not serve %s", problem, model)
+            self.workers.note_error(worker, problem)
+            self.workers.version_unloaded(worker, model, version)
             return
-        worker.loaded[(model, version)] = message.loaded
-        self.workers.versions_changed(worker)
         if version != self.live.get(model):
             self._retire(worker, model, version)
             return
@@ -260,10 +298,3 @@ class ReloadManager:
         """Unload `version` from `worker` as soon as nothing runs on it and nothing wants it."""
         self.retiring.add((worker, model, version))
         self.retire_idle()
-
-    def _signature(self, model: str, version: str) -> tuple[messages.TensorSpec, ...] | None:
-        for worker in self.workers.workers:
-            loaded = worker.loaded.get((model, version))
-            if loaded is not None:
-                return loaded.outputs
-        return None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from inferd.supervisor.stats import Series
 
 if TYPE_CHECKING:
-    from inferd.supervisor.main import Supervisor
+    from inferd.supervisor.view import DaemonView
     from inferd.supervisor.workers import WorkerHandle
 
 
@@ -52,11 +52,12 @@ def worker_summary(w: WorkerHandle) -> dict[str, Any]:
         "generation": w.generation,
         "restarts": w.restarts,
         "executors_busy": sum(1 for e in w.executors if e.inflight),
+        "batches_in_flight": w.inflight,
         "batches": w.batches,
     }
 
 
-def worker_report(daemon: Supervisor) -> list[dict[str, Any]]:
+def worker_report(daemon: DaemonView) -> list[dict[str, Any]]:
     """Each worker: process, state, counters, memory, and on a GPU what NVML and torch say."""
     report = []
     daemon.probes.forget({w.pid for w in daemon.workers.workers if w.pid})
@@ -76,7 +77,7 @@ def worker_report(daemon: Supervisor) -> list[dict[str, Any]]:
     return report
 
 
-def stats_report(daemon: Supervisor) -> dict[str, Any]:
+def stats_report(daemon: DaemonView) -> dict[str, Any]:
     """The whole `stats` object."""
     now = time.monotonic()
     minute, minute_s = daemon.stats.recent(now, 60)
@@ -103,5 +104,5 @@ def stats_report(daemon: Supervisor) -> dict[str, Any]:
         "state": daemon.state,
         "models": models,
         "workers": worker_report(daemon),
-        "undelivered_replies": daemon.frontend.undelivered,
+        "undelivered_replies": daemon.stats.undelivered,
     }

@@ -133,6 +133,8 @@ class Stats:
 
     def __init__(self, now: float) -> None:
         self.started = now
+        self.replies: Counter[str] = Counter()  # every reply since start by status, with or without a model
+        self.undelivered = 0  # replies whose client had gone or stopped reading
         self.since_start: dict[tuple[str, str], Series] = {}
         self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
 
@@ -150,15 +152,19 @@ class Stats:
             total = self.since_start[key] = Series()
         return recent, total
 
-    def reply(self, now: float, model: str, version: str, status: str) -> None:
-        """Count a reply other than `ok` (those come through `answered`)."""
-        for series in self._series(now, model, version):
-            series.replies[status] += 1
+    def reply(self, now: float, model: str | None, version: str | None, status: str) -> None:
+        """Count a reply other than `ok` (those come through `answered`); against its model and version
+        when it has them (a request for an unknown model has neither)."""
+        self.replies[status] += 1
+        if model is not None and version is not None:
+            for series in self._series(now, model, version):
+                series.replies[status] += 1
 
     def answered(self, now: float, model: str, version: str, samples: int,
                  totals_s: Sequence[float], queues_s: Sequence[float], compute_s: float) -> None:
         """Count the `ok` replies of one batch: its samples, each request's total and queue
         latency, and the batch's compute time once per request."""
+        self.replies["ok"] += len(totals_s)
         for series in self._series(now, model, version):
             series.replies["ok"] += len(totals_s)
             series.samples += samples

@@ -1,9 +1,11 @@
-"""The worker table: spawn, hand-shake, reap and respawn worker processes.
+"""The worker table: spawn, hand-shake, reap and respawn worker processes; the one writer of their records.
 
 Each worker is bound to one device and one arena for the daemon's lifetime;
 its process may be replaced, and each replacement carries a new generation.
 Messages from a generation that is gone are ignored, so a late message from a
-dead process can never be taken for its successor's.
+dead process can never be taken for its successor's. Every change to a
+worker's record (what it has loaded, what it runs, why it cannot serve) goes
+through a method of this table.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
@@ -24,14 +27,18 @@ import zmq
 from inferd import config as config_module
 from inferd.config import Config
 from inferd.ipc import messages
-from inferd.ipc.arena import Arena, SlotPool
+from inferd.ipc.arena import Arena, ArenaError, arena_name
 from inferd.ipc.messages import LoadedModel
+from inferd.ipc.slots import SlotPool, slot_shortfall
 from inferd.ipc.sockets import send_parts
+from inferd.paths import RuntimeFiles
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.state import StartupError
+from inferd.worker.exits import WorkerExit, describe_exit
 from inferd.worker.main import WorkerSpec, worker_main
 
 log = logging.getLogger("inferd.workers")
 
-BOOTING, READY, STOPPING, DEAD, FAILED = "booting", "ready", "stopping", "dead", "failed"
 PIPELINE_DEPTH = 2  # batches an executor may hold: one running, one waiting behind it
 CRASH_WINDOW_S = 60.0  # deaths counted against workers.max_restarts within this window
 MAX_BACKOFF_S = 30.0
@@ -39,6 +46,17 @@ ABORT_GRACE_S = 2.0  # a hung worker gets SIGABRT, then SIGKILL this much later
 STOP_TIMEOUT_S = 10.0
 
 _spawn = multiprocessing.get_context("spawn")
+
+
+class WorkerState(StrEnum):
+    """Where one worker slot is; the value is what status says."""
+
+    BOOTING = "booting"  # a process is loading and warming the live versions
+    READY = "ready"  # its executors take batches
+    REPLACING = "replacing"  # hung in a load: takes no new batch, killed once its batches are back
+    STOPPING = "stopping"  # told to exit
+    DEAD = "dead"  # no process; one is started when its backoff has passed
+    FAILED = "failed"  # given up: it is not started again
 
 
 @dataclass(eq=False)
@@ -62,11 +80,12 @@ class WorkerHandle:
     slots: SlotPool
     stacks_path: Path
     generation: int = 0
-    state: str = DEAD
+    state: WorkerState = WorkerState.DEAD
     process: BaseProcess | None = None
     control: bytes | None = None
     executors: list[ExecutorHandle] = field(default_factory=list)
     loaded: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)  # (model, version) -> signature
+    loading: dict[tuple[str, str], float] = field(default_factory=dict)  # (model, version) -> when it was asked
     started: float = 0.0
     respawn_at: float = 0.0
     restarts: int = 0
@@ -74,7 +93,7 @@ class WorkerHandle:
     last_error: str = ""
     give_up: bool = False
     stopping_since: float = 0.0
-    deaths: deque = field(default_factory=deque)  # times of its recent unexpected exits
+    deaths: deque[float] = field(default_factory=deque)  # times of its recent unexpected exits
     hung: str | None = None  # why it is being aborted as hung
     hung_since: float = 0.0
     memory: int = 0  # after its last batch: device bytes allocated on a GPU, resident bytes on the CPU
@@ -92,27 +111,65 @@ class WorkerHandle:
         """The pid of the current process, if one runs."""
         return self.process.pid if self.process is not None else None
 
+    @property
+    def inflight(self) -> int:
+        """Batches its executors hold."""
+        return sum(e.inflight for e in self.executors)
+
     def serves(self, model: str, version: str) -> bool:
         """True when this worker is ready and has `version` of `model` loaded and warmed."""
-        return self.state == READY and (model, version) in self.loaded
+        return self.state == WorkerState.READY and (model, version) in self.loaded
 
 
 class WorkerTable:
     """Every worker of the daemon, and the backend socket they talk to it on."""
 
-    def __init__(self, config: Config, backend: zmq.Socket, endpoint: str, arenas: list[Arena], devices: list[str],
-                 runtime_dir: Path):
+    def __init__(self, config: Config, context: zmq.Context, devices: list[str], files: RuntimeFiles,
+                 live: LiveVersions) -> None:
         self.config = config
-        self.backend = backend
-        self.endpoint = endpoint
-        self.versions: dict[str, str] = {}
-        slot_count = PIPELINE_DEPTH * config.workers.streams
-        self.workers = [
-            WorkerHandle(index=i, device=device, arena=arena, slots=SlotPool(arena.size, slot_count),
-                         stacks_path=runtime_dir / f"{arena.name}.stacks")
-            for i, (device, arena) in enumerate(zip(devices, arenas))
-        ]
+        self.devices = devices
+        self.files = files
+        self.live = live
+        self.endpoint = f"ipc://{files.backend}"
+        self.backend = context.socket(zmq.ROUTER)
+        self.backend.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.backend.linger = 0
+        self.workers: list[WorkerHandle] = []
         self._roles: dict[bytes, tuple[WorkerHandle, int, ExecutorHandle | None]] = {}
+        self._bound = False
+
+    def configure(self, config: Config) -> None:
+        """Take a new config (a SIGHUP): restart limits, timeouts, the leak watch, model configs for spawns."""
+        self.config = config
+
+    def open(self, instance: str) -> None:
+        """Create every worker's arena and bind the backend socket (before any worker starts)."""
+        size = self.config.workers.shm_mb << 20
+        slot_count = PIPELINE_DEPTH * self.config.workers.streams
+        for index, device in enumerate(self.devices):
+            try:
+                arena = Arena.create(arena_name(instance, index), size)
+            except (ArenaError, OSError) as exc:
+                raise StartupError(f"cannot create the shared-memory arenas: {exc}") from None
+            self.workers.append(WorkerHandle(index=index, device=device, arena=arena,
+                                             slots=SlotPool(size, slot_count),
+                                             stacks_path=self.files.worker_stacks(index)))
+        self.files.backend.parent.mkdir(parents=True, exist_ok=True)
+        self.backend.bind(self.endpoint)
+        self._bound = True
+        os.chmod(self.files.backend, 0o600)
+
+    def close(self) -> None:
+        """Close the backend socket, unmap and unlink every arena, remove the stacks files."""
+        self.backend.close(linger=0)
+        if self._bound:
+            self.files.backend.unlink(missing_ok=True)
+        for worker in self.workers:
+            worker.arena.close()
+            worker.arena.unlink()
+            worker.stacks_path.unlink(missing_ok=True)
+
+    # -- processes --------------------------------------------------------------
 
     def spawn(self, worker: WorkerHandle, now: float) -> None:
         """Start a new process, of a new generation, for `worker`."""
@@ -124,7 +181,7 @@ class WorkerTable:
             backend=self.endpoint,
             arena=worker.arena.name,
             config=config_module.encode(self.config),
-            versions=dict(self.versions),
+            versions=dict(self.live),
             stacks=str(worker.stacks_path),
         )
         process = _spawn.Process(
@@ -132,98 +189,34 @@ class WorkerTable:
         )
         process.start()
         worker.process = process
-        worker.state = BOOTING
+        worker.state = WorkerState.BOOTING
         worker.started = now
         worker.control = None
         worker.loaded = {}
+        worker.loading = {}
         worker.memory_baseline = None
         worker.leak_warned = False
         worker.executors = [ExecutorHandle(worker, k) for k in range(self.config.workers.streams)]
-        log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device, process.pid)
+        log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device,
+                 process.pid)
 
-    def send(self, identity: bytes, message: messages.Message) -> bool:
-        """Send to one worker socket; False when that socket is gone."""
-        try:
-            send_parts(self.backend, [identity, messages.encode(message)])
-            return True
-        except zmq.ZMQError as exc:
-            log.warning("cannot reach worker socket %r: %s", identity, exc.strerror)
-            return False
-
-    def worker_of(self, identity: bytes) -> WorkerHandle | None:
-        """The worker behind a socket identity, if it belongs to a live generation."""
-        role = self._live_role(identity)
-        return None if role is None else role[0]
-
-    def on_message(self, identity: bytes, message: messages.Message) -> WorkerHandle | None:
-        """Handle a lifecycle message; return the worker that became ready, if any."""
-        if isinstance(message, messages.Hello):
-            self._on_hello(identity, message)
-            return None
-        worker = self.worker_of(identity)
-        if worker is None:
-            return None
-        if isinstance(message, messages.Ready) and worker.state == BOOTING:
-            worker.loaded = {(name, m.version): m for name, m in message.models.items()}
-            worker.state = READY
-            log.info("worker%d ready on %s (pid %d)", worker.index, worker.device, message.pid)
-            return worker
-        if isinstance(message, messages.BootFailed):
-            worker.last_error = message.error
-            log.error("worker%d failed to boot: %s", worker.index, message.error)
-        return None
-
-    def executor_of(self, identity: bytes) -> ExecutorHandle | None:
-        """The executor behind a socket identity, if it belongs to a live generation."""
-        role = self._live_role(identity)
-        return None if role is None else role[2]
-
-    def _live_role(self, identity: bytes) -> tuple[WorkerHandle, int, ExecutorHandle | None] | None:
-        role = self._roles.get(identity)
-        return None if role is None or role[0].generation != role[1] else role
-
-    def note_memory(self, worker: WorkerHandle, memory: int, reserved: int) -> None:
-        """The leak watch: a worker's memory after a batch, against its level after warm-up."""
-        worker.memory, worker.reserved = memory, reserved
-        if worker.memory_baseline is None:
-            worker.memory_baseline = memory
-            return
-        limit = self.config.workers.leak_warn_mb * 2**20
-        if worker.memory_growth > limit and not worker.leak_warned:
-            worker.leak_warned = True
-            log.warning(
-                "worker%d: memory grew %.0f MiB over its level after warm-up (more than workers.leak_warn_mb = %g); "
-                "a model that keeps tensors between batches leaks like this", worker.index,
-                worker.memory_growth / 2**20, self.config.workers.leak_warn_mb,
-            )
-
-    def versions_changed(self, worker: WorkerHandle) -> None:
-        """A version was loaded or freed on `worker`: its memory level after warm-up is measured anew."""
-        worker.memory_baseline = None
-        worker.leak_warned = False
-
-    def executors_for(self, model: str, version: str) -> list[ExecutorHandle]:
-        """Executors that can run `version` of `model` now (said hello, on a ready worker that has it)."""
-        return [
-            executor
-            for worker in self.workers
-            if worker.serves(model, version) and worker.slots.free
-            for executor in worker.executors
-            if executor.identity is not None
-        ]
-
-    def send_control(self, worker: WorkerHandle, message: messages.Message) -> bool:
-        """Send to a worker's main thread (load, unload, shutdown)."""
-        return worker.control is not None and self.send(worker.control, message)
+    def respawn_due(self, now: float) -> None:
+        """Start a process for every dead worker whose backoff has passed."""
+        for worker in self.workers:
+            if worker.state == WorkerState.DEAD and worker.process is None and now >= worker.respawn_at:
+                self.spawn(worker, now)
 
     def reap(self, worker: WorkerHandle, now: float, retry: bool) -> str:
         """Collect an exited process; schedule its replacement with backoff, or give up.
 
         `retry` is False while the daemon starts: a worker that cannot start then
         is given up at once, so a broken model fails the start instead of looping.
-        Returns the reason of the exit, for the requests it leaves unanswered.
+        A worker that exits saying it could not load its models is given up too: a
+        new process would fail the same way. Returns the reason of the exit, for the
+        requests it leaves unanswered.
         """
         process = worker.process
+        assert process is not None
         process.join(timeout=1.0)
         code = process.exitcode
         was = worker.state
@@ -232,13 +225,17 @@ class WorkerTable:
         worker.process = None
         worker.control = None
         worker.executors = []
-        reason = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        if code == -signal.SIGKILL:
-            reason += " (perhaps out of memory?)"
-        if was == STOPPING and not worker.give_up:
-            worker.state = DEAD
+        worker.loading = {}
+        reason = describe_exit(code)
+        if was == WorkerState.STOPPING and not worker.give_up:
+            worker.state = WorkerState.DEAD
             log.info("worker%d exited (%s)", worker.index, reason)
             return reason
+        if was == WorkerState.REPLACING:
+            worker.restarts += 1
+            worker.state, worker.respawn_at = WorkerState.DEAD, now
+            log.warning("worker%d replaced (%s): %s", worker.index, reason, worker.last_error)
+            return f"{worker.last_error}; it was replaced"
         if worker.hung:
             reason = f"{worker.hung}; it was killed ({reason})"
             worker.last_error, worker.hung = worker.hung, None
@@ -246,15 +243,18 @@ class WorkerTable:
         while worker.deaths and now - worker.deaths[0] > CRASH_WINDOW_S:
             worker.deaths.popleft()
         crashes = len(worker.deaths)
-        if not retry or worker.give_up or crashes > self.config.workers.max_restarts:
-            worker.state = FAILED
-            why = "it cannot start" if not retry else f"{crashes} deaths within {CRASH_WINDOW_S:g} s"
+        cannot_boot = code == WorkerExit.BOOT_ERROR
+        if not retry or worker.give_up or cannot_boot or crashes > self.config.workers.max_restarts:
+            worker.state = WorkerState.FAILED
+            why = ("it cannot start" if not retry or cannot_boot else
+                   "it cannot serve this config" if worker.give_up else
+                   f"{crashes} deaths within {CRASH_WINDOW_S:g} s")
             log.error("worker%d given up (%s): %s", worker.index, why, worker.last_error or reason)
             return reason
         worker.restarts += 1
         # The first death restarts at once; a worker that keeps dying waits longer each time.
         delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2)) if crashes > 1 else 0.0
-        worker.state = DEAD
+        worker.state = WorkerState.DEAD
         worker.respawn_at = now + delay
         log.error("worker%d (%s) died: %s; restarting in %.1f s", worker.index, was, reason, delay)
         return reason
@@ -273,18 +273,15 @@ class WorkerTable:
         elif now - worker.hung_since > ABORT_GRACE_S:
             self.kill(worker)
 
-    def housekeeping(self, now: float, respawn: bool) -> None:
-        """Kill workers that boot too long; respawn dead ones whose backoff has passed."""
-        for worker in self.workers:
-            if worker.state == BOOTING and now - worker.started > self.config.workers.start_timeout_s:
-                worker.last_error = f"did not become ready within {self.config.workers.start_timeout_s:g} s"
-                log.error("worker%d %s; killing it", worker.index, worker.last_error)
-                self.kill(worker)
-            elif worker.state == STOPPING and now - worker.stopping_since > STOP_TIMEOUT_S:
-                log.warning("worker%d did not stop within %g s; killing it", worker.index, STOP_TIMEOUT_S)
-                self.kill(worker)
-            elif respawn and worker.state == DEAD and worker.process is None and now >= worker.respawn_at:
-                self.spawn(worker, now)
+    def replace(self, worker: WorkerHandle, why: str) -> None:
+        """Take a worker whose loader hung out of service; it is killed once its batches are back
+        (see Liveness) and a new process takes its place."""
+        if worker.state not in (WorkerState.READY, WorkerState.BOOTING):
+            return
+        worker.last_error = why
+        worker.state = WorkerState.REPLACING
+        worker.loading = {}
+        log.error("worker%d: %s; replacing it once its running batches are back", worker.index, why)
 
     def kill(self, worker: WorkerHandle) -> None:
         """SIGKILL the worker's process; its sentinel then reports the death."""
@@ -301,9 +298,9 @@ class WorkerTable:
         """
         worker.give_up = worker.give_up or give_up
         if worker.process is None:
-            worker.state = FAILED if worker.give_up else DEAD
+            worker.state = WorkerState.FAILED if worker.give_up else WorkerState.DEAD
             return
-        worker.state = STOPPING
+        worker.state = WorkerState.STOPPING
         worker.stopping_since = time.monotonic()
         if not self.send_control(worker, messages.Shutdown()):
             self.kill(worker)
@@ -320,7 +317,60 @@ class WorkerTable:
                 self.kill(worker)
                 worker.process.join(5.0)
             worker.process = None
-            worker.state = DEAD
+            worker.state = WorkerState.DEAD
+
+    # -- messages ---------------------------------------------------------------
+
+    def send(self, identity: bytes | None, message: messages.Message) -> bool:
+        """Send to one worker socket; False when that socket is gone."""
+        if identity is None:
+            return False
+        try:
+            send_parts(self.backend, [identity, messages.encode(message)])
+            return True
+        except zmq.ZMQError as exc:
+            log.warning("cannot reach worker socket %r: %s", identity, exc.strerror)
+            return False
+
+    def send_control(self, worker: WorkerHandle, message: messages.Message) -> bool:
+        """Send to a worker's main thread (load, unload, shutdown)."""
+        return self.send(worker.control, message)
+
+    def worker_of(self, identity: bytes) -> WorkerHandle | None:
+        """The worker behind a socket identity, if it belongs to a live generation."""
+        role = self._live_role(identity)
+        return None if role is None else role[0]
+
+    def executor_of(self, identity: bytes) -> ExecutorHandle | None:
+        """The executor behind a socket identity, if it belongs to a live generation."""
+        role = self._live_role(identity)
+        return None if role is None else role[2]
+
+    def _live_role(self, identity: bytes) -> tuple[WorkerHandle, int, ExecutorHandle | None] | None:
+        role = self._roles.get(identity)
+        return None if role is None or role[0].generation != role[1] else role
+
+    def on_message(self, identity: bytes, message: messages.Message) -> WorkerHandle | None:
+        """Handle a lifecycle message; return the worker that became ready, if any."""
+        if isinstance(message, messages.Hello):
+            self._on_hello(identity, message)
+            return None
+        worker = self.worker_of(identity)
+        if worker is None:
+            return None
+        if isinstance(message, messages.Ready) and worker.state == WorkerState.BOOTING:
+            for name, loaded in message.models.items():
+                problem = self.version_loaded(worker, name, loaded)
+                if problem is not None:
+                    self.cannot_serve(worker, problem)
+                    return None
+            worker.state = WorkerState.READY
+            log.info("worker%d ready on %s (pid %d)", worker.index, worker.device, message.pid)
+            return worker
+        if isinstance(message, messages.BootFailed):
+            worker.last_error = message.error
+            log.error("worker%d failed to boot: %s", worker.index, message.error)
+        return None
 
     def _on_hello(self, identity: bytes, hello: messages.Hello) -> None:
         if not 0 <= hello.worker < len(self.workers):
@@ -335,3 +385,100 @@ class WorkerTable:
             executor = worker.executors[hello.executor]
             executor.identity = identity
             self._roles[identity] = (worker, hello.generation, executor)
+
+    # -- versions ---------------------------------------------------------------
+
+    def load(self, worker: WorkerHandle, model: str, version: str, expect: tuple[messages.TensorSpec, ...] | None,
+             now: float) -> bool:
+        """Ask `worker` to load and warm `version` beside what it has; False when it cannot be reached."""
+        message = messages.LoadVersion(model, version, self.config.models[model], expect,
+                                       self.config.workers.reload_memory_factor)
+        if not self.send_control(worker, message):
+            return False
+        worker.loading[(model, version)] = now
+        return True
+
+    def load_answered(self, worker: WorkerHandle, model: str, version: str) -> None:
+        """The worker answered a load (loaded or refused)."""
+        worker.loading.pop((model, version), None)
+
+    def version_loaded(self, worker: WorkerHandle, model: str, loaded: LoadedModel) -> str | None:
+        """Record that `worker` has `loaded` of `model` warm, if a full batch of it fits an arena slot;
+        otherwise return why not (and record nothing)."""
+        problem = slot_shortfall(model, self.config.models[model], loaded.outputs, worker.slots.slot_size)
+        if problem is not None:
+            return f"worker{worker.index}: {problem}"
+        worker.loaded[(model, loaded.version)] = loaded
+        self._versions_changed(worker)
+        return None
+
+    def version_unloaded(self, worker: WorkerHandle, model: str, version: str) -> None:
+        """Have `worker` free `version` of `model`; no batch of it may be sent there again."""
+        worker.loaded.pop((model, version), None)
+        self.send_control(worker, messages.UnloadVersion(model, version))
+        self._versions_changed(worker)
+
+    def cannot_serve(self, worker: WorkerHandle, why: str) -> None:
+        """`worker` cannot serve this config at all: stop it and do not start it again."""
+        worker.last_error = why
+        log.error("%s", why)
+        self.stop(worker, give_up=True)
+
+    def note_error(self, worker: WorkerHandle, error: str) -> None:
+        """The last thing that went wrong on `worker`, for status."""
+        worker.last_error = error
+
+    def signature(self, model: str, version: str) -> tuple[messages.TensorSpec, ...] | None:
+        """The outputs of `version` of `model`, as some worker loaded it."""
+        for worker in self.workers:
+            loaded = worker.loaded.get((model, version))
+            if loaded is not None:
+                return loaded.outputs
+        return None
+
+    def _versions_changed(self, worker: WorkerHandle) -> None:
+        # Its memory level after warm-up is measured anew.
+        worker.memory_baseline = None
+        worker.leak_warned = False
+
+    # -- batches ----------------------------------------------------------------
+
+    def executors_for(self, model: str, version: str) -> list[ExecutorHandle]:
+        """Executors that can run `version` of `model` now (said hello, on a ready worker that has it)."""
+        return [
+            executor
+            for worker in self.workers
+            if worker.serves(model, version) and worker.slots.free
+            for executor in worker.executors
+            if executor.identity is not None
+        ]
+
+    def batch_sent(self, executor: ExecutorHandle, now: float) -> None:
+        """`executor` holds one more batch."""
+        executor.inflight += 1
+        executor.last_used = now
+
+    def batch_returned(self, executor: ExecutorHandle, computed: bool) -> None:
+        """A batch of `executor`'s is back (or lost with its worker); `computed`: it ran."""
+        executor.inflight -= 1
+        if computed:
+            executor.worker.batches += 1
+
+    def note_memory(self, worker: WorkerHandle, memory: int, reserved: int, growth: int, batch: str) -> None:
+        """The leak watch: a worker's memory after a batch, against its level after warm-up, and what
+        the batch (`batch` names it) alone grew it by."""
+        worker.memory, worker.reserved = memory, reserved
+        limit = self.config.workers.leak_warn_mb * 2**20
+        if growth > limit:
+            log.warning("%s on worker%d grew its memory by %.0f MiB (more than workers.leak_warn_mb = %g)",
+                        batch, worker.index, growth / 2**20, self.config.workers.leak_warn_mb)
+        if worker.memory_baseline is None:
+            worker.memory_baseline = memory
+            return
+        if worker.memory_growth > limit and not worker.leak_warned:
+            worker.leak_warned = True
+            log.warning(
+                "worker%d: memory grew %.0f MiB over its level after warm-up (more than workers.leak_warn_mb = %g); "
+                "a model that keeps tensors between batches leaks like this", worker.index,
+                worker.memory_growth / 2**20, self.config.workers.leak_warn_mb,
+            )

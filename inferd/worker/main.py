@@ -19,17 +19,16 @@ import sys
 import threading
 
 import msgspec
+import setproctitle
 import zmq
 
 from inferd import config as config_module
 from inferd.ipc import messages
 from inferd.logs import set_level, setup_logging
+from inferd.worker.exits import WorkerExit
 
 log = logging.getLogger("inferd.worker")
 
-EXIT_BOOT_ERROR = 3
-EXIT_PARENT_GONE = 4
-EXIT_CUDA_ERROR = 5
 LOADER_NICENESS = 10
 TRIM_CHECK_MS = 1000
 
@@ -56,7 +55,7 @@ def _exit_with_parent() -> None:
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
         log.error("the supervisor is gone; exiting")
-        os._exit(EXIT_PARENT_GONE)
+        os._exit(WorkerExit.PARENT_GONE)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
@@ -70,21 +69,33 @@ def _device(name: str):
     return device
 
 
-def _pin(arena, device) -> None:
+def _pin(arena, device) -> bool:
     """Page-lock the arena so host-device copies are asynchronous on the executors' streams."""
     import torch
 
     if device.type != "cuda":
-        return
+        return False
     err = torch.cuda.cudart().cudaHostRegister(arena.address(), arena.size, 0)
     if int(err) != 0:
         log.warning("could not page-lock the arena (cudaHostRegister error %s); copies will be synchronous", err)
+        return False
+    return True
+
+
+def _unpin(arena) -> None:
+    """Undo _pin; before the arena is unmapped, or the driver keeps a registration of freed memory."""
+    import torch
+
+    err = torch.cuda.cudart().cudaHostUnregister(arena.address())
+    if int(err) != 0:
+        log.warning("could not unregister the arena (cudaHostUnregister error %s)", err)
 
 
 def worker_main(encoded_spec: bytes) -> None:
     """Entry point of a spawned worker process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
     config = config_module.decode(spec.config)
+    setproctitle.setproctitle(f"inferd: worker{spec.worker} gen{spec.generation} {spec.device}")
     setup_logging(f"worker{spec.worker}", config.server.log_level)
     # The supervisor decides when workers stop; a Ctrl-C in the terminal reaches
     # the whole process group, and must not kill batches the drain still needs.
@@ -104,13 +115,13 @@ def worker_main(encoded_spec: bytes) -> None:
     # Readable once the worker stops; every executor polls it beside its socket.
     stop_r, stop_w = os.pipe()
     try:
-        executors, runner, ready = _boot(spec, config, context, stop_r)
-    except Exception as exc:
+        arena, pinned, executors, runner, ready = _boot(spec, config, context, stop_r)
+    except Exception as exc:  # noqa: BLE001 - whatever stops the boot is said in one sentence
         log.error("boot failed: %s", exc)
         control.send(messages.encode(messages.BootFailed(str(exc))))
         control.close()
         context.term()
-        sys.exit(EXIT_BOOT_ERROR)
+        sys.exit(WorkerExit.BOOT_ERROR)
     # torch brings ~170k long-lived Python objects; a full collection over them
     # holds the GIL for ~130 ms and stalls every executor. Freezing them keeps
     # later collections (automatic, or after an unload) down to what is new.
@@ -126,6 +137,9 @@ def worker_main(encoded_spec: bytes) -> None:
     os.write(stop_w, b"\0")
     for executor in executors:
         executor.join()
+    if pinned:
+        _unpin(arena)
+    arena.close()
     control.close()
     context.term()
     log.info("stopped")
@@ -140,23 +154,32 @@ def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, 
     import torch
 
     from inferd.ipc.arena import Arena
-    from inferd.worker.executor import Executor
+    from inferd.worker.executor import Executor, Overlap
     from inferd.worker.runner import ModelRunner
 
     device = _device(spec.device)
     if device.type == "cpu":
         torch.set_num_threads(config.workers.cpu_threads)
     arena = Arena.attach(spec.arena)
-    _pin(arena, device)
+    pinned = _pin(arena, device)
     runner = ModelRunner(device)
-    loaded = {
-        name: runner.load(name, config.models[name], spec.versions[name])[0] for name in config.models
-    }
+    overlap = Overlap()
     executors = [
-        Executor(k, context, spec.backend, messages.Hello(spec.worker, spec.generation, k), arena, runner, stop_fd)
+        Executor(k, context, spec.backend, messages.Hello(spec.worker, spec.generation, k), arena, runner, stop_fd,
+                 overlap)
         for k in range(config.workers.streams)
     ]
-    return executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
+    streams = [e.stream for e in executors if e.stream is not None]
+    try:
+        loaded = {
+            name: runner.load(name, config.models[name], spec.versions[name], streams=streams)[0]
+            for name in config.models
+        }
+    except BaseException:
+        for executor in executors:  # never started: their sockets would keep the context from closing
+            executor.socket.close()
+        raise
+    return arena, pinned, executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
 
 
 def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) -> None:
@@ -187,7 +210,8 @@ def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) ->
         if isinstance(message, messages.LoadVersion):
             try:
                 loaded, load_s, warm_s = runner.load(
-                    message.model, message.config, message.version, message.expect, message.memory_factor
+                    message.model, message.config, message.version, message.expect, message.memory_factor,
+                    [e.stream for e in executors if e.stream is not None],
                 )
                 reply = messages.VersionLoaded(message.model, loaded, load_s, warm_s)
             except Exception as exc:  # a model may raise anything; the worker must live on

@@ -6,6 +6,7 @@ Files are read with TorchScript (`torch.jit.load`) or torch.export
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -25,6 +26,7 @@ log = logging.getLogger("inferd.worker.runner")
 
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class ModelError(Exception):
@@ -66,12 +68,36 @@ CANARY_INPUT, CANARY_OUTPUT = "example_input.npy", "expected_output.npy"
 CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
 
 
+class Loaded:
+    """A model version on the device, and the precision it computes in."""
+
+    def __init__(self, module: Any, precision: torch.dtype) -> None:
+        self.module = module
+        self.precision = precision
+
+    def __call__(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run one batch: floating inputs cast to the model's precision, floating outputs back to float32."""
+        if self.precision != torch.float32:
+            inputs = [x.to(self.precision) if x.is_floating_point() else x for x in inputs]
+        with torch.inference_mode():
+            outputs = as_outputs(self.module(*inputs))
+        if self.precision != torch.float32:
+            outputs = tuple(y.float() if y.is_floating_point() else y for y in outputs)
+        batch = inputs[0].shape[0]
+        for index, output in enumerate(outputs):
+            if output.dim() == 0 or output.shape[0] != batch:
+                raise ModelError(
+                    f"output {index} has shape {list(output.shape)}; its first dim must be the batch size {batch}"
+                )
+        return outputs
+
+
 class ModelRunner:
     """The models loaded on one device, by name and version."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._modules: dict[tuple[str, str], Any] = {}
+        self._models: dict[tuple[str, str], Loaded] = {}
 
     def load(
         self,
@@ -80,39 +106,48 @@ class ModelRunner:
         version: str,
         expect: tuple[TensorSpec, ...] | None = None,
         memory_factor: float | None = None,
+        streams: list[Any] | None = None,
     ) -> tuple[LoadedModel, float, float]:
         """Load and warm `version` of model `name`; return its signature and the seconds each step took.
 
         With `memory_factor`, first check that the device has that many times the
         file's size free. With `expect`, the outputs must have that signature. A
         version folder holding a canary (example input and expected output) must
-        reproduce it. The module becomes visible to the executors only once every
-        check has passed; whatever fails, nothing of it stays loaded, and a copy of
-        the same version loaded before is left as it was.
+        reproduce it. Warm-up runs on each of `streams` (the executors' CUDA
+        streams), so none meets the model cold. The module becomes visible to the
+        executors only once every check has passed; whatever fails, nothing of it
+        stays loaded, and a copy of the same version loaded before is left as it was.
         """
         started = time.perf_counter()
+        precision = PRECISIONS[config.precision]
+        if precision != torch.float32 and self.device.type != "cuda":
+            raise ModelError(f"{name} has precision {config.precision!r}, which needs a GPU, but this worker runs "
+                             f"on {self.device}; use precision = \"fp32\" on the CPU")
         try:
-            path = model_file(config.repository, version)
-        except Exception as exc:
+            path = model_file(config.repository or "", version)
+        except Exception as exc:  # noqa: BLE001 - a repository error, said in one sentence
             raise ModelError(str(exc)) from None
         if memory_factor is not None:
             self._check_room(name, version, path, memory_factor)
         module = load_module(path, self.device)
+        if precision != torch.float32:
+            module = module.to(precision)
+        model = Loaded(module, precision)
         try:
             loaded = time.perf_counter()
-            outputs = self._warm_up(module, name, config, version)
+            outputs = self._warm_up(model, name, config, version, streams or [None])
             if expect is not None and outputs != expect:
                 raise ModelError(
                     f"{name} {version} outputs {_describe(outputs)}, but the live version outputs "
                     f"{_describe(expect)} (allow it with --allow-signature-change)"
                 )
-            self._check_canary(module, name, version, path.parent)
+            self._check_canary(model, name, version, path.parent)
         except BaseException:
             # The traceback keeps `module` alive until the caller has handled it;
             # the caller then calls release_memory() to give the memory back.
-            del module
+            del module, model
             raise
-        self._modules[(name, version)] = module
+        self._models[(name, version)] = model
         warmed = time.perf_counter()
         log.info(
             "loaded %s %s from %s in %.2f s, warmed on batch sizes %s in %.2f s",
@@ -122,7 +157,7 @@ class ModelRunner:
 
     def unload(self, name: str, version: str) -> None:
         """Free a version, and on a GPU give its cached memory back to the device."""
-        if self._modules.pop((name, version), None) is None:
+        if self._models.pop((name, version), None) is None:
             return
         self.release_memory()
         log.info("unloaded %s %s", name, version)
@@ -148,22 +183,10 @@ class ModelRunner:
 
     def infer(self, name: str, version: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run one batch of a loaded version; every output keeps the inputs' batch dim."""
-        module = self._modules.get((name, version))
-        if module is None:
+        model = self._models.get((name, version))
+        if model is None:
             raise ModelError(f"{name} {version} is not loaded on this worker")
-        return self._run(module, inputs)
-
-    @staticmethod
-    def _run(module: Any, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        with torch.inference_mode():
-            outputs = as_outputs(module(*inputs))
-        batch = inputs[0].shape[0]
-        for index, output in enumerate(outputs):
-            if output.dim() == 0 or output.shape[0] != batch:
-                raise ModelError(
-                    f"output {index} has shape {list(output.shape)}; its first dim must be the batch size {batch}"
-                )
-        return outputs
+        return model(inputs)
 
     @staticmethod
     def signature(outputs: tuple[torch.Tensor, ...]) -> tuple[TensorSpec, ...]:
@@ -176,19 +199,25 @@ class ModelRunner:
             specs.append(TensorSpec(name, tuple(output.shape[1:])))
         return tuple(specs)
 
-    def _warm_up(self, module: Any, name: str, config: ModelConfig, version: str) -> tuple[TensorSpec, ...]:
+    def _warm_up(self, model: Loaded, name: str, config: ModelConfig, version: str,
+                 streams: list[Any]) -> tuple[TensorSpec, ...]:
         outputs: tuple[TensorSpec, ...] = ()
-        for batch in config.warmup_batch_sizes or (1,):
-            inputs = [
-                torch.zeros((batch, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-                for spec in config.inputs
-            ]
-            try:
-                outputs = self.signature(self._run(module, inputs))
-            except ModelError:
-                raise
-            except Exception as exc:
-                raise ModelError(f"warm-up of {name} {version} at batch {batch} failed: {describe_error(exc)}") from None
+        for stream in streams:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for batch in config.warmup_batch_sizes or (1,):
+                    inputs = [
+                        torch.zeros((batch, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                        for spec in config.inputs
+                    ]
+                    try:
+                        outputs = self.signature(model(inputs))
+                    except ModelError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - a model may raise anything
+                        raise ModelError(f"warm-up of {name} {version} at batch {batch} failed: "
+                                         f"{describe_error(exc)}") from None
+            if stream is not None:
+                stream.synchronize()
         return outputs
 
     def _check_room(self, name: str, version: str, path: Path, factor: float) -> None:
@@ -207,7 +236,7 @@ class ModelRunner:
                 f"needs {need / 2**20:.0f} MiB beside the live version (workers.reload_memory_factor = {factor:g})"
             )
 
-    def _check_canary(self, module: Any, name: str, version: str, folder: Path) -> None:
+    def _check_canary(self, model: Loaded, name: str, version: str, folder: Path) -> None:
         """If the version folder holds an example input and its expected output, reproduce it."""
         example, expected = folder / CANARY_INPUT, folder / CANARY_OUTPUT
         if not (example.exists() and expected.exists()):
@@ -217,7 +246,7 @@ class ModelRunner:
             want = np.load(expected, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot read the canary of {name} {version}: {exc}") from None
-        got = self._run(module, [torch.from_numpy(x).to(self.device)])[0].cpu().numpy()
+        got = model([torch.from_numpy(x).to(self.device)])[0].cpu().numpy()
         if got.shape != want.shape or not np.allclose(got, want, rtol=CANARY_RTOL, atol=CANARY_ATOL):
             raise ModelError(
                 f"{name} {version} does not reproduce {CANARY_OUTPUT}: its output differs by up to "

@@ -1,0 +1,62 @@
+"""What the control commands, the stats report and the metrics read of the daemon.
+
+A narrow view, not the Supervisor: they need the daemon's parts, never its
+loop, and naming the parts here keeps them from importing supervisor/main.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from inferd.config import Config
+from inferd.supervisor.batcher import BatchQueue
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.probes import Probes
+from inferd.supervisor.reload import ReloadManager
+from inferd.supervisor.state import DaemonState
+from inferd.supervisor.stats import Stats
+from inferd.supervisor.workers import WorkerTable
+
+
+class DaemonView(Protocol):
+    """The parts of a running daemon that commands, reports and metrics read."""
+
+    @property
+    def state(self) -> DaemonState:
+        """Where the daemon is in its life."""
+
+    @property
+    def started(self) -> float:
+        """When it started (time.monotonic())."""
+
+    @property
+    def config(self) -> Config:
+        """The config it runs with now."""
+
+    @property
+    def live(self) -> LiveVersions:
+        """The live version of each model."""
+
+    @property
+    def queue(self) -> BatchQueue:
+        """The requests waiting."""
+
+    @property
+    def stats(self) -> Stats:
+        """Every measurement of requests and batches."""
+
+    @property
+    def workers(self) -> WorkerTable:
+        """The workers."""
+
+    @property
+    def reloads(self) -> ReloadManager:
+        """Reloads running, and the way to start one."""
+
+    @property
+    def probes(self) -> Probes:
+        """What psutil and NVML say of the workers."""
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the loop's thread; any thread may call this."""
