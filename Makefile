@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs bench bench-curve bench-reload clean
+.PHONY: demo test docs bench bench-curve bench-reload bench-soak clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(PY) -m inferd.demo run
 
 test: $(STAMP)
+	$(PY) -m ruff check inferd tests bench deploy
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
@@ -33,6 +35,9 @@ bench-curve: $(STAMP)
 
 bench-reload: $(STAMP)
 	$(PY) -m bench.reload
+
+bench-soak: $(STAMP)
+	$(PY) -m bench.soak
 
 docs: $(STAMP)
 	$(PY) -m inferd.config --update README.md

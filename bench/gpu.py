@@ -35,7 +35,8 @@ class Bottleneck(torch.nn.Module):
         )
         self.shortcut = (
             torch.nn.Identity() if stride == 1 and channels_in == out
-            else torch.nn.Sequential(torch.nn.Conv2d(channels_in, out, 1, stride, bias=False), torch.nn.BatchNorm2d(out))
+            else torch.nn.Sequential(torch.nn.Conv2d(channels_in, out, 1, stride, bias=False),
+                                     torch.nn.BatchNorm2d(out))
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ def phase_row(name: str, sent: np.ndarray, latency: np.ndarray, ok: np.ndarray, 
     return {
         "phase": name,
         **extra,
-        "requests": int(len(sent)),
+        "requests": len(sent),
         "not_ok": int((~ok).sum()),
         "samples_per_s": round(float(ok.sum()) / seconds, 1) if seconds else 0.0,
         "latency_ms": percentiles(list(latency[ok])),

@@ -2,8 +2,8 @@
 
 __version__ = "0.1.0"
 
-from inferd.client import AsyncClient, Client, RetryPolicy  # noqa: E402
-from inferd.errors import (  # noqa: E402
+from inferd.client import AsyncClient, Client, RetryPolicy
+from inferd.errors import (
     InferdError,
     InferenceError,
     InvalidRequest,

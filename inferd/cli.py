@@ -119,7 +119,7 @@ def _control_endpoint(control: str | None, config_path: str | None) -> str:
         return control
     config_path = config_path or os.environ.get("INFERD_CONFIG")
     if config_path:
-        return _load_config(config_path).server.control
+        return _load_config(config_path).server.control or paths.default_control()
     return paths.find_control()
 
 
@@ -166,8 +166,9 @@ def _switch(ctx: click.Context, command: str, **args: Any) -> None:
             result = client.call(command, on_progress=progress, until_done=ctx.obj["timeout"] is None, **args)
         except ControlError as exc:
             raise CliError(str(exc)) from None
-    click.echo(f"{result['model']} {result['version']} is live (was {result['previous']}): load {result['load_s']:.2f} s, "
-               f"warm-up {result['warm_s']:.2f} s, switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
+    click.echo(f"{result['model']} {result['version']} is live (was {result['previous']}): "
+               f"load {result['load_s']:.2f} s, warm-up {result['warm_s']:.2f} s, "
+               f"switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
 
 
 @inferctl.command()
@@ -199,7 +200,7 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo(f"  {name:<20} live {model['live_version']:<12} queued {model['queue_depth']}")
     click.echo("workers:")
     for w in result["workers"]:
-        line = (f"  worker{w['worker']:<3} pid {str(w['pid']):<8} {w['device']:<8} {w['state']:<9}"
+        line = (f"  worker{w['worker']:<3} pid {w['pid']!s:<8} {w['device']:<8} {w['state']:<9}"
                 f" generation {w['generation']}  restarts {w['restarts']}  busy executors {w['executors_busy']}"
                 f"  loaded: {', '.join(w['loaded']) or 'nothing'}")
         if w["last_error"]:
@@ -238,10 +239,10 @@ def _stats_table(stats: dict[str, Any]) -> str:
             gpu = (f"{_mib(w['gpu_memory_used_bytes'])}/{_mib(w['gpu_memory_total_bytes'])} MiB, "
                    f"{w['gpu_utilization']:.0%} busy")
         if "torch_reserved_bytes" in w:
-            gpu += f"{', ' if gpu else ''}torch {_mib(w['torch_allocated_bytes'])}/{_mib(w['torch_reserved_bytes'])} MiB, " \
-                   f"fragmentation {w['fragmentation']:.0%}"
+            gpu += (f"{', ' if gpu else ''}torch {_mib(w['torch_allocated_bytes'])}/"
+                    f"{_mib(w['torch_reserved_bytes'])} MiB, fragmentation {w['fragmentation']:.0%}")
         warn = "  LEAK?" if w["leak_warning"] else ""
-        lines.append(f"{'worker' + str(w['worker']):<8}{str(w['pid']):>8}  {w['device']:<8}{w['state']:<10}"
+        lines.append(f"{'worker' + str(w['worker']):<8}{w['pid']!s:>8}  {w['device']:<8}{w['state']:<10}"
                      f"{w['executors_busy']:>5}{w['batches']:>9}{w['restarts']:>9}{_mib(w.get('rss_bytes')):>9}"
                      f"{w.get('cpu_percent', 0):>7.0f}{_mib(w['memory_growth_bytes']):>11}  {gpu}{warn}")
     return "\n".join(lines)
@@ -404,10 +405,12 @@ def infer(ctx: click.Context, model: str, inputs: tuple[str, ...], output: str |
             np.save(output, outputs[0])
         except OSError as exc:
             raise CliError(f"cannot write {output}: {exc.strerror}") from None
+    timing = header.timing_us or protocol.Timing(0, 0, 0)
     click.echo(f"{model} {header.version}: {len(outputs)} output(s) in {elapsed_ms:.2f} ms "
-               f"(queue {header.timing_us.queue} us, compute {header.timing_us.compute} us)")
+               f"(queue {timing.queue} us, compute {timing.compute} us)")
     for index, array in enumerate(outputs):
-        click.echo(f"output {index}: {array.dtype} {list(array.shape)}" + (f" -> {output}" if output and not index else ""))
+        saved = f" -> {output}" if output and not index else ""
+        click.echo(f"output {index}: {array.dtype} {list(array.shape)}{saved}")
         if not output:
             click.echo(np.array2string(array, threshold=40, precision=4))
 

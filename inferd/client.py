@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import zmq
@@ -36,7 +36,7 @@ from inferd.endpoints import Endpoint, EndpointPool, Resolver
 from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
 
 Array = Any  # a numpy array, or a torch tensor on any device
-Outputs = Union[np.ndarray, tuple[np.ndarray, ...]]
+Outputs = np.ndarray | tuple[np.ndarray, ...]
 RETRY_STATUSES = frozenset({protocol.OVERLOADED, protocol.UNAVAILABLE})
 RESEND_S = 0.005  # how soon a send that found every connected endpoint's queue full is tried again
 log = logging.getLogger("inferd.client")
@@ -217,13 +217,16 @@ class Client:
         self._pool = EndpointPool(self._context, addresses, _curve(server_key, client_key))
         self._resolver = None
         if self._pool.names:
-            self._resolver = Resolver(self._pool.names, resolve_interval,
-                                      lambda name, addresses: self._mailbox.post((name, addresses)))
+            self._resolver = Resolver(self._pool.names, resolve_interval, self._resolved)
             self._resolver.start()
         self._closed = False
         self._thread = threading.Thread(target=_IOLoop(self._pool, self._mailbox).run,
                                         name="inferd-client", daemon=True)
         self._thread.start()
+
+    def _resolved(self, name: str, addresses: list[str]) -> None:
+        # From the resolver's thread: the I/O thread updates the pool. Once closed, nobody needs it.
+        self._mailbox.post((name, addresses))
 
     def __enter__(self) -> Client:
         return self
@@ -382,11 +385,11 @@ class _IOLoop:
         while endpoint.socket.poll(0):
             try:
                 header, outputs = _decode(endpoint.socket.recv_multipart(copy=False))
-            except Exception as exc:  # whatever a reply not of the protocol raises; no call to give it to
+            except Exception as exc:  # noqa: BLE001 - whatever a reply not of the protocol raises; no call to give it to
                 log.warning("dropped a malformed reply from %s: %s", endpoint.address, exc)
                 continue
             endpoint.answered(header.status, time.monotonic())
-            call = self.pending.get(header.id)  # None: its deadline passed first
+            call = self.pending.get(header.id) if isinstance(header.id, int) else None  # None: its deadline passed
             if call is not None:
                 self._finish(call, call.settle(header, outputs))
         self._forget_if_done(endpoint)

@@ -11,7 +11,7 @@ import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
@@ -39,7 +39,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         tuple[str, ...], Meta(min_length=1), _doc("Data endpoints clients connect to: tcp://HOST:PORT or ipc://PATH.")
     ] = ("tcp://127.0.0.1:5555",)
     control: Annotated[
-        Union[str, None],
+        str | None,
         _doc(
             "Endpoint for inferctl; an ipc:// socket is created mode 0660. A tcp:// one needs CURVE "
             "(curve_secret_key): anyone who reaches it could reload models.",
@@ -51,7 +51,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         str, _doc('HOST:PORT of the Prometheus endpoint (text format at /metrics); "" turns it off.')
     ] = "127.0.0.1:9464"
     state_dir: Annotated[
-        Union[str, None],
+        str | None,
         _doc(
             "Folder for the live versions and the demo repository.",
             "/var/lib/inferd (a user who cannot write it: ~/.local/state/inferd)",
@@ -88,7 +88,7 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
     """[workers]: where models run."""
 
     devices: Annotated[
-        Union[str, tuple[str, ...]],
+        str | tuple[str, ...],
         _doc('"auto" (one worker per visible GPU, else one CPU worker) or a list such as ["cuda:0", "cpu"].'),
     ] = "auto"
     streams: Annotated[
@@ -181,8 +181,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc('Per-sample inputs, e.g. [{ dtype = "float32", shape = [256] }].'),
     ]
     repository: Annotated[
-        Union[str, None],
-        _doc("Folder holding VERSION/model.pt (TorchScript) or VERSION/model.pt2 (torch.export).", "STATE_DIR/models/NAME"),
+        str | None,
+        _doc("Folder holding VERSION/model.pt (TorchScript) or VERSION/model.pt2 (torch.export).",
+             "STATE_DIR/models/NAME"),
     ] = None
     version: Annotated[
         str, _doc('Version served first: a version folder name, or "latest" (a SIGHUP that changes it reloads).',
@@ -200,7 +201,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
              live=True),
     ] = 2
     warmup_batch_sizes: Annotated[
-        Union[tuple[Annotated[int, Meta(ge=1)], ...], None],
+        tuple[Annotated[int, Meta(ge=1)], ...] | None,
         _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]", live=True),
     ] = None
     precision: Annotated[
@@ -217,7 +218,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     workers: WorkersConfig
     queue: QueueConfig
     models: dict[str, ModelConfig]
-    source: Union[str, None] = None
+    source: str | None = None
 
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -287,7 +288,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
-CHECKS: dict[tuple[type, str], Callable[[Any], Union[str, None]]] = {
+CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ServerConfig, "log_level"): lambda v: None if v in LOG_LEVELS else f"{v!r}: use one of {', '.join(LOG_LEVELS)}",
     (ServerConfig, "listen"): _check_listen,
     (ServerConfig, "control"): lambda v: None if v is None else _check_endpoint(v),
@@ -421,14 +422,18 @@ def decode(data: bytes) -> Config:
 
 
 def _default_text(field: msgspec.structs.FieldInfo, meta: Meta | None) -> str:
-    if meta is not None and meta.extra and meta.extra.get("default_doc"):
-        return meta.extra["default_doc"]
+    if meta is not None and _extra(meta).get("default_doc"):
+        return str(_extra(meta)["default_doc"])
     if field.required:
         return "(required)"
     default = field.default
     if isinstance(default, tuple):
         default = list(default)
     return "`" + msgspec.json.encode(default).decode() + "`"
+
+
+def _extra(meta: Meta) -> dict[str, Any]:
+    return meta.extra or {}
 
 
 def _meta(field: msgspec.structs.FieldInfo) -> Meta | None:
@@ -438,18 +443,19 @@ def _meta(field: msgspec.structs.FieldInfo) -> Meta | None:
 
 def live_keys(cls: type[msgspec.Struct]) -> frozenset[str]:
     """The keys of a section that a SIGHUP applies at once."""
-    return frozenset(f.name for f in msgspec.structs.fields(cls) if (meta := _meta(f)) and meta.extra.get("live"))
+    return frozenset(f.name for f in msgspec.structs.fields(cls) if (meta := _meta(f)) and _extra(meta).get("live"))
 
 
 def reference_markdown() -> str:
     """The config reference as a Markdown table per section, from the declarations above."""
     out: list[str] = []
-    tables = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()), ("[models.NAME]", ModelConfig)]
+    tables: list[tuple[str, type[msgspec.Struct]]] = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()),
+                                                      ("[models.NAME]", ModelConfig)]
     for title, cls in tables:
         out += [f"#### `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
         for field in msgspec.structs.fields(cls):
             meta = _meta(field)
-            when = "applied" if meta and meta.extra.get("live") else "restart"
+            when = "applied" if meta and _extra(meta).get("live") else "restart"
             out.append(f"| `{field.name}` | {_default_text(field, meta)} | {when} | "
                        f"{meta.description if meta else ''} |")
         out.append("")

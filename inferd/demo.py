@@ -9,6 +9,7 @@ and stops the daemon cleanly.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -90,12 +91,14 @@ def run_demo() -> int:
     from inferd import paths
     from inferd.harness import DaemonProcess
 
-    daemon = DaemonProcess(Path(tempfile.mkdtemp(prefix="inferd-demo-")), None)
+    workdir = Path(tempfile.mkdtemp(prefix="inferd-demo-"))
+    daemon = DaemonProcess(workdir, None)
     try:
         daemon.start(timeout=120)
     except RuntimeError as exc:
         daemon.kill_all()  # one that is only slow must not keep holding the demo port
         print(exc)
+        shutil.rmtree(workdir, ignore_errors=True)
         return 1
     try:
         live = daemon.status()["models"][DEMO_MODEL]["live_version"]
@@ -107,6 +110,7 @@ def run_demo() -> int:
                 x = rng.standard_normal((samples, IN_FEATURES), dtype=np.float32)
                 started = time.perf_counter()
                 y = client.infer(DEMO_MODEL, x)
+                assert isinstance(y, np.ndarray), "the demo model has one output"
                 latency_ms = (time.perf_counter() - started) * 1000
                 expected = reference(torch.from_numpy(x)).detach().numpy()
                 match = "matches" if np.allclose(y, expected, atol=1e-5) else "DIFFERS FROM"
@@ -122,6 +126,7 @@ def run_demo() -> int:
         return 0
     finally:
         code = daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
         print(f"daemon stopped cleanly (exit code {code})" if code == 0 else f"daemon exit code {code}")
 
 

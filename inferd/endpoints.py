@@ -116,7 +116,7 @@ def resolve(address: str) -> list[str] | None:
         infos = socket_module.getaddrinfo(host, int(port), type=socket_module.SOCK_STREAM)
     except (OSError, ValueError):
         return []
-    found = sorted({info[4][0] for info in infos})
+    found = sorted({str(info[4][0]) for info in infos})
     return [f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}" for ip in found]
 
 

@@ -90,7 +90,13 @@ class DaemonProcess:
         self.control = control or (config["server"]["control"] if config else None)
         self.env = env
         self.log_path = self.workdir / "daemon.log"
-        self.process: subprocess.Popen | None = None
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def process(self) -> subprocess.Popen:
+        """The `inferd serve` process (started)."""
+        assert self._process is not None, "the daemon was not started"
+        return self._process
 
     def start(self, wait: bool = True, timeout: float = 120) -> DaemonProcess:
         """Start the daemon; with `wait`, return once `health` says it serves."""
@@ -98,7 +104,7 @@ class DaemonProcess:
         if self.config_path is not None:
             argv += ["--config", str(self.config_path)]
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True,
+            self._process = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True,
                                             env={**os.environ, **(self.env or {})})
         if wait:
             self.wait_healthy(timeout)
@@ -154,7 +160,7 @@ class DaemonProcess:
 
     def kill_all(self) -> None:
         """Kill the supervisor and every process of its session (the workers)."""
-        if self.process is None:
+        if self._process is None:
             return
         try:
             os.killpg(self.process.pid, signal.SIGKILL)

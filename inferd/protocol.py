@@ -15,14 +15,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from typing import Annotated, NamedTuple, Union
+from typing import Annotated, NamedTuple
 
 import msgspec
 import numpy as np
 
 from inferd.errors import InvalidRequest
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 OK = "ok"
 INVALID = "invalid"
@@ -50,7 +50,7 @@ DTYPES: dict[str, np.dtype] = {
 MAX_DIMS = 8
 MAX_TENSORS = 64
 
-RequestId = Union[int, str]
+RequestId = int | str
 
 
 class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -66,8 +66,8 @@ class RequestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: RequestId
     model: str
     inputs: Annotated[tuple[TensorMeta, ...], msgspec.Meta(max_length=MAX_TENSORS)]
-    version: Union[str, None] = None
-    timeout_ms: Union[int, None] = None
+    version: str | None = None
+    timeout_ms: int | None = None
 
 
 class Timing(msgspec.Struct, frozen=True):
@@ -81,13 +81,13 @@ class Timing(msgspec.Struct, frozen=True):
 class ReplyHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     """The JSON header of a reply; `error` is set on every status but `ok`."""
 
-    id: Union[RequestId, None]
+    id: RequestId | None
     status: str
-    model: Union[str, None] = None
-    version: Union[str, None] = None
+    model: str | None = None
+    version: str | None = None
     outputs: tuple[TensorMeta, ...] = ()
-    timing_us: Union[Timing, None] = None
-    error: Union[str, None] = None
+    timing_us: Timing | None = None
+    error: str | None = None
 
 
 class Request(NamedTuple):
@@ -99,7 +99,7 @@ class Request(NamedTuple):
 
 
 class _IdOnly(msgspec.Struct):
-    id: Union[RequestId, None] = None
+    id: RequestId | None = None
 
 
 _request_decoder = msgspec.json.Decoder(RequestHeader)
@@ -217,7 +217,7 @@ def encode_request(
         version=version,
         timeout_ms=timeout_ms,
     )
-    return [_encoder.encode(header), *(memoryview(a).cast("B") if a.size else b"" for a in ready)]
+    return [_encoder.encode(header), *(a.data.cast("B") if a.size else b"" for a in ready)]
 
 
 def decode_reply_header(frame: Buffer) -> ReplyHeader:

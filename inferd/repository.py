@@ -53,18 +53,19 @@ def versions(repository: str | Path) -> list[str]:
 
 def resolve_version(model: ModelConfig, saved: str | None = None) -> str:
     """The version to serve first: the one saved as live if it still exists, else the config's."""
+    repository = model.repository or ""  # config.parse always sets it
     if saved is not None:
         try:
-            model_file(model.repository, saved)
+            model_file(repository, saved)
             return saved
         except RepositoryError as exc:
             log.warning("saved live version %r cannot be served (%s); using the config's version", saved, exc)
     if model.version != "latest":
-        model_file(model.repository, model.version)
+        model_file(repository, model.version)
         return model.version
-    found = versions(model.repository)
+    found = versions(repository)
     if not found:
-        raise RepositoryError(f"the repository {model.repository} holds no version with a model file")
+        raise RepositoryError(f"the repository {repository} holds no version with a model file")
     return found[-1]
 
 

@@ -48,3 +48,34 @@ class Watchdog:
         if self.interval is not None and now >= self._next:
             notify("WATCHDOG=1")
             self._next = now + self.interval
+
+
+STATUS_EVERY_S = 2.0
+
+
+class StatusReport:
+    """What systemd hears while serving: WATCHDOG=1 while nothing is hung, STATUS= every few seconds."""
+
+    def __init__(self) -> None:
+        self.watchdog = Watchdog()
+        self._hung: str | None = None
+        self._next_status = 0.0
+        self._replies_then = 0
+
+    def report(self, now: float, state: str, ready: int, workers: int, live: str, replies: int,
+               hung: str | None) -> None:
+        """Ping unless `hung` names what stopped making progress; send STATUS= when due or on a change."""
+        changed = hung != self._hung
+        if changed:
+            if hung:
+                log.error("watchdog pings stop: %s", hung)
+            else:
+                log.info("watchdog pings resume")
+            self._hung = hung
+        if hung is None:
+            self.watchdog.ping(now)
+        if now >= self._next_status or changed:
+            rate = (replies - self._replies_then) / (now - self._next_status + STATUS_EVERY_S)
+            self._replies_then, self._next_status = replies, now + STATUS_EVERY_S
+            notify(f"STATUS={state}; {ready}/{workers} workers ready; {live}; {rate:.0f} requests/s"
+                   + (f"; HUNG: {hung}" if hung else ""))

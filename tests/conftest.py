@@ -10,15 +10,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import models  # noqa: E402
-from wire import ScriptedServer  # noqa: E402
+import models
+from wire import ScriptedServer
 
-from inferd.harness import DaemonProcess, local_config  # noqa: E402
+from inferd import paths
+from inferd.harness import DaemonProcess, local_config
+from inferd.ipc.arena import SHM_DIR
 
 START_TIMEOUT_S = 90
 
@@ -44,6 +47,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _inferd_processes() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("inferd:")}
+
+
+def _leftovers(before: dict[str, set]) -> list[str]:
+    now = {
+        "/dev/shm": {p.name for p in SHM_DIR.glob("inferd-*")},
+        str(paths.runtime_dir()): {p.name for p in paths.runtime_dir().glob("*")} if paths.runtime_dir().is_dir()
+        else set(),
+        "processes": _inferd_processes(),
+    }
+    return [f"{where}: {sorted(map(str, found - before.get(where, set())))}"
+            for where, found in now.items() if found - before.get(where, set())]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind() -> Iterator[None]:
+    """The suite leaves /dev/shm, the runtime folder and the process table as it found them."""
+    before = {"/dev/shm": {p.name for p in SHM_DIR.glob("inferd-*")},
+              str(paths.runtime_dir()): {p.name for p in paths.runtime_dir().glob("*")}
+              if paths.runtime_dir().is_dir() else set(),
+              "processes": _inferd_processes()}
+    yield
+    # A killed daemon's reaper cleans up a moment after the kill; give it that moment.
+    deadline = time.monotonic() + 15
+    while (left := _leftovers(before)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        pytest.fail("the tests left these behind: " + "; ".join(left), pytrace=False)
+
+
+def requests_accounted(daemon: DaemonProcess) -> int:
+    """Requests the daemon has read: answered, waiting in its queue, or in a batch it runs. What a
+    client sent but ZeroMQ still holds unread is not among them."""
+    status = daemon.status()
+    return (sum(status["replies"].values()) + sum(m["queue_depth"] for m in status["models"].values())
+            + sum(w["requests_in_flight"] for w in status["workers"]))
 
 
 class Daemon(DaemonProcess):
@@ -80,7 +122,8 @@ def workdir() -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def base_config(workdir: Path, repo: Path, models_: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> dict[str, Any]:
+def base_config(workdir: Path, repo: Path, models_: dict[str, dict[str, Any]],
+                **sections: dict[str, Any]) -> dict[str, Any]:
     """A config serving `models_` from `repo`, with its sockets and state in `workdir`."""
     served = {name: {"repository": str(repo / name), **body} for name, body in models_.items()}
     config = local_config(workdir, served, workers={"shm_mb": 16},

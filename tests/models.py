@@ -63,6 +63,16 @@ class Failing(torch.nn.Module):
         return x * 3
 
 
+class RunsOutOfMemory(torch.nn.Module):
+    """float32 [2] -> [2]; for a batch whose first value is negative, raises what PyTorch raises when
+    the device has no memory left (a "CUDA error" in its text: not one that poisons the context)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool(x[0, 0] < 0):
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB (CUDA error: out of memory)")
+        return x * 3
+
+
 class WrongBatch(torch.nn.Module):
     """Returns one row whatever the batch size: a model the daemon must refuse at warm-up."""
 
@@ -80,7 +90,8 @@ def save_script(build: Callable[[], torch.nn.Module], root: Path, name: str, ver
     return path
 
 
-def save_export(module: torch.nn.Module, example: tuple[torch.Tensor, ...], root: Path, name: str, version: str) -> Path:
+def save_export(module: torch.nn.Module, example: tuple[torch.Tensor, ...], root: Path, name: str,
+                version: str) -> Path:
     """Export `module` with a dynamic batch dim and save it as NAME/VERSION/model.pt2."""
     path = root / name / version / "model.pt2"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,6 +110,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["slow/v1"] = save_script(lambda: Slow(300), root, "slow", "v1", 4)
     files["failing/v1"] = save_script(Failing, root, "failing", "v1", 5)
     files["wrongbatch/v1"] = save_script(WrongBatch, root, "wrongbatch", "v1", 6)
+    files["oom/v1"] = save_script(RunsOutOfMemory, root, "oom", "v1", 13)
     torch.manual_seed(7)
     files["exported/v1"] = save_export(Mlp(), (torch.randn(2, MLP_IN),), root, "exported", "v1")
     files["sleepy/v1"] = save_script(lambda: Sleepy(1_000), root, "sleepy", "v1", 8)  # ~5 ms a batch

@@ -27,7 +27,9 @@ def test_the_load_generator_drives_the_bare_echo_and_counts_every_reply():
 
 
 def test_the_load_generator_against_the_daemon_gets_answers_of_the_right_model(shared_daemon):
-    result = loadgen.run(shared_daemon.endpoint, "mlp", (models.MLP_IN,), "float32", concurrency=4, seconds=0.5, warmup=0.1)
+    result = loadgen.run(shared_daemon.endpoint, "mlp", (models.MLP_IN,), "float32", concurrency=4, seconds=0.5,
+                         warmup=0.1)
     assert result["statuses"].keys() == {"ok"} and result["requests"] > 4
-    wrong = loadgen.run(shared_daemon.endpoint, "mlp", (models.MLP_IN + 1,), "float32", concurrency=2, seconds=0.2, warmup=0.0)
+    wrong = loadgen.run(shared_daemon.endpoint, "mlp", (models.MLP_IN + 1,), "float32", concurrency=2, seconds=0.2,
+                        warmup=0.0)
     assert wrong["statuses"].keys() == {"invalid"} and wrong["latency_ms"]["p50"] != wrong["latency_ms"]["p50"]

@@ -51,7 +51,9 @@ def test_check_config_names_every_problem(workdir, repo):
     path.write_text('[workers]\nstreams = 0\ncolour = "red"\n[models.m]\nmax_batch_size = 4\n')
     result = run(str(BIN / "inferd"), "check-config", "--config", str(path))
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    for key in ("workers.streams: Expected `int` >= 1, got 0", "workers.colour: unknown key", "models.m.inputs: required"):
+    problems = ("workers.streams: Expected `int` >= 1, got 0", "workers.colour: unknown key",
+                "models.m.inputs: required")
+    for key in problems:
         assert key in result.stderr
 
 

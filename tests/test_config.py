@@ -115,7 +115,7 @@ def test_config_survives_the_trip_to_a_worker():
 
 def test_readme_config_reference_is_generated_from_the_declarations():
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert config.reference_markdown() in readme, "README's config reference is stale: paste config.reference_markdown()"
+    assert config.reference_markdown() in readme, "README's config reference is stale: run make docs"
 
 
 def test_example_config_is_valid():

@@ -181,6 +181,7 @@ def test_the_recording_rules_and_keda_queries_are_valid_promql(tmp_path):
 @needs_promtool
 def test_the_recording_rules_compute_the_signals(tmp_path):
     pod = 'namespace="inferd",pod="a"'
+    bucket = "inferd_request_duration_seconds_bucket"
     other = 'namespace="inferd",pod="b"'
     cases = {
         "rule_files": [str(RULES)],
@@ -193,9 +194,9 @@ def test_the_recording_rules_compute_the_signals(tmp_path):
                 {"series": f'inferd_gpu_utilization_ratio{{{pod},device="cuda:0"}}', "values": "0.9x20"},
                 {"series": f'inferd_gpu_utilization_ratio{{{other},device="cuda:0"}}', "values": "0.9x3 0.3 0.9x16"},
                 # 90 % of requests under 100 ms, the rest under 500 ms.
-                {"series": f'inferd_request_duration_seconds_bucket{{{pod},model="mlp",le="0.1"}}', "values": "0+90x20"},
-                {"series": f'inferd_request_duration_seconds_bucket{{{pod},model="mlp",le="0.5"}}', "values": "0+100x20"},
-                {"series": f'inferd_request_duration_seconds_bucket{{{pod},model="mlp",le="+Inf"}}', "values": "0+100x20"},
+                {"series": f'{bucket}{{{pod},model="mlp",le="0.1"}}', "values": "0+90x20"},
+                {"series": f'{bucket}{{{pod},model="mlp",le="0.5"}}', "values": "0+100x20"},
+                {"series": f'{bucket}{{{pod},model="mlp",le="+Inf"}}', "values": "0+100x20"},
             ],
             "promql_expr_test": [
                 {"expr": "pod:inferd_queue_depth:sum", "eval_time": "2m",

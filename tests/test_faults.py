@@ -194,7 +194,12 @@ def test_curve_keys_must_come_in_pairs(workdir):
 frames = st.lists(
     st.one_of(
         st.binary(max_size=64),
-        st.builds(lambda d: msgspec.json.encode(d), st.dictionaries(
+        st.builds(bytes, st.integers(0, 2 << 20)),  # up to 2 MiB of zeros
+        st.builds(lambda depth: b'{"id": 1, "model": "mlp", "inputs": ' + b"[" * depth + b"]" * depth + b"}",
+                  st.integers(1, 200_000)),
+        st.builds(lambda depth: b'{"id": 1, "model": "mlp", "x": ' + b'{"a":' * depth + b"1" + b"}" * depth
+                  + b', "inputs": []}', st.integers(1, 200_000)),
+        st.builds(msgspec.json.encode, st.dictionaries(
             st.sampled_from(["id", "model", "inputs", "version", "timeout_ms", "x"]),
             st.one_of(st.integers(-2**70, 2**70), st.text(max_size=5), st.none(),
                       st.just([{"dtype": "float32", "shape": [1, 16]}]),
@@ -206,7 +211,7 @@ frames = st.lists(
         st.just(b'{"id": 1, "model": "mlp", "inputs": [{"dtype": "float32", "shape": [1, 16]}]}'),
         st.just(np.zeros((1, 16), dtype=np.float32).tobytes()),
     ),
-    min_size=1, max_size=5,
+    min_size=1, max_size=70,
 )
 
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import models
 import numpy as np
 import psutil
 import pytest
-from conftest import FAILING, MLP, SLOW, wait_for
+from conftest import FAILING, MLP, SLOW, requests_accounted, wait_for
 from wire import RawPeer
 
 from inferd import Client, RetryPolicy
@@ -96,17 +95,10 @@ def test_sigterm_finishes_queued_work_and_leaves_nothing_behind(start_daemon):
         for i in range(100):
             peer.send(i, "slow", [X_SLOW])
         first = peer.recv()[0]
-
-        def admitted() -> int:  # answered, waiting, or running (one request a batch)
-            status = daemon.status()
-            return (sum(status["replies"].values()) + status["models"]["slow"]["queue_depth"]
-                    + sum(w["batches_in_flight"] for w in status["workers"]))
-
         # What ZeroMQ still holds for the daemon to read is not queued yet; wait until it is.
-        wait_for(lambda: admitted() == 100, what="every request queued")
+        wait_for(lambda: requests_accounted(daemon) == 100, what="every request read")
         daemon.signal(signal.SIGTERM)
-        while daemon.status()["state"] != "draining":
-            time.sleep(0.01)
+        wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
         peer.send(999, "slow", [X_SLOW])
         replies = [first] + [peer.recv()[0] for _ in range(100)]
         assert peer.nothing_more()
@@ -128,7 +120,7 @@ def test_second_sigterm_answers_what_is_left_unavailable(start_daemon):
             peer.send(i, "slow", [X_SLOW])
         replies = [peer.recv()[0]]  # working through the rest now
         daemon.signal(signal.SIGTERM)
-        time.sleep(0.1)
+        wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
         daemon.signal(signal.SIGTERM)
         replies += [peer.recv()[0] for _ in range(299)]
     statuses = {r["status"] for r in replies}
@@ -145,7 +137,8 @@ def test_a_killed_supervisor_leaves_nothing_behind(start_daemon, kill):
     control = Path(first.control[len("ipc://"):])
     files = [control, *(control.with_name(control.name + suffix) for suffix in (".backend", ".pid", ".stacks"))]
     assert arenas_of(pid) and all(path.exists() for path in files)
-    reaper = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:1] == [f"inferd: reaper of {pid}"]]
+    title = [f"inferd: reaper of {pid}"]
+    reaper = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:1] == title]
     assert len(reaper) == 1, "the supervisor has its reaper"
     if kill == "supervisor":
         first.signal(signal.SIGKILL)
@@ -260,7 +253,7 @@ def test_client_retries_a_reply_missed_when_the_daemon_restarts(start_daemon, wo
     retry = RetryPolicy(max_attempts=100, initial_delay=0.1, max_delay=0.5)
     with Client(daemon.endpoint, timeout=90.0, retry=retry) as client:
         futures = [client.submit("slow", X_SLOW) for _ in range(200)]
-        time.sleep(0.05)
+        wait_for(lambda: any(f.done() for f in futures), what="the first answer")  # killed mid-run
         daemon.kill_all()
         daemon.start(wait=False)
         results = [f.result() for f in futures]

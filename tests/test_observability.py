@@ -102,11 +102,15 @@ def test_stats_watch_refreshes_until_ctrl_c(start_daemon):
     daemon = start_daemon({"mlp": MLP})
     watch = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "stats", "--watch", "0.2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+    assert watch.stdout is not None
+    refreshes = 0
+    while refreshes < 3:  # read until it has refreshed three times
+        line = watch.stdout.readline()
+        assert line, "the watch stopped by itself"
+        refreshes += "inferd serving" in line
     watch.send_signal(signal.SIGINT)
-    out, err = watch.communicate(timeout=10)
+    _, err = watch.communicate(timeout=10)
     assert watch.returncode == 0, err
-    assert out.count("inferd serving") >= 3
 
 
 def test_the_leak_watch_warns_about_a_leaking_model_once(start_daemon):

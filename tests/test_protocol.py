@@ -140,6 +140,25 @@ def test_random_headers_never_raise_anything_but_invalid_request(header, buffers
         assert len(buffer) == int(np.prod(meta.shape)) * protocol.DTYPES[meta.dtype].itemsize
 
 
+def nested(depth: int, kind: str) -> bytes:
+    """A JSON value nested `depth` deep in arrays or objects: deeper than msgspec recurses, at the top."""
+    return b"[" * depth + b"]" * depth if kind == "array" else b'{"a":' * depth + b"1" + b"}" * depth
+
+
+deep_headers = st.builds(
+    lambda key, depth, kind: b'{"id":1,"model":"mlp",' + f'"{key}":'.encode() + nested(depth, kind) + b"}",
+    st.sampled_from(["id", "model", "inputs", "version", "timeout_ms", "unknown"]),
+    st.integers(2, 300_000), st.sampled_from(["array", "object"]),
+) | st.builds(nested, st.integers(1, 300_000), st.sampled_from(["array", "object"]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(header=deep_headers, buffers=st.lists(st.binary(max_size=64), max_size=70))
+def test_headers_nested_any_depth_with_any_frame_count_are_invalid_requests(header, buffers):
+    with pytest.raises(InvalidRequest):
+        protocol.decode_request([header, *buffers], LIMIT)
+
+
 @settings(max_examples=300, deadline=None)
 @given(frames=st.lists(st.binary(max_size=200), max_size=6))
 def test_random_bytes_never_raise_anything_but_invalid_request(frames):

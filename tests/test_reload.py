@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import RELOAD_MLP, Daemon, base_config
+from conftest import RELOAD_MLP, Daemon, base_config, wait_for
 from wire import RawPeer
 
 BIN = Path(sys.executable).parent
@@ -67,9 +67,13 @@ class Traffic:
     def __enter__(self) -> Traffic:
         for t in self._threads:
             t.start()
-        while len(self.records) < 20:
-            time.sleep(0.01)
+        self.wait_for_more(20)
         return self
+
+    def wait_for_more(self, count: int) -> None:
+        """Wait until `count` more replies have come."""
+        target = len(self.records) + count
+        wait_for(lambda: len(self.records) >= target or self.errors, what=f"{count} more replies")
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
@@ -129,10 +133,8 @@ def test_reloads_under_load_drop_nothing_and_every_reply_names_its_version(reloa
                 allowed.add(switches[k + 1][2])
             assert header["version"] in allowed, (sent, header["version"], switches)
     # Each worker freed the old version once its last batch was back.
-    deadline = time.monotonic() + 10
-    while any(w["loaded"] != ["mlp v1"] for w in daemon.status()["workers"]):
-        assert time.monotonic() < deadline, daemon.status()["workers"]
-        time.sleep(0.05)
+    wait_for(lambda: all(w["loaded"] == ["mlp v1"] for w in daemon.status()["workers"]), timeout=10,
+             what="the old versions freed")
 
 
 def test_reload_prints_its_progress_and_timings(reload_daemon):
@@ -162,7 +164,7 @@ def test_a_refused_reload_keeps_the_old_version_serving(reload_daemon, reference
     daemon = reload_daemon()
     with Traffic(daemon, threads=3) as traffic:
         result = inferctl(daemon, "reload", "--version", version, *extra)
-        time.sleep(0.2)
+        traffic.wait_for_more(20)  # the old version serves on after the refusal
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert message in result.stderr, result.stderr
@@ -259,8 +261,8 @@ def test_a_crashed_worker_comes_back_on_the_live_version(reload_daemon):
     daemon = reload_daemon()
     assert inferctl(daemon, "reload", "--version", "v2").returncode == 0
     os.kill(daemon.status()["workers"][0]["pid"], signal.SIGKILL)
-    time.sleep(0.2)
-    daemon.wait_healthy()
+    wait_for(lambda: (w := daemon.status()["workers"][0])["restarts"] == 1 and w["state"] == "ready",
+             timeout=60, what="the replacement ready")
     worker = daemon.status()["workers"][0]
     assert worker["restarts"] == 1 and worker["loaded"] == ["mlp v2"]
 
@@ -268,19 +270,16 @@ def test_a_crashed_worker_comes_back_on_the_live_version(reload_daemon):
 def test_a_worker_that_starts_during_a_reload_catches_up(reload_daemon, references):
     daemon = reload_daemon(workers={"devices": ["cpu", "cpu"]})
     os.kill(daemon.status()["workers"][1]["pid"], signal.SIGKILL)
-    while (w := daemon.status()["workers"][1])["generation"] < 2 or w["state"] != "booting":
-        time.sleep(0.02)
+    wait_for(lambda: (w := daemon.status()["workers"][1])["generation"] == 2 and w["state"] == "booting",
+             what="worker1 booting again")
     # worker1 now boots on v1 (the live version when it was spawned) while v2 goes live.
     result = daemon.call("reload", timeout=60, version="v2")
     assert result["version"] == "v2"
     assert daemon.status()["workers"][1]["state"] == "booting", "the test needs the reload to win the race"
-    deadline = time.monotonic() + 60
-    while daemon.status()["workers"][1]["loaded"] != ["mlp v2"]:
-        assert time.monotonic() < deadline, daemon.status()["workers"]
-        time.sleep(0.1)
+    wait_for(lambda: daemon.status()["workers"][1]["loaded"] == ["mlp v2"], timeout=60, what="worker1 on v2")
     assert "worker1: catching up mlp to the live version v2" in daemon.log()
     with Traffic(daemon, threads=4) as traffic:
-        time.sleep(0.5)
+        traffic.wait_for_more(100)
     traffic.check(references)
     assert {h["version"] for _, h, _, _ in traffic.records} == {"v2"}
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import MLP, RELOAD_MLP, Daemon, base_config
+from conftest import MLP, RELOAD_MLP, Daemon, base_config, wait_for
 from wire import error, ok
 
 from inferd import Client, RetryPolicy, Timeout
@@ -115,17 +115,15 @@ def test_a_daemon_killed_mid_run_costs_nothing_and_is_used_again_once_back(fleet
         result: list[list[tuple[np.ndarray, Future]]] = []
         driver = threading.Thread(target=lambda: result.append(drive(client, 60, 16, stop)))
         driver.start()
-        time.sleep(1.5)
-        assert answered_ok(victim) > 0, "the victim had no traffic before it died"
+        wait_for(lambda: answered_ok(victim) > 50, what="the victim serving its share")
         victim.signal(9)  # SIGKILL, the supervisor only: a node gone without a word
         victim.wait(10)
-        time.sleep(1.5)
+        others = sum(answered_ok(d) for d in daemons if d is not victim)
+        wait_for(lambda: sum(answered_ok(d) for d in daemons if d is not victim) > others + 200,
+                 what="the others serving the victim's share")
         back = fleet.restart(victim)
         # It answered `unavailable` while it started, so it rests a few seconds before its probe.
-        deadline = time.monotonic() + 20
-        while answered_ok(back) == 0 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        served_after_return = answered_ok(back)
+        served_after_return = wait_for(lambda: answered_ok(back), timeout=20, what="traffic on the returned daemon")
         stop.set()
         driver.join()
         sent = result[0]
@@ -171,7 +169,10 @@ def test_an_endpoint_answering_unavailable_rests_while_the_other_serves(server_f
     serving = server_factory(lambda n, h, b: ok(h, X))
     retry = RetryPolicy(max_attempts=3, initial_delay=0.01, max_delay=0.02, jitter=0.0)
     with Client([draining.endpoint, serving.endpoint], timeout=5, retry=retry) as client:
-        time.sleep(0.3)  # both connected
+        for _ in range(100):  # until both are connected and the draining one has had its first request
+            np.testing.assert_array_equal(client.infer("m", X), X)
+            if draining.headers:
+                break
         for _ in range(60):
             np.testing.assert_array_equal(client.infer("m", X), X)
     # Its first answer sends it to rest for a second; after that, one probe at a time.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MLP, Daemon, base_config
+from conftest import MLP, Daemon, base_config, requests_accounted, wait_for
 from test_notify import FakeSystemd
 from wire import RawPeer
 
@@ -95,7 +95,7 @@ def test_sigterm_with_200_requests_in_flight_answers_them_all(service):
     with RawPeer(daemon.endpoint) as peer:
         for i in range(200):
             peer.send(i, "sleepy", [X2])
-        time.sleep(0.05)
+        wait_for(lambda: requests_accounted(daemon) == 200, what="every request read")
         daemon.signal(signal.SIGTERM)
         replies = [peer.recv()[0] for _ in range(200)]
     assert [r["status"] for r in replies] == ["ok"] * 200
@@ -108,7 +108,7 @@ def queue_ms_behind_a_long_batch(daemon: Daemon) -> float:
     """How long a request waits in the daemon's queue when it arrives while a long batch runs."""
     with RawPeer(daemon.endpoint) as peer:
         peer.send(1, "stuck", [X2])
-        time.sleep(0.1)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the long batch running")
         peer.send(2, "stuck", [X2])
         replies = {h["id"]: h for h in (peer.recv()[0], peer.recv()[0])}
     assert replies[1]["status"] == replies[2]["status"] == "ok"
@@ -144,14 +144,13 @@ def test_sighup_adds_a_model_and_reloads_a_changed_version(service, repo):
     config["models"]["sleepy"] = {"repository": str(repo / "sleepy"), **SLEEPY}
     daemon.config_path.write_text(to_toml(config))
     daemon.signal(signal.SIGHUP)
-    deadline = time.monotonic() + 60
-    while True:
+
+    def applied() -> bool:
         status = daemon.status()
-        if status["models"].get("sleepy") and status["models"]["mlp"]["live_version"] == "v2" \
-                and "sleepy v1" in status["workers"][0]["loaded"]:
-            break
-        assert time.monotonic() < deadline, (status, daemon.log())
-        time.sleep(0.1)
+        return bool(status["models"].get("sleepy") and status["models"]["mlp"]["live_version"] == "v2"
+                    and "sleepy v1" in status["workers"][0]["loaded"])
+
+    wait_for(applied, timeout=60, what="the new model and the new version")
     with RawPeer(daemon.endpoint) as peer:
         peer.send(1, "sleepy", [X2])
         assert peer.recv()[0]["status"] == "ok"

@@ -27,10 +27,8 @@ from inferd import AsyncClient, InferenceError, InvalidRequest, RetryPolicy
 def reference(repo, name: str, version: str = "v1"):
     """The same model file the daemon serves, loaded in this process."""
     files = list((repo / name / version).glob("model.pt*"))
-    if files[0].suffix == ".pt2":
-        module = torch.export.load(str(files[0])).module()
-    else:
-        module = torch.jit.load(str(files[0]))
+    path = str(files[0])
+    module = torch.export.load(path).module() if files[0].suffix == ".pt2" else torch.jit.load(path)
 
     def run(*arrays: np.ndarray):
         with torch.inference_mode():

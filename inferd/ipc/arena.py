@@ -10,8 +10,8 @@ a supervisor that is gone still left.
 
 from __future__ import annotations
 
-import logging
 import ctypes
+import logging
 import mmap
 import os
 import re
@@ -93,6 +93,7 @@ class Arena:
 
     def address(self) -> int:
         """The mapping's address in this process (for cudaHostRegister)."""
+        assert self._mapping is not None, "the arena is closed"
         return ctypes.addressof(ctypes.c_char.from_buffer(self._mapping))
 
     def close(self) -> None:

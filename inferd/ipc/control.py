@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 import zmq
@@ -33,9 +33,9 @@ class Answer(msgspec.Struct, frozen=True, omit_defaults=True):
 
     ok: bool
     result: Any = None
-    error: Union[str, None] = None
-    progress: Union[str, None] = None
-    wait_s: Union[float, None] = None  # with progress: the final answer comes within this many seconds
+    error: str | None = None
+    progress: str | None = None
+    wait_s: float | None = None  # with progress: the final answer comes within this many seconds
 
 
 _encoder = msgspec.json.Encoder()

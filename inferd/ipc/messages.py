@@ -6,8 +6,6 @@ the worker's arena. Each message is one frame, tagged with its type.
 
 from __future__ import annotations
 
-from typing import Union
-
 import msgspec
 
 from inferd.config import ModelConfig
@@ -40,7 +38,7 @@ class Hello(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
     worker: int
     generation: int
-    executor: Union[int, None]  # None: the worker's control socket
+    executor: int | None  # None: the worker's control socket
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -117,7 +115,7 @@ class LoadVersion(msgspec.Struct, frozen=True, tag=True, array_like=True):
     model: str
     version: str
     config: ModelConfig
-    expect: Union[tuple[TensorSpec, ...], None]
+    expect: tuple[TensorSpec, ...] | None
     memory_factor: float
 
 
@@ -151,10 +149,10 @@ class SetLogLevel(msgspec.Struct, frozen=True, tag=True, array_like=True):
     level: str
 
 
-Message = Union[
-    Hello, Ready, BootFailed, RunBatch, BatchDone, BatchFailed, Shutdown,
-    LoadVersion, VersionLoaded, VersionFailed, UnloadVersion, SetLogLevel,
-]
+Message = (
+    Hello | Ready | BootFailed | RunBatch | BatchDone | BatchFailed | Shutdown
+    | LoadVersion | VersionLoaded | VersionFailed | UnloadVersion | SetLogLevel
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

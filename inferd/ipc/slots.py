@@ -46,7 +46,8 @@ def row_bytes(dtype: str, shape: Sequence[int]) -> int:
 def batch_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], samples: int) -> int:
     """Bytes of slot a batch of `samples` samples of `model` takes, inputs and outputs
     (`outputs`: the per-sample signature of the model's outputs)."""
-    rows = [row_bytes(spec.dtype, spec.shape) for spec in (*model.inputs, *outputs)]
+    rows = [row_bytes(spec.dtype, spec.shape) for spec in model.inputs]
+    rows += [row_bytes(spec.dtype, spec.shape) for spec in outputs]
     return place(0, [samples * row for row in rows])[1]
 
 

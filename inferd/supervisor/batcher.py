@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from inferd.config import Config
 from inferd.protocol import Buffer, RequestHeader
 
 # A request's life in the queue; a request leaves exactly once.
@@ -77,6 +78,13 @@ class Bounds:
     max_bytes: int
     max_per_client: int
     max_bytes_per_client: int
+
+
+def queue_settings(config: Config) -> tuple[Bounds, dict[str, ModelPolicy]]:
+    """The queue's bounds and each model's batching knobs, from the config."""
+    queue = config.queue
+    bounds = Bounds(queue.max_size, queue.max_bytes, queue.max_per_client, queue.max_bytes_per_client)
+    return bounds, {name: ModelPolicy(m.max_batch_size, m.max_wait_ms / 1000) for name, m in config.models.items()}
 
 
 class BatchQueue:

@@ -150,7 +150,8 @@ class Commands:
         if model is None:
             if len(self.daemon.live) == 1:
                 return next(iter(self.daemon.live))
-            raise ValueError(f"this daemon serves several models ({', '.join(sorted(self.daemon.live))}); name one with --model")
+            raise ValueError(f"this daemon serves several models ({', '.join(sorted(self.daemon.live))}); "
+                             "name one with --model")
         if model not in self.daemon.live:
             raise ValueError(f"unknown model {model!r}; this daemon serves {', '.join(sorted(self.daemon.live))}")
         return model

@@ -116,7 +116,7 @@ class Dispatcher:
             worker.slots.release(slot)
             self._fail(batch, f"worker{worker.index} cannot be reached")
             return
-        self.workers.batch_sent(executor, now)
+        self.workers.batch_sent(executor, len(requests), now)
         self.inflight[batch.id] = batch
         self.stats.batch(now, model, version, sum(r.samples for r in requests))
 
@@ -146,11 +146,11 @@ class Dispatcher:
         worker = executor.worker
         trackers: list[zmq.MessageTracker] = []
         if isinstance(result, BatchFailed):
-            self.workers.batch_returned(executor, computed=True)
+            self.workers.batch_returned(executor, len(batch.requests), computed=True)
             self._fail(batch, result.error)
         else:
             computed = len(result.expired) < len(batch.requests)
-            self.workers.batch_returned(executor, computed)
+            self.workers.batch_returned(executor, len(batch.requests), computed)
             self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe())
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
@@ -178,7 +178,7 @@ class Dispatcher:
         """Answer every batch in flight on `worker` with `status` and take its slots back."""
         for batch in [b for b in self.inflight.values() if b.executor.worker is worker]:
             del self.inflight[batch.id]
-            self.workers.batch_returned(batch.executor, computed=False)
+            self.workers.batch_returned(batch.executor, len(batch.requests), computed=False)
             worker.slots.release(batch.slot)
             self._fail(batch, reason, status)
 
@@ -228,8 +228,9 @@ class Dispatcher:
         if end > base + size:
             raise SlotOverflow
         refs = []
-        for index, (input_spec, offset) in enumerate(zip(spec.inputs, offsets)):
-            refs.append(TensorRef(input_spec.dtype, (samples, *input_spec.shape), offset))
+        for index, (input_spec, start) in enumerate(zip(spec.inputs, offsets)):
+            refs.append(TensorRef(input_spec.dtype, (samples, *input_spec.shape), start))
+            offset = start
             for request in batch.requests:
                 data = request.buffers[index]
                 buf[offset : offset + len(data)] = data

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+from inferd.config import Config
+from inferd.repository import resolve_version
+
 
 class LiveVersions(Mapping[str, str]):
     """model -> the version that computes its new batches, and the version live before the last reload.
@@ -15,6 +18,12 @@ class LiveVersions(Mapping[str, str]):
     def __init__(self, live: dict[str, str], previous: dict[str, str]) -> None:
         self._live = dict(live)
         self._previous = {model: version for model, version in previous.items() if model in live}
+
+    @classmethod
+    def first(cls, config: Config, saved: dict[str, str], previous: dict[str, str]) -> LiveVersions:
+        """What to serve at start: each model's version saved as live where it still exists, else the
+        config's; raises RepositoryError for a model that has neither."""
+        return cls({name: resolve_version(m, saved.get(name)) for name, m in config.models.items()}, previous)
 
     def __getitem__(self, model: str) -> str:
         return self._live[model]

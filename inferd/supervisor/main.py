@@ -15,14 +15,11 @@ sleeps.
 
 from __future__ import annotations
 
-import faulthandler
 import gc
 import logging
 import os
 import signal
-import socket as pysocket
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +35,8 @@ from inferd.ipc.arena import SHM_DIR, arena_name, new_instance, sweep_stale
 from inferd.ipc.sockets import recv_parts
 from inferd.logs import set_level
 from inferd.paths import RuntimeFiles, runtime_dir
-from inferd.repository import RepositoryError, SavedVersions, resolve_version
-from inferd.supervisor.batcher import BatchQueue, Bounds, ModelPolicy
+from inferd.repository import RepositoryError, SavedVersions
+from inferd.supervisor.batcher import BatchQueue, queue_settings
 from inferd.supervisor.commands import Commands
 from inferd.supervisor.control import ControlServer
 from inferd.supervisor.devices import resolve_devices
@@ -55,36 +52,17 @@ from inferd.supervisor.reconfigure import Reconfigurer
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DaemonState, StartupError
 from inferd.supervisor.stats import Stats
+from inferd.supervisor.wakeup import Wakeup
 from inferd.supervisor.workers import STOP_TIMEOUT_S, WorkerHandle, WorkerState, WorkerTable
-from inferd.systemd import Watchdog, notify
+from inferd.systemd import StatusReport, notify
 
 log = logging.getLogger("inferd.supervisor")
 
 TICK_S = 0.5
 REPLY_FLUSH_MS = 1000  # at exit, how long replies still queued to clients may take to leave
 SENDING_CHECK_S = 0.001  # how often slots held by replies still being sent are checked
-STATUS_EVERY_S = 2.0
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 SIGNAL_NAMES = {int(s): s.name[3:].lower() for s in SIGNALS}
-
-
-def _policies(config: Config) -> dict[str, ModelPolicy]:
-    return {name: ModelPolicy(m.max_batch_size, m.max_wait_ms / 1000) for name, m in config.models.items()}
-
-
-def _bounds(config: Config) -> Bounds:
-    queue = config.queue
-    return Bounds(queue.max_size, queue.max_bytes, queue.max_per_client, queue.max_bytes_per_client)
-
-
-def _live_versions(config: Config, saved: SavedVersions) -> tuple[LiveVersions, dict[str, str]]:
-    """What to serve first: the versions saved as live where they still exist, else the config's."""
-    saved_live, previous = saved.load()
-    try:
-        live = {name: resolve_version(m, saved_live.get(name)) for name, m in config.models.items()}
-    except RepositoryError as exc:
-        raise StartupError(f"cannot resolve model versions: {exc}") from None
-    return LiveVersions(live, previous), saved_live
 
 
 class Supervisor:
@@ -96,7 +74,11 @@ class Supervisor:
         self.state = DaemonState.STARTING
         self.started = time.monotonic()
         saved = SavedVersions(config.server.state_dir or "")
-        self.live, saved_live = _live_versions(config, saved)
+        saved_live, previous = saved.load()
+        try:
+            self.live = LiveVersions.first(config, saved_live, previous)
+        except RepositoryError as exc:
+            raise StartupError(f"cannot resolve model versions: {exc}") from None
         devices = resolve_devices(config.workers.devices)
         self.instance = new_instance()
         self.files = RuntimeFiles(config.server.control or "", self.instance)
@@ -117,7 +99,7 @@ class Supervisor:
         self.poller = zmq.Poller()
         self.stats = Stats(self.started)
         self.probes = Probes()
-        self.queue = BatchQueue(_bounds(config), _policies(config))
+        self.queue = BatchQueue(*queue_settings(config))
         self.curve = CurveServer(self.context, config.server.curve_secret_key, config.server.curve_authorized_keys)
         self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.curve)
         self.workers = WorkerTable(config, self.context, devices, self.files, self.live)
@@ -129,22 +111,15 @@ class Supervisor:
         self.control = ControlServer(self.context, config.server.control or "", Commands(self), self.frontend,
                                      self.curve)
         self.metrics = MetricsServer(self)
+        self.wakeup = Wakeup(self.files.stacks)
+        self.systemd = StatusReport()
         self.exit_code = 0
-        self._signals: deque[int] = deque()
-        self._callbacks: deque[Callable[[], None]] = deque()
-        self._wakeup_r, self._wakeup_w = pysocket.socketpair()
         self._sentinels: dict[int, WorkerHandle] = {}
         self._deadline = 0.0
         self._next_tick = 0.0
         self._done = False
-        self._watchdog = Watchdog()
         self._spin_s = config.server.spin_us / 1e6
         self._active = False  # the last poll found work: spin before the next blocks
-        self._reported_hung: str | None = None
-        self._next_status = 0.0
-        self._replies_at_status = 0
-        self._stacks_file: Any = None
-        self._stacks_logged = 0  # how much of the stacks file the log has shown
 
     # -- life cycle -------------------------------------------------------------
 
@@ -176,10 +151,10 @@ class Supervisor:
             raise StartupError(f"cannot bind: {exc.strerror}") from None
         self.files.pid.write_text(f"{os.getpid()}\n")
         self.metrics.start(self.config.server.metrics)
-        self._install_signals()
+        self.wakeup.install(SIGNALS)
         for sock in [*self.frontend.sockets, self.control.socket, self.workers.backend]:
             self.poller.register(sock, zmq.POLLIN)
-        self.poller.register(self._wakeup_r.fileno(), zmq.POLLIN)
+        self.poller.register(self.wakeup.fileno(), zmq.POLLIN)
         # What exists now lives as long as the daemon; keep it out of every later collection.
         gc.freeze()
         now = time.monotonic()
@@ -194,7 +169,7 @@ class Supervisor:
             now = time.monotonic()
             queue_wakeup = self.queue.next_wakeup(now)
             wait = min(TICK_S if queue_wakeup is None else queue_wakeup, max(0.0, self._next_tick - now),
-                       self._watchdog.wait(now) or TICK_S, self.liveness.next_check_in(now))
+                       self.systemd.watchdog.wait(now) or TICK_S, self.liveness.next_check_in(now))
             if self.dispatcher.sending:
                 wait = min(wait, SENDING_CHECK_S)
             # Requests waiting mean every executor they could use is busy: the loop will be woken
@@ -202,7 +177,7 @@ class Supervisor:
             events = self._poll(wait, spin=self._active and not len(self.queue))
             self._active = bool(events)
             # Signals first: a request that arrives with a SIGTERM is already refused.
-            for target, _ in sorted(events, key=lambda event: event[0] != self._wakeup_r.fileno()):
+            for target, _ in sorted(events, key=lambda event: event[0] != self.wakeup.fileno()):
                 try:
                     self._on_readable(target)
                 except StartupError:
@@ -219,7 +194,9 @@ class Supervisor:
             if now >= self._next_tick:
                 self._next_tick = now + TICK_S
                 self._housekeeping(now)
-            self._report(now)
+            self.systemd.report(now, self.state, sum(w.state == WorkerState.READY for w in self.workers.workers),
+                                len(self.workers.workers), ", ".join(f"{n} {v}" for n, v in self.live.items()),
+                                sum(self.stats.replies.values()), self.liveness.hung)
 
     def _poll(self, wait: float, spin: bool) -> list[tuple[Any, int]]:
         """The sockets and fds that are ready, waiting at most `wait` seconds.
@@ -242,7 +219,7 @@ class Supervisor:
             self._on_backend()
         elif target is self.control.socket:
             self.control.on_readable()
-        elif target == self._wakeup_r.fileno():
+        elif target == self.wakeup.fileno():
             self._on_wakeup()
         elif target in self._sentinels:
             self._on_worker_exit(self._sentinels[target])
@@ -289,27 +266,6 @@ class Supervisor:
             log.warning("serving without worker(s) %s, which failed to start", failed)
         log.info("ready: %d worker(s) serving %s", len(workers) - len(failed),
                  ", ".join(f"{n} {v}" for n, v in self.live.items()))
-
-    def _report(self, now: float) -> None:
-        """Tell systemd we are alive (only while no worker is hung) and what we are doing."""
-        hung = self.liveness.hung
-        changed = hung != self._reported_hung
-        if changed:
-            if hung:
-                log.error("watchdog pings stop: %s", hung)
-            else:
-                log.info("watchdog pings resume")
-            self._reported_hung = hung
-        if hung is None:
-            self._watchdog.ping(now)
-        if now >= self._next_status or changed:
-            replies = sum(self.stats.replies.values())
-            rate = (replies - self._replies_at_status) / (now - self._next_status + STATUS_EVERY_S)
-            self._replies_at_status, self._next_status = replies, now + STATUS_EVERY_S
-            ready = sum(w.state == WorkerState.READY for w in self.workers.workers)
-            notify(f"STATUS={self.state}; {ready}/{len(self.workers.workers)} workers ready; "
-                   + ", ".join(f"{n} {v}" for n, v in self.live.items()) + f"; {rate:.0f} requests/s"
-                   + (f"; HUNG: {hung}" if hung else ""))
 
     # -- workers ----------------------------------------------------------------
 
@@ -383,39 +339,16 @@ class Supervisor:
 
     # -- signals ----------------------------------------------------------------
 
-    def _install_signals(self) -> None:
-        self._wakeup_r.setblocking(False)
-        self._wakeup_w.setblocking(False)
-        signal.set_wakeup_fd(self._wakeup_w.fileno(), warn_on_full_buffer=False)
-        for signum in SIGNALS:
-            signal.signal(signum, self._queue_signal)
-        # SIGUSR1 writes every thread's stack from the signal itself, so a loop stuck anywhere still
-        # answers; the Python handler above (chained) then copies them to the log once the loop runs.
-        self._stacks_file = open(self.files.stacks, "w")  # noqa: SIM115 - open for the life of the process
-        faulthandler.register(signal.SIGUSR1, file=self._stacks_file, all_threads=True, chain=True)
-
-    def _queue_signal(self, signum: int, frame: object) -> None:
-        # Handlers run between any two bytecodes: no logging, no I/O, only queue it.
-        self._signals.append(signum)
-
     def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
         """Run `callback` on the loop's thread; any thread may call this."""
-        self._callbacks.append(callback)
-        try:
-            self._wakeup_w.send(b"\0")
-        except BlockingIOError:
-            pass  # the loop has wake-ups pending already
+        self.wakeup.call_soon_threadsafe(callback)
 
     def _on_wakeup(self) -> None:
-        try:
-            while self._wakeup_r.recv(4096):
-                pass
-        except BlockingIOError:
-            pass
-        while self._signals:
-            getattr(self, f"handle_{SIGNAL_NAMES[self._signals.popleft()]}")()
-        while self._callbacks:
-            self._callbacks.popleft()()
+        signals, callbacks = self.wakeup.take()
+        for signum in signals:
+            getattr(self, f"handle_{SIGNAL_NAMES[signum]}")()
+        for callback in callbacks:
+            callback()
 
     def handle_term(self) -> None:
         """SIGTERM: stop taking requests, finish the queued ones, exit; a second one hurries."""
@@ -445,17 +378,13 @@ class Supervisor:
 
     def handle_usr1(self) -> None:
         """SIGUSR1: faulthandler has written every thread's stack to the stacks file; log them too."""
-        with open(self.files.stacks, errors="replace") as written:
-            written.seek(self._stacks_logged)
-            stacks = written.read()
-            self._stacks_logged = written.tell()
-        log.warning("SIGUSR1: thread stacks (also in %s):\n%s", self.files.stacks, stacks.rstrip())
+        log.warning("SIGUSR1: thread stacks (also in %s):\n%s", self.files.stacks, self.wakeup.new_stacks().rstrip())
 
     def _configure(self, config: Config) -> None:
         """Hand a new config to every part that reads one."""
         self.config = config
         self._spin_s = config.server.spin_us / 1e6
-        self.queue.configure(_bounds(config), _policies(config))
+        self.queue.configure(*queue_settings(config))
         self.frontend.configure(config)
         self.dispatcher.configure(config)
         self.workers.configure(config)
@@ -480,16 +409,10 @@ class Supervisor:
         self.control.close()
         self.curve.stop()
         self.workers.close()
-        if self._stacks_file is not None:
-            faulthandler.unregister(signal.SIGUSR1)
-            self._stacks_file.close()
-            self.files.stacks.unlink(missing_ok=True)
+        self.wakeup.close()
         if self.files.pid.exists() and self.files.pid.read_text().strip() == str(os.getpid()):
             self.files.pid.unlink()
         self.probes.close()
         self.context.term()
-        signal.set_wakeup_fd(-1)
-        self._wakeup_r.close()
-        self._wakeup_w.close()
         self.reaper.release()
         log.info("stopped")

@@ -38,7 +38,8 @@ def _histogram(family: HistogramMetricFamily, labels: list[str], histogram: Hist
 
 def build_families(daemon: DaemonView) -> list[Metric]:
     """Every metric, from the daemon's state now (call on the loop thread)."""
-    requests = CounterMetricFamily("inferd_requests", "Requests answered, by status.", labels=["model", "version", "status"])
+    requests = CounterMetricFamily("inferd_requests", "Requests answered, by status.",
+                                   labels=["model", "version", "status"])
     samples = CounterMetricFamily("inferd_samples", "Samples answered ok.", labels=["model", "version"])
     durations = {
         part: HistogramMetricFamily(name, doc, labels=["model"])
@@ -80,8 +81,10 @@ def build_families(daemon: DaemonView) -> list[Metric]:
 
 def _worker_families(daemon: DaemonView) -> list[Metric]:
     restarts = CounterMetricFamily("inferd_worker_restarts", "Times a worker process was replaced.", labels=["worker"])
-    up = GaugeMetricFamily("inferd_worker_ready", "1 while the worker is ready to run batches.", labels=["worker", "device"])
-    rss = GaugeMetricFamily("inferd_worker_resident_memory_bytes", "Host memory of the worker process.", labels=["worker"])
+    up = GaugeMetricFamily("inferd_worker_ready", "1 while the worker is ready to run batches.",
+                           labels=["worker", "device"])
+    rss = GaugeMetricFamily("inferd_worker_resident_memory_bytes", "Host memory of the worker process.",
+                            labels=["worker"])
     growth = GaugeMetricFamily("inferd_memory_growth_bytes",
                                "Growth of the worker's memory over its level after warm-up (the leak watch).",
                                labels=["worker"])

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
-from typing import Union
 
-NvmlId = Union[int, str]  # an NVML device index, or a UUID (or MIG id) as CUDA_VISIBLE_DEVICES may name one
+NvmlId = int | str  # an NVML device index, or a UUID (or MIG id) as CUDA_VISIBLE_DEVICES may name one
 
 
 def open_nvml() -> ModuleType | None:

@@ -31,7 +31,7 @@ class Probes:
         if self._nvml is not None:
             try:
                 self._nvml.nvmlShutdown()
-            except Exception:  # shutting down; nothing to do about it
+            except Exception:  # noqa: BLE001 - shutting down; nothing to do about it
                 pass
             self._nvml = None
 
@@ -69,7 +69,7 @@ class Probes:
                 "gpu_memory_total_bytes": int(memory.total),
                 "gpu_utilization": nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,
             }
-        except Exception as exc:  # NVML errors are many; a probe must never break stats
+        except Exception as exc:  # noqa: BLE001 - NVML errors are many; a probe must never break stats
             log.debug("NVML cannot read %s: %s", device, exc)
             return {}
         for key, read in (
@@ -78,7 +78,7 @@ class Probes:
         ):
             try:
                 info[key] = read()
-            except Exception:  # not every board reports every sensor
+            except Exception:  # noqa: BLE001 - not every board reports every sensor
                 pass
         return info
 

@@ -86,6 +86,7 @@ def plan(old: Config, new: Config) -> Plan:
     for name in sorted(set(old.models) | set(new.models)):
         before, after = old.models.get(name), new.models.get(name)
         if after is None:
+            assert before is not None
             need_restart.append(_describe(f"models.{name}", name, None))
             models[name] = before
             continue

@@ -240,7 +240,8 @@ class ReloadManager:
         log.info("%s is now %s (was %s), %.2f s after the reload began", reload.model, reload.version,
                  reload.previous, time.monotonic() - reload.started)
         notify("READY=1")
-        reload.reply.progress(f"switched {reload.model} from {reload.previous} to {reload.version} in {switch_ms:.3f} ms")
+        reload.reply.progress(
+            f"switched {reload.model} from {reload.previous} to {reload.version} in {switch_ms:.3f} ms")
         result = {
             "model": reload.model,
             "version": reload.version,

@@ -53,6 +53,7 @@ def worker_summary(w: WorkerHandle) -> dict[str, Any]:
         "restarts": w.restarts,
         "executors_busy": sum(1 for e in w.executors if e.inflight),
         "batches_in_flight": w.inflight,
+        "requests_in_flight": w.requests_in_flight,
         "batches": w.batches,
     }
 
@@ -90,12 +91,12 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
             if model != name:
                 continue
             parts = (since_start, minute.get((model, version), Series()), ten.get((model, version), Series()))
-            versions[version] = _series_report(*parts, minute_s, ten_s)
+            versions[version] = _series_report(parts[0], parts[1], parts[2], minute_s, ten_s)
             for total, part in zip(totals, parts):
                 total.merge(part)
         models[name] = {
             "live_version": live,
-            **_series_report(*totals, minute_s, ten_s),
+            **_series_report(totals[0], totals[1], totals[2], minute_s, ten_s),
             "queue_depth": daemon.queue.depth(name),
             "versions": versions,
         }

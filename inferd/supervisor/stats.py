@@ -20,18 +20,20 @@ WINDOWS = 13  # 60 s of full windows, plus the one filling now
 
 # Histogram bounds in seconds: 1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9 per decade, 10 us to 100 s.
 _STEPS = (1, 1.25, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)
-BOUNDS: tuple[float, ...] = tuple(
-    round(step * 10.0**exponent, 12) for exponent in range(-5, 2) for step in _STEPS
-) + (100.0,)
+BOUNDS: tuple[float, ...] = (
+    *(round(step * 10.0**exponent, 12) for exponent in range(-5, 2) for step in _STEPS), 100.0,
+)
 # The subset exported as Prometheus buckets: 1, 2.5, 5 per decade.
-PROMETHEUS_BOUNDS: tuple[float, ...] = tuple(b for b in BOUNDS if round(b / 10 ** math.floor(math.log10(b)), 6) in (1, 2.5, 5))
+PROMETHEUS_BOUNDS: tuple[float, ...] = tuple(
+    b for b in BOUNDS if round(b / 10 ** math.floor(math.log10(b)), 6) in (1, 2.5, 5)
+)
 BATCH_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class Histogram:
     """Counts of values per bucket of BOUNDS (the last bucket is everything above), with sum and max."""
 
-    __slots__ = ("counts", "count", "sum", "max")
+    __slots__ = ("count", "counts", "max", "sum")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(BOUNDS) + 1)
@@ -55,7 +57,7 @@ class Histogram:
         if values:
             self.count += len(values)
             self.sum += sum(values)
-            self.max = max(self.max, max(values))
+            self.max = max(self.max, *values)
 
     def merge(self, other: Histogram) -> None:
         """Add every count of `other` to this one."""

@@ -66,7 +66,8 @@ class ExecutorHandle:
     worker: WorkerHandle
     index: int
     identity: bytes | None = None
-    inflight: int = 0
+    inflight: int = 0  # batches it holds
+    requests: int = 0  # requests in those batches
     last_used: float = 0.0  # when it was last sent a batch (monotonic)
 
 
@@ -115,6 +116,11 @@ class WorkerHandle:
     def inflight(self) -> int:
         """Batches its executors hold."""
         return sum(e.inflight for e in self.executors)
+
+    @property
+    def requests_in_flight(self) -> int:
+        """Requests in the batches its executors hold."""
+        return sum(e.requests for e in self.executors)
 
     def serves(self, model: str, version: str) -> bool:
         """True when this worker is ready and has `version` of `model` loaded and warmed."""
@@ -453,14 +459,16 @@ class WorkerTable:
             if executor.identity is not None
         ]
 
-    def batch_sent(self, executor: ExecutorHandle, now: float) -> None:
-        """`executor` holds one more batch."""
+    def batch_sent(self, executor: ExecutorHandle, requests: int, now: float) -> None:
+        """`executor` holds one more batch, of `requests` requests."""
         executor.inflight += 1
+        executor.requests += requests
         executor.last_used = now
 
-    def batch_returned(self, executor: ExecutorHandle, computed: bool) -> None:
+    def batch_returned(self, executor: ExecutorHandle, requests: int, computed: bool) -> None:
         """A batch of `executor`'s is back (or lost with its worker); `computed`: it ran."""
         executor.inflight -= 1
+        executor.requests -= requests
         if computed:
             executor.worker.batches += 1
 

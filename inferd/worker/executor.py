@@ -221,10 +221,10 @@ class Executor(threading.Thread):
                               "raise workers.shm_mb")
         destinations = iter(offsets)
         refs = []
-        for output, dtype, at in zip(outputs, names, in_place):
+        for output, dtype, where in zip(outputs, names, in_place):
             shape = tuple(output.shape)
-            if at is None:
-                at = next(destinations)
+            at = where if where is not None else next(destinations)
+            if where is None:
                 arena_tensor(self.arena, dtype, shape, at).copy_(output, non_blocking=True)
             refs.append(TensorRef(dtype, shape, at))
         return tuple(refs)

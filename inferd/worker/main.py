@@ -208,13 +208,14 @@ def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) ->
         if isinstance(message, messages.Shutdown):
             return
         if isinstance(message, messages.LoadVersion):
+            reply: messages.VersionLoaded | messages.VersionFailed
             try:
                 loaded, load_s, warm_s = runner.load(
                     message.model, message.config, message.version, message.expect, message.memory_factor,
                     [e.stream for e in executors if e.stream is not None],
                 )
                 reply = messages.VersionLoaded(message.model, loaded, load_s, warm_s)
-            except Exception as exc:  # a model may raise anything; the worker must live on
+            except Exception as exc:  # noqa: BLE001 - a model may raise anything; the worker must live on
                 error = describe_error(exc)
                 log.error("cannot load %s %s: %s", message.model, message.version, error)
                 reply = messages.VersionFailed(message.model, message.version, error)

@@ -47,7 +47,7 @@ def load_module(path: Path, device: torch.device) -> Any:
             module = torch.export.load(str(path)).module().to(device)
         else:
             module = torch.jit.load(str(path), map_location=device)
-    except Exception as exc:  # torch raises many types for a bad archive
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad archive
         raise ModelError(f"{path} is not a loadable TorchScript or torch.export file: {describe_error(exc)}") from None
     # torch.export modules reject .eval(); they are traced in eval mode already.
     if isinstance(module, torch.jit.ScriptModule):

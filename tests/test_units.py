@@ -1,0 +1,483 @@
+"""The thin unit layer, without processes: the slot layout, the dispatcher's stacking and reply
+slicing, the worker table's restart backoff, the reload manager's state machine, the executor.
+
+Workers here are sockets in this process that speak the worker's side of the messages; only
+spawning is left out (WorkerTable.spawn is what the end-to-end tests exercise).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import models
+import numpy as np
+import pytest
+import torch
+import zmq
+from conftest import wait_for
+
+from inferd import config as config_module
+from inferd import protocol
+from inferd.curve import CurveServer
+from inferd.ipc import messages
+from inferd.ipc.arena import Arena, arena_name, new_instance
+from inferd.ipc.slots import batch_bytes, place, slot_shortfall
+from inferd.paths import RuntimeFiles
+from inferd.repository import SavedVersions
+from inferd.supervisor.batcher import QueuedRequest
+from inferd.supervisor.dispatch import Dispatcher
+from inferd.supervisor.frontend import Frontend, ReplyTo
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.reload import ReloadManager
+from inferd.supervisor.stats import Stats
+from inferd.supervisor.workers import ExecutorHandle, WorkerState, WorkerTable
+from inferd.worker.executor import Executor, Overlap, is_out_of_memory, is_sticky_cuda_error
+from inferd.worker.exits import WorkerExit
+from inferd.worker.runner import ModelRunner
+
+SIGNATURE = (messages.TensorSpec("float32", (models.MLP_OUT,)),)
+
+
+def config_for(repo: Path, workdir: Path, **workers: Any) -> config_module.Config:
+    return config_module.parse({
+        "server": {"control": f"ipc://{workdir}/control.sock", "state_dir": str(workdir / "state"), "metrics": ""},
+        "workers": {"devices": ["cpu", "cpu"], "shm_mb": 1, **workers},
+        "models": {"mlp": {"repository": str(repo / "mlp"), "inputs": [{"dtype": "float32", "shape": [16]}],
+                           "max_batch_size": 8, "version": "v1"}},
+    })
+
+
+# -- the slot layout ----------------------------------------------------------------
+
+
+def test_tensors_are_laid_one_after_the_other_each_aligned():
+    offsets, end = place(4096, [10, 64, 1])
+    assert offsets == [4096, 4160, 4224] and end == 4225
+
+
+def test_a_full_batch_is_sized_inputs_then_outputs():
+    model = config_module.parse({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [3]},
+                                                             {"dtype": "int64", "shape": [2]}],
+                                                  "max_batch_size": 5}}}).models["m"]
+    outputs = (messages.TensorSpec("float16", (7,)),)
+    # 5 x 12 bytes, aligned to 64, then 5 x 16, aligned to 192, then 5 x 14.
+    assert batch_bytes(model, outputs, 5) == 192 + 70
+    assert slot_shortfall("m", model, outputs, 262) is None
+    assert "needs 0.0 MiB of arena slot but a slot has 0.0 MiB" in slot_shortfall("m", model, outputs, 261)
+
+
+# -- a table of workers that are sockets of this process ----------------------------
+
+
+class FakeWorker:
+    """The worker side of one WorkerHandle: its control socket and one executor socket."""
+
+    def __init__(self, context: zmq.Context, endpoint: str, index: int) -> None:
+        self.control = context.socket(zmq.DEALER)
+        self.executor = context.socket(zmq.DEALER)
+        for socket, role in ((self.control, None), (self.executor, 0)):
+            socket.linger = 0
+            socket.connect(endpoint)
+            socket.send(messages.encode(messages.Hello(index, 1, role)))
+
+    def ready(self, versions: dict[str, str]) -> None:
+        loaded = {m: messages.LoadedModel(v, SIGNATURE) for m, v in versions.items()}
+        self.control.send(messages.encode(messages.Ready(pid=1, device="cpu", models=loaded)))
+
+    def received(self, socket: zmq.Socket) -> messages.Message:
+        assert socket.poll(5000), "the supervisor sent nothing"
+        return messages.decode(socket.recv())
+
+    def close(self) -> None:
+        self.control.close()
+        self.executor.close()
+
+
+class Table:
+    """A WorkerTable with its arenas and backend socket, whose workers are FakeWorkers."""
+
+    def __init__(self, config: config_module.Config, workdir: Path) -> None:
+        self.context = zmq.Context()
+        self.live = LiveVersions({"mlp": "v1"}, {})
+        self.table = WorkerTable(config, self.context, ["cpu", "cpu"], RuntimeFiles(config.server.control or "",
+                                                                                    new_instance()), self.live)
+        self.table.open(new_instance())
+        self.fakes: list[FakeWorker] = []
+
+    def boot(self, index: int) -> FakeWorker:
+        """Bring worker `index` up as a spawn would, minus the process."""
+        worker = self.table.workers[index]
+        worker.generation, worker.state = 1, WorkerState.BOOTING
+        worker.executors = [ExecutorHandle(worker, 0)]
+        fake = FakeWorker(self.context, self.table.endpoint, index)
+        self.fakes.append(fake)
+        wait_for(lambda: self.pump() or (worker.control is not None and worker.executors[0].identity is not None),
+                 what="the hello")
+        fake.ready(dict(self.live))
+        wait_for(lambda: self.pump() or worker.state == WorkerState.READY, what="ready")
+        return fake
+
+    def pump(self) -> list[messages.Message]:
+        """Hand what the fake workers sent to the table, as the loop does; return the rest."""
+        rest = []
+        while self.table.backend.poll(0):
+            identity, payload = self.table.backend.recv_multipart()
+            message = messages.decode(payload)
+            if self.table.on_message(identity, message) is None and not isinstance(message, messages.Hello):
+                rest.append(message)
+        return rest
+
+    def close(self) -> None:
+        for fake in self.fakes:
+            fake.close()
+        self.table.close()
+        self.context.term()
+
+
+@pytest.fixture
+def table(reload_repo: Path, workdir: Path) -> Iterator[Table]:
+    made = Table(config_for(reload_repo, workdir), workdir)
+    yield made
+    made.close()
+
+
+class Process:
+    """What WorkerTable.reap reads of a process that has exited."""
+
+    def __init__(self, exitcode: int) -> None:
+        self.exitcode = exitcode
+        self.pid = 1
+        self.sentinel = -1
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def die(table: WorkerTable, index: int, now: float, code: int = -signal.SIGKILL) -> str:
+    worker = table.workers[index]
+    worker.process = Process(code)  # type: ignore[assignment]
+    return table.reap(worker, now, retry=True)
+
+
+# -- the worker table ---------------------------------------------------------------
+
+
+def test_a_dying_worker_restarts_at_once_then_with_doubling_backoff_then_is_given_up(table):
+    workers = table.table
+    worker = workers.workers[0]
+    delays = []
+    for now in (100.0, 101.0, 102.0, 103.0, 104.0):
+        reason = die(workers, 0, now)
+        assert "killed by signal 9 (SIGKILL) (perhaps out of memory?)" in reason
+        delays.append(round(worker.respawn_at - now, 3))
+        assert worker.state == WorkerState.DEAD
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0]
+    die(workers, 0, 105.0)  # the sixth death within a minute: more than max_restarts (5)
+    assert worker.state == WorkerState.FAILED and worker.restarts == 5
+
+
+def test_deaths_older_than_the_window_no_longer_count(table):
+    worker = table.table.workers[0]
+    for now in (0.0, 1.0, 2.0):
+        die(table.table, 0, now)
+    die(table.table, 0, 200.0)
+    assert worker.respawn_at == 200.0, "the first death in a new minute restarts at once"
+
+
+def test_a_worker_that_cannot_load_its_models_is_given_up_not_restarted(table):
+    reason = die(table.table, 0, 10.0, WorkerExit.BOOT_ERROR)
+    assert "it could not load its models" in reason
+    assert table.table.workers[0].state == WorkerState.FAILED
+
+
+def test_a_replaced_worker_restarts_at_once_and_its_death_is_not_a_crash(table):
+    table.boot(0)
+    worker = table.table.workers[0]
+    table.table.replace(worker, "worker0 did not load mlp v9 within workers.load_timeout_s (1 s)")
+    assert worker.state == WorkerState.REPLACING and not worker.serves("mlp", "v1")
+    reason = die(table.table, 0, 50.0)
+    assert worker.state == WorkerState.DEAD and worker.respawn_at == 50.0 and not worker.deaths
+    assert "did not load mlp v9" in reason
+
+
+def test_a_worker_whose_full_batch_does_not_fit_a_slot_cannot_serve(reload_repo, workdir):
+    # 1 MiB arena over 4 slots: 256 KiB each; 8 samples of 64 KiB outputs need 512 KiB.
+    made = Table(config_for(reload_repo, workdir), workdir)
+    try:
+        worker = made.table.workers[0]
+        problem = made.table.version_loaded(worker, "mlp", messages.LoadedModel("huge", (
+            messages.TensorSpec("float32", (16384,)),)))
+        assert problem is not None and "raise workers.shm_mb" in problem
+        assert ("mlp", "huge") not in worker.loaded
+    finally:
+        made.close()
+
+
+# -- the dispatcher -------------------------------------------------------------------
+
+
+class Clients:
+    """A ROUTER the dispatcher answers on and a DEALER that reads the replies."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        self.router = context.socket(zmq.ROUTER)
+        self.router.bind("inproc://clients")
+        self.dealer = context.socket(zmq.DEALER)
+        self.dealer.setsockopt(zmq.IDENTITY, b"client")
+        self.dealer.connect("inproc://clients")
+
+    def request(self, rid: int, x: np.ndarray, version: str | None = None, deadline: float = 1e12) -> QueuedRequest:
+        header = protocol.RequestHeader(id=rid, model="mlp", inputs=(protocol.TensorMeta("float32", x.shape),),
+                                        version=version)
+        return QueuedRequest(header, [x.tobytes()], ReplyTo(self.router, [b"client"]), "c", x.shape[0], x.nbytes,
+                             0.0, deadline)
+
+    def reply(self) -> tuple[dict[str, Any], list[np.ndarray]]:
+        assert self.dealer.poll(5000)
+        header, outputs = protocol.decode_reply(self.dealer.recv_multipart())
+        return msgspec_dict(header), outputs
+
+    def close(self) -> None:
+        self.router.close()
+        self.dealer.close()
+
+
+def msgspec_dict(header: protocol.ReplyHeader) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(header)
+
+
+def test_the_dispatcher_stacks_requests_where_the_layout_says_and_slices_each_reply(table):
+    fake = table.boot(0)
+    clients = Clients(table.context)
+    stats = Stats(0.0)
+    frontend = Frontend(table.context, table.table.config, None, stats, table.live, CurveServer(table.context, "", ""))  # type: ignore[arg-type]
+    dispatcher = Dispatcher(table.table.config, table.table, frontend, table.live, stats)
+    try:
+        xs = [np.full((n, 16), float(k), dtype=np.float32) for k, n in enumerate((1, 3, 2))]
+        dispatcher.dispatch("mlp", [clients.request(k, x) for k, x in enumerate(xs)])
+        run = fake.received(fake.executor)
+        assert isinstance(run, messages.RunBatch) and run.samples == (1, 3, 2)
+        worker = table.table.workers[0]
+        assert run.slot_offset == worker.slots.offset(0) and run.slot_size == worker.slots.slot_size
+        (ref,) = run.inputs
+        assert ref.offset == run.slot_offset and ref.shape == (6, 16)
+        stacked = np.ndarray((6, 16), np.float32, buffer=worker.arena.buf, offset=ref.offset)
+        np.testing.assert_array_equal(stacked, np.concatenate(xs))
+        # The worker's answer: an output of 4 per sample, right after the inputs, request 1 expired.
+        out_at = place(run.slot_offset, [6 * 16 * 4])[1]
+        out_at = place(out_at, [0])[0][0]
+        rows = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)  # the rows of requests 0 and 2
+        np.ndarray((3, 4), np.float32, buffer=worker.arena.buf, offset=out_at)[:] = rows
+        done = messages.BatchDone(run.batch_id, (messages.TensorRef("float32", (3, 4), out_at),), 10, 0, 0, 0, (1,))
+        dispatcher.on_result(worker.executors[0], done)
+        replies = {h["id"]: (h, o) for h, o in (clients.reply() for _ in range(3))}
+        np.testing.assert_array_equal(replies[0][1][0], rows[:1])
+        np.testing.assert_array_equal(replies[2][1][0], rows[1:])
+        assert replies[1][0]["status"] == "timeout" and replies[1][0]["version"] == "v1"
+        assert worker.slots.free == worker.slots.count and worker.batches == 1
+    finally:
+        frontend.close()
+        clients.close()
+
+
+def test_requests_naming_a_version_that_was_replaced_are_refused_not_computed(table):
+    fake = table.boot(0)
+    clients = Clients(table.context)
+    stats = Stats(0.0)
+    frontend = Frontend(table.context, table.table.config, None, stats, table.live, CurveServer(table.context, "", ""))  # type: ignore[arg-type]
+    dispatcher = Dispatcher(table.table.config, table.table, frontend, table.live, stats)
+    try:
+        x = np.ones((1, 16), dtype=np.float32)
+        dispatcher.dispatch("mlp", [clients.request(1, x, version="v0"), clients.request(2, x)])
+        header, _ = clients.reply()
+        assert header["id"] == 1 and header["status"] == "unavailable"
+        assert "version 'v0' of mlp was replaced by 'v1' while the request waited" in header["error"]
+        assert fake.received(fake.executor).samples == (1,), "only the other request is computed"
+    finally:
+        frontend.close()
+        clients.close()
+
+
+# -- the reload manager -------------------------------------------------------------
+
+
+class Reply:
+    """Collects what a reload says."""
+
+    def __init__(self) -> None:
+        self.progress_lines: list[str] = []
+        self.result: Any = None
+        self.error: str | None = None
+
+    def progress(self, text: str, wait_s: float | None = None) -> None:
+        self.progress_lines.append(text)
+
+    def finish(self, result: Any) -> None:
+        self.result = result
+
+    def fail(self, error: str) -> None:
+        self.error = error
+
+
+def reload_manager(table: Table, workdir: Path) -> ReloadManager:
+    stats = Stats(0.0)
+    dispatcher = Dispatcher(table.table.config, table.table, None, table.live, stats)  # type: ignore[arg-type]
+    return ReloadManager(table.table.config, table.table, dispatcher, table.live, SavedVersions(workdir / "state"),
+                         lambda callback: callback())
+
+
+def loaded(version: str) -> messages.VersionLoaded:
+    return messages.VersionLoaded("mlp", messages.LoadedModel(version, SIGNATURE), 0.1, 0.2)
+
+
+def test_a_reload_flips_once_every_worker_has_the_version_and_retires_the_old_one(table, workdir):
+    fakes = [table.boot(0), table.boot(1)]
+    reloads = reload_manager(table, workdir)
+    reply = Reply()
+    reloads.start("mlp", "v2", False, reply)
+    assert all(isinstance(f.received(f.control), messages.LoadVersion) for f in fakes)
+    reloads.on_message(table.table.workers[0], loaded("v2"))
+    assert table.live["mlp"] == "v1", "no flip while a worker still loads"
+    reloads.on_message(table.table.workers[1], loaded("v2"))
+    assert table.live["mlp"] == "v2" and table.live.previous("mlp") == "v1"
+    reloads.close()
+    assert reply.result["version"] == "v2" and reply.error is None
+    for fake, worker in zip(fakes, table.table.workers):
+        assert fake.received(fake.control) == messages.UnloadVersion("mlp", "v1")
+        assert set(worker.loaded) == {("mlp", "v2")}
+
+
+def test_one_refusal_abandons_the_reload_and_frees_what_others_loaded(table, workdir):
+    fakes = [table.boot(0), table.boot(1)]
+    reloads = reload_manager(table, workdir)
+    reply = Reply()
+    reloads.start("mlp", "v2", False, reply)
+    reloads.on_message(table.table.workers[0], loaded("v2"))
+    reloads.on_message(table.table.workers[1], messages.VersionFailed("mlp", "v2", "bad weights"))
+    assert table.live["mlp"] == "v1"
+    assert reply.error == "v2 was not made live: worker1 refused mlp v2: bad weights; v1 keeps serving"
+    fakes[0].received(fakes[0].control)  # the load
+    assert fakes[0].received(fakes[0].control) == messages.UnloadVersion("mlp", "v2")
+
+
+def test_no_flip_while_a_ready_worker_lacks_the_version(table, workdir):
+    first = table.boot(0)
+    reloads = reload_manager(table, workdir)
+    reply = Reply()
+    reloads.start("mlp", "v2", False, reply)
+    second = table.boot(1)  # came up during the reload, with v1
+    reloads.on_message(table.table.workers[0], loaded("v2"))
+    assert table.live["mlp"] == "v1", "worker1 is ready and lacks v2"
+    assert isinstance(second.received(second.control), messages.LoadVersion)
+    reloads.on_message(table.table.workers[1], loaded("v2"))
+    assert table.live["mlp"] == "v2"
+    assert isinstance(first.received(first.control), messages.LoadVersion)
+
+
+def test_a_load_past_the_timeout_abandons_the_reload_and_replaces_one_worker_at_a_time(reload_repo, workdir):
+    made = Table(config_for(reload_repo, workdir, load_timeout_s=5), workdir)
+    try:
+        made.boot(0)
+        made.boot(1)
+        reloads = reload_manager(made, workdir)
+        reply = Reply()
+        reloads.start("mlp", "v2", False, reply)
+        reloads.check_loads(time.monotonic() + 1)
+        assert reply.error is None
+        reloads.check_loads(time.monotonic() + 6)
+        assert "did not load mlp v2 within workers.load_timeout_s (5 s)" in reply.error
+        states = [w.state for w in made.table.workers]
+        assert states == [WorkerState.REPLACING, WorkerState.READY], "the other serves on meanwhile"
+        reloads.check_loads(time.monotonic() + 7)
+        assert made.table.workers[1].state == WorkerState.READY, "one at a time"
+    finally:
+        made.close()
+
+
+def test_a_worker_dying_during_a_reload_ends_it_with_a_sentence(table, workdir):
+    table.boot(0)
+    table.boot(1)
+    reloads = reload_manager(table, workdir)
+    reply = Reply()
+    reloads.start("mlp", "v2", False, reply)
+    reloads.on_message(table.table.workers[0], loaded("v2"))
+    reloads.on_worker_exit(table.table.workers[1])
+    assert reply.error == "v2 was not made live: worker1 died while loading v2; v1 keeps serving"
+    assert table.live["mlp"] == "v1"
+
+
+# -- the executor ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def executor(repo: Path, workdir: Path) -> Iterator[Executor]:
+    arena = Arena.create(arena_name(new_instance(), 0), 1 << 20)
+    context = zmq.Context()
+    runner = ModelRunner(torch.device("cpu"))
+    model = config_module.parse({"models": {"oom": {"repository": str(repo / "oom"),
+                                                    "inputs": [{"dtype": "float32", "shape": [2]}],
+                                                    "max_batch_size": 4, "warmup_batch_sizes": [1]}}}).models["oom"]
+    runner.load("oom", model, "v1")
+    # Its socket connects to a supervisor that is not there: run_batch is called directly.
+    made = Executor(0, context, f"ipc://{workdir}/nobody", messages.Hello(0, 1, 0), arena, runner, -1, Overlap())
+    yield made
+    made.socket.close()
+    context.term()
+    arena.close()
+    arena.unlink()
+
+
+def batch(executor: Executor, rows: list[list[float]], deadlines: tuple[float, ...]) -> messages.RunBatch:
+    x = np.array(rows, dtype=np.float32)
+    executor.arena.buf[: x.nbytes] = x.tobytes()
+    return messages.RunBatch(7, "oom", "v1", 0, 1 << 19, (messages.TensorRef("float32", x.shape, 0),),
+                             tuple(1 for _ in rows), deadlines)
+
+
+def test_out_of_memory_fails_only_its_batch_with_a_sentence(executor):
+    result = executor.run_batch(batch(executor, [[-1, 0], [2, 3]], (1e12, 1e12)))
+    assert isinstance(result, messages.BatchFailed)
+    assert result.error == "out of memory on cpu for batch 7 of oom v1, 2 samples"
+    good = executor.run_batch(batch(executor, [[1, 2]], (1e12,)))
+    assert isinstance(good, messages.BatchDone), "the executor serves on"
+
+
+def test_requests_past_their_deadline_are_not_computed(executor):
+    now = time.monotonic()
+    result = executor.run_batch(batch(executor, [[1, 1], [2, 2], [3, 3]], (now + 60, now - 1, now + 60)))
+    assert isinstance(result, messages.BatchDone) and result.expired == (1,)
+    (ref,) = result.outputs
+    assert ref.shape == (2, 2), "only the two live rows went through the model"
+    got = np.ndarray(ref.shape, np.float32, buffer=executor.arena.buf, offset=ref.offset)
+    np.testing.assert_array_equal(got, [[3, 3], [9, 9]])
+    assert ref.offset >= 3 * 2 * 4, "the outputs lie after the inputs"
+    nothing = executor.run_batch(batch(executor, [[1, 1]], (now - 1,)))
+    assert isinstance(nothing, messages.BatchDone) and nothing.expired == (0,) and nothing.outputs == ()
+
+
+def test_only_sticky_cuda_errors_end_a_worker():
+    assert is_out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. CUDA error: out of memory"))
+    assert not is_sticky_cuda_error(RuntimeError("CUDA error: out of memory"))
+    assert is_sticky_cuda_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert is_sticky_cuda_error(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not is_sticky_cuda_error(RuntimeError("CUDA error: invalid configuration argument"))
+    assert not is_sticky_cuda_error(ValueError("negative input refused by the model"))
+
+
+def test_a_batch_counts_its_memory_growth_only_when_it_ran_alone():
+    overlap = Overlap()
+    alone = overlap.begin()
+    assert overlap.end(alone)
+    first = overlap.begin()
+    second = overlap.begin()
+    assert not overlap.end(second) and not overlap.end(first)
+    third = overlap.begin()
+    fourth_started_during = overlap.begin()
+    assert not overlap.end(third)
+    assert not overlap.end(fourth_started_during)
