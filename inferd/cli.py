@@ -267,7 +267,7 @@ def keygen(folder: str, name: str) -> None:
 @inferctl.command()
 @click.pass_context
 def stacks(ctx: click.Context) -> None:
-    """Print the thread stacks of the supervisor and of every worker (where is a stuck daemon?).
+    """Print the thread stacks of the supervisor and of every worker (where is a hung daemon?).
 
     When the control socket does not answer, the daemon's processes are sent SIGUSR1
     and the stacks they write (faulthandler, from the signal itself) are printed.
@@ -289,7 +289,7 @@ SIGNALLED_WAIT_S = 2.0
 
 
 def signalled_stacks(files: RuntimeFiles) -> dict[str, Any]:
-    """The stacks a stuck daemon's processes write on SIGUSR1, read from their stacks files."""
+    """The stacks a hung daemon's processes write on SIGUSR1, read from their stacks files."""
     import psutil
 
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 
 log = logging.getLogger("inferd.systemd")
 
@@ -62,9 +63,9 @@ class StatusReport:
         self._next_status = 0.0
         self._replies_then = 0
 
-    def report(self, now: float, state: str, ready: int, workers: int, live: str, replies: int,
-               hung: str | None) -> None:
-        """Ping unless `hung` names what stopped making progress; send STATUS= when due or on a change."""
+    def report(self, now: float, hung: str | None, status: Callable[[], tuple[str, int]]) -> None:
+        """Ping unless `hung` names what stopped making progress; when STATUS= is due (or `hung` changed),
+        send `status()`'s summary with the request rate its reply count gives."""
         changed = hung != self._hung
         if changed:
             if hung:
@@ -75,7 +76,7 @@ class StatusReport:
         if hung is None:
             self.watchdog.ping(now)
         if now >= self._next_status or changed:
+            summary, replies = status()
             rate = (replies - self._replies_then) / (now - self._next_status + STATUS_EVERY_S)
             self._replies_then, self._next_status = replies, now + STATUS_EVERY_S
-            notify(f"STATUS={state}; {ready}/{workers} workers ready; {live}; {rate:.0f} requests/s"
-                   + (f"; HUNG: {hung}" if hung else ""))
+            notify(f"STATUS={summary}; {rate:.0f} requests/s" + (f"; HUNG: {hung}" if hung else ""))

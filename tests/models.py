@@ -73,6 +73,15 @@ class RunsOutOfMemory(torch.nn.Module):
         return x * 3
 
 
+class Allocates(torch.nn.Module):
+    """float32 [2] -> [2], allocating as many floats on its device as the batch's first value says:
+    on a GPU, a real out-of-memory error for a big enough one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(int(x[0, 0].item()), device=x.device)
+        return x + scratch[:1].sum() * 0.0
+
+
 class WrongBatch(torch.nn.Module):
     """Returns one row whatever the batch size: a model the daemon must refuse at warm-up."""
 
@@ -111,6 +120,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["failing/v1"] = save_script(Failing, root, "failing", "v1", 5)
     files["wrongbatch/v1"] = save_script(WrongBatch, root, "wrongbatch", "v1", 6)
     files["oom/v1"] = save_script(RunsOutOfMemory, root, "oom", "v1", 13)
+    files["allocates/v1"] = save_script(Allocates, root, "allocates", "v1", 14)
     torch.manual_seed(7)
     files["exported/v1"] = save_export(Mlp(), (torch.randn(2, MLP_IN),), root, "exported", "v1")
     files["sleepy/v1"] = save_script(lambda: Sleepy(1_000), root, "sleepy", "v1", 8)  # ~5 ms a batch

@@ -6,13 +6,12 @@ what a GPU changes. They skip where CUDA is not available.
 
 from __future__ import annotations
 
-import time
-
 import models
 import numpy as np
 import pytest
 import torch
-from conftest import MLP, PAIR
+from conftest import MLP, PAIR, wait_for
+from wire import RawPeer
 
 pytestmark = pytest.mark.gpu
 
@@ -51,8 +50,31 @@ def test_an_idle_gpu_worker_returns_fragmented_cache(start_daemon):
     worker = daemon.call("stats")["workers"][0]
     assert worker["torch_reserved_bytes"] >= 512 * 2**20 and worker["fragmentation"] > 0.9
     assert "gpu_memory_used_bytes" in worker and 0 <= worker["gpu_utilization"] <= 1
-    deadline = time.monotonic() + 15
-    while "returned" not in daemon.log():
-        assert time.monotonic() < deadline, daemon.log()
-        time.sleep(0.2)
-    assert "of reserved GPU memory unused; returned" in daemon.log()
+    wait_for(lambda: "of reserved GPU memory unused; returned" in daemon.log(), timeout=15, what="the trim")
+
+
+@pytest.mark.parametrize("precision, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_a_reduced_precision_model_answers_float32_close_to_the_model_in_that_precision(start_daemon, repo,
+                                                                                         precision, dtype):
+    daemon = start_daemon({"mlp": {**MLP, "precision": precision}}, workers={"devices": ["cuda:0"]})
+    mlp = torch.jit.load(str(repo / "mlp" / "v2" / "model.pt")).to("cuda:0").to(dtype)
+    x = np.random.default_rng(1).standard_normal((5, models.MLP_IN), dtype=np.float32)
+    with daemon.client() as client:
+        y = client.infer("mlp", x)
+    assert y.dtype == np.float32, "outputs come back in float32"
+    expected = mlp(torch.from_numpy(x).to("cuda:0").to(dtype)).float().cpu().detach().numpy()
+    np.testing.assert_allclose(y, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_out_of_memory_on_the_device_fails_the_batch_and_the_worker_serves_on(start_daemon):
+    one = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
+    daemon = start_daemon({"allocates": one}, workers={"devices": ["cuda:0"]})
+    pid = daemon.status()["workers"][0]["pid"]
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "allocates", [np.array([[2.0**40, 0]], dtype=np.float32)])  # 4 TiB
+        failed = peer.recv()[0]
+        peer.send(2, "allocates", [np.array([[16, 0]], dtype=np.float32)])
+        served = peer.recv()[0]
+    assert failed["status"] == "internal" and "out of memory on cuda:0 for batch" in failed["error"], failed
+    assert served["status"] == "ok"
+    assert daemon.status()["workers"][0]["pid"] == pid, "out of memory does not end the worker"

@@ -63,7 +63,7 @@ class ControlError(Exception):
 
 
 class NoAnswer(ControlError):
-    """The daemon did not answer in time (it may be stuck, or gone)."""
+    """The daemon did not answer in time (it may be hung, or gone)."""
 
 
 FINISH_GRACE_S = 5.0  # beyond the end a daemon announced (`wait_s`), what its last answer may take

@@ -54,7 +54,7 @@ class Commands:
 
     @deferred
     def command_stacks(self, reply: ControlReply) -> None:
-        """Thread stacks of the supervisor and of every worker (faulthandler on SIGUSR1), for a stuck daemon."""
+        """Thread stacks of the supervisor and of every worker (faulthandler on SIGUSR1), for a hung daemon."""
         asked = []
         for worker in self.daemon.workers.workers:
             if worker.pid is None:

@@ -3,7 +3,7 @@
 It decodes and validates each request, puts it in the BatchQueue or answers it
 at once (`invalid`, `overloaded`, `unavailable`), and sends every reply. It
 never blocks: a reply that cannot be delivered (peer gone, or its high-water
-mark reached) is counted and dropped, so one slow client cannot stall the loop.
+mark reached) is counted and dropped, so one slow client cannot block the loop.
 Admission is decided here: whether the daemon takes requests at all, which
 models no worker serves yet, and the bounds of the queue.
 """
@@ -266,6 +266,6 @@ class Frontend:
 
     def _undeliverable(self, exc: zmq.ZMQError) -> None:
         # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way the
-        # reply has nowhere to go, and waiting for it would stall everyone else.
+        # reply has nowhere to go, and waiting for it would hold up everyone else.
         self.stats.undelivered += 1
         log.debug("reply undeliverable (%s)", exc.strerror)

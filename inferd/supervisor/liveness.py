@@ -22,25 +22,29 @@ IDLE_CHECK_S = 0.5
 
 
 class Liveness:
-    """Checks every worker's progress; `hung` says which batch stopped the watchdog pings, if one did."""
+    """Checks every worker's progress and ends what is hung."""
 
     def __init__(self, workers: WorkerTable, dispatcher: Dispatcher, reloads: ReloadManager) -> None:
         self.workers = workers
         self.dispatcher = dispatcher
         self.reloads = reloads
-        self.hung: str | None = None
+
+    def hung(self, now: float) -> tuple[Batch, str] | None:
+        """The batch that ran past workers.batch_timeout_s (the longest running), and the sentence for it."""
+        limit = self.workers.config.workers.batch_timeout_s
+        oldest = self.dispatcher.oldest()
+        if oldest is None or now - oldest.started <= limit:
+            return None
+        worker = oldest.executor.worker
+        return oldest, (f"{oldest.describe()} on worker{worker.index} ran longer than "
+                        f"workers.batch_timeout_s ({limit:g} s)")
 
     def check(self, now: float) -> None:
-        """End what is hung: call it on every turn of the loop."""
+        """End what is hung; due at the times next_check_in gives, and on the housekeeping tick."""
         config = self.workers.config.workers
-        oldest = self.dispatcher.oldest()
-        if oldest is not None and now - oldest.started > config.batch_timeout_s:
-            worker = oldest.executor.worker
-            self.hung = (f"{oldest.describe()} on worker{worker.index} ran longer than "
-                         f"workers.batch_timeout_s ({config.batch_timeout_s:g} s)")
-            self.workers.abort_hung(worker, self.hung, now)
-        else:
-            self.hung = None
+        hung = self.hung(now)
+        if hung is not None:
+            self.workers.abort_hung(hung[0].executor.worker, hung[1], now)
         self.reloads.check_loads(now)
         for worker in self.workers.workers:
             if worker.state == WorkerState.BOOTING and now - worker.started > config.start_timeout_s:

@@ -117,6 +117,7 @@ class Supervisor:
         self._sentinels: dict[int, WorkerHandle] = {}
         self._deadline = 0.0
         self._next_tick = 0.0
+        self._next_liveness = 0.0
         self._done = False
         self._spin_s = config.server.spin_us / 1e6
         self._active = False  # the last poll found work: spin before the next blocks
@@ -169,7 +170,7 @@ class Supervisor:
             now = time.monotonic()
             queue_wakeup = self.queue.next_wakeup(now)
             wait = min(TICK_S if queue_wakeup is None else queue_wakeup, max(0.0, self._next_tick - now),
-                       self.systemd.watchdog.wait(now) or TICK_S, self.liveness.next_check_in(now))
+                       self.systemd.watchdog.wait(now) or TICK_S, max(0.0, self._next_liveness - now))
             if self.dispatcher.sending:
                 wait = min(wait, SENDING_CHECK_S)
             # Requests waiting mean every executor they could use is busy: the loop will be woken
@@ -190,13 +191,15 @@ class Supervisor:
             if self.dispatcher.sending:
                 self.dispatcher.release_sent()
             self._dispatch()
-            self.liveness.check(now)
+            if now >= self._next_liveness:
+                # Not on every turn: what it looks for is due at a time it knows, or by the tick.
+                self.liveness.check(now)
+                self._next_liveness = now + min(TICK_S, self.liveness.next_check_in(now))
             if now >= self._next_tick:
                 self._next_tick = now + TICK_S
                 self._housekeeping(now)
-            self.systemd.report(now, self.state, sum(w.state == WorkerState.READY for w in self.workers.workers),
-                                len(self.workers.workers), ", ".join(f"{n} {v}" for n, v in self.live.items()),
-                                sum(self.stats.replies.values()), self.liveness.hung)
+            hung = self.liveness.hung(now)
+            self.systemd.report(now, hung[1] if hung else None, self._status)
 
     def _poll(self, wait: float, spin: bool) -> list[tuple[Any, int]]:
         """The sockets and fds that are ready, waiting at most `wait` seconds.
@@ -267,6 +270,13 @@ class Supervisor:
         log.info("ready: %d worker(s) serving %s", len(workers) - len(failed),
                  ", ".join(f"{n} {v}" for n, v in self.live.items()))
 
+    def _status(self) -> tuple[str, int]:
+        """The one-line summary systemd shows, and the replies so far (for the rate)."""
+        ready = sum(w.state == WorkerState.READY for w in self.workers.workers)
+        live = ", ".join(f"{n} {v}" for n, v in self.live.items())
+        summary = f"{self.state}; {ready}/{len(self.workers.workers)} workers ready; {live}"
+        return summary, sum(self.stats.replies.values())
+
     # -- workers ----------------------------------------------------------------
 
     def _watch(self, worker: WorkerHandle) -> None:
@@ -293,6 +303,8 @@ class Supervisor:
         while (parts := recv_parts(self.workers.backend)) is not None:
             try:
                 self._on_worker_message(parts)
+            except StartupError:
+                raise
             except Exception:  # noqa: BLE001 - the last guard: a message no reply can go to is dropped
                 failure("a message from a worker")
 

@@ -217,6 +217,8 @@ class ReloadManager:
             for worker in self.workers.workers:
                 if worker.serves(reload.model, reload.previous) and (reload.model, reload.version) not in worker.loaded:
                     self._load(reload, worker)
+                    reload.reply.progress(f"worker{worker.index} came up during the reload: loading {reload.version} "
+                                          "there too", wait_s=self.config.workers.load_timeout_s)
         if reload.pending:
             return
         del self.active[reload.model]

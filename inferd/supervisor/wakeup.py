@@ -3,7 +3,7 @@
 Signal handlers run between any two bytecodes, so they only queue the signal
 (no logging, no I/O); other threads queue a callback. Either writes a byte to
 the pipe, which wakes the loop; the loop then runs each in its own thread.
-SIGUSR1 is the exception that must work even when the loop is stuck:
+SIGUSR1 is the exception that must work even when the loop is hung:
 faulthandler writes every thread's stack to a file from the signal itself, then
 the queued handler copies them to the log once the loop runs.
 """

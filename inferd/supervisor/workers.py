@@ -266,7 +266,7 @@ class WorkerTable:
         return reason
 
     def abort_hung(self, worker: WorkerHandle, why: str, now: float) -> None:
-        """A worker stuck in a batch: SIGABRT (its Python stacks go to the log), then SIGKILL."""
+        """A worker hung in a batch: SIGABRT (its Python stacks go to the log), then SIGKILL."""
         if worker.process is None or worker.process.pid is None:
             return
         if worker.hung is None:

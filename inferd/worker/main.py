@@ -101,7 +101,7 @@ def worker_main(encoded_spec: bytes) -> None:
     # the whole process group, and must not kill batches the drain still needs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
-    # Written from the signal handler itself, so a worker stuck inside a model still answers.
+    # Written from the signal handler itself, so a worker hung inside a model still answers.
     stacks = open(spec.stacks, "a")  # noqa: SIM115 - open for the life of the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     # A hung worker is aborted with SIGABRT; a crash (SIGSEGV, ...) kills it: either way its
@@ -123,7 +123,7 @@ def worker_main(encoded_spec: bytes) -> None:
         context.term()
         sys.exit(WorkerExit.BOOT_ERROR)
     # torch brings ~170k long-lived Python objects; a full collection over them
-    # holds the GIL for ~130 ms and stalls every executor. Freezing them keeps
+    # holds the GIL for ~130 ms and holds up every executor. Freezing them keeps
     # later collections (automatic, or after an unload) down to what is new.
     gc.freeze()
     for executor in executors:
