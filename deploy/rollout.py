@@ -45,7 +45,8 @@ class Daemon:
     def run(self, *argv: str, timeout: float) -> str:
         """Run one inferctl command; its output, or RolloutError with what it said."""
         try:
-            done = subprocess.run([*self.inferctl, *argv], capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run([*self.inferctl, *argv], check=False, capture_output=True, text=True,
+                                  timeout=timeout)
         except subprocess.TimeoutExpired:
             raise RolloutError(f"{self.name}: inferctl {argv[0]} took more than {timeout:g} s") from None
         except OSError as exc:
@@ -79,11 +80,11 @@ class Daemon:
 def kubernetes_daemons(namespace: str, selector: str, container: str, kubectl: str) -> list[Daemon]:
     """The running pods that `selector` picks, in name order, each reached through `kubectl exec`."""
     listing = subprocess.run([kubectl, "get", "pods", "-n", namespace, "-l", selector, "-o", "json"],
-                             capture_output=True, text=True)
+                             check=False, capture_output=True, text=True)
     if listing.returncode != 0:
         raise RolloutError(f"kubectl get pods failed: {listing.stderr.strip()}")
-    pods = sorted((item["metadata"]["name"], item["spec"].get("nodeName", "")) for item in json.loads(listing.stdout)["items"]
-                  if item["status"].get("phase") == "Running")
+    pods = sorted((item["metadata"]["name"], item["spec"].get("nodeName", ""))
+                  for item in json.loads(listing.stdout)["items"] if item["status"].get("phase") == "Running")
     if not pods:
         raise RolloutError(f"no running pod in namespace {namespace} matches {selector}")
     return [Daemon(f"pod/{pod}", [kubectl, "exec", "-n", namespace, pod, "-c", container, "--", "inferctl"],
@@ -98,7 +99,7 @@ def node_labeller(kubectl: str, node: str) -> Callable[[str, str], None]:
     """
     def label(model: str, version: str) -> None:
         done = subprocess.run([kubectl, "label", "node", node, f"inferd.io/model-{model}={version}", "--overwrite"],
-                              capture_output=True, text=True)
+                              check=False, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"node/{node}: could not label it: {done.stderr.strip()}", file=sys.stderr, flush=True)
 

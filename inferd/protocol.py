@@ -178,7 +178,7 @@ def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
                 f"needs {expected} bytes",
                 header.id,
             )
-    return Request(header, list(buffers), size)
+    return Request(header, buffers if isinstance(buffers, list) else list(buffers), size)
 
 
 def encode_reply(header: ReplyHeader) -> bytes:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import models
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -247,61 +248,56 @@ class Clients:
 
 
 def msgspec_dict(header: protocol.ReplyHeader) -> dict[str, Any]:
-    import msgspec
-
     return msgspec.to_builtins(header)
 
 
-def test_the_dispatcher_stacks_requests_where_the_layout_says_and_slices_each_reply(table):
+@pytest.fixture
+def wired(table: Table) -> Iterator[tuple[FakeWorker, Clients, Dispatcher]]:
+    """Worker 0 up, clients to answer, and the dispatcher between them."""
     fake = table.boot(0)
     clients = Clients(table.context)
     stats = Stats(0.0)
-    frontend = Frontend(table.context, table.table.config, None, stats, table.live, CurveServer(table.context, "", ""))  # type: ignore[arg-type]
-    dispatcher = Dispatcher(table.table.config, table.table, frontend, table.live, stats)
-    try:
-        xs = [np.full((n, 16), float(k), dtype=np.float32) for k, n in enumerate((1, 3, 2))]
-        dispatcher.dispatch("mlp", [clients.request(k, x) for k, x in enumerate(xs)])
-        run = fake.received(fake.executor)
-        assert isinstance(run, messages.RunBatch) and run.samples == (1, 3, 2)
-        worker = table.table.workers[0]
-        assert run.slot_offset == worker.slots.offset(0) and run.slot_size == worker.slots.slot_size
-        (ref,) = run.inputs
-        assert ref.offset == run.slot_offset and ref.shape == (6, 16)
-        stacked = np.ndarray((6, 16), np.float32, buffer=worker.arena.buf, offset=ref.offset)
-        np.testing.assert_array_equal(stacked, np.concatenate(xs))
-        # The worker's answer: an output of 4 per sample, right after the inputs, request 1 expired.
-        out_at = place(run.slot_offset, [6 * 16 * 4])[1]
-        out_at = place(out_at, [0])[0][0]
-        rows = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)  # the rows of requests 0 and 2
-        np.ndarray((3, 4), np.float32, buffer=worker.arena.buf, offset=out_at)[:] = rows
-        done = messages.BatchDone(run.batch_id, (messages.TensorRef("float32", (3, 4), out_at),), 10, 0, 0, 0, (1,))
-        dispatcher.on_result(worker.executors[0], done)
-        replies = {h["id"]: (h, o) for h, o in (clients.reply() for _ in range(3))}
-        np.testing.assert_array_equal(replies[0][1][0], rows[:1])
-        np.testing.assert_array_equal(replies[2][1][0], rows[1:])
-        assert replies[1][0]["status"] == "timeout" and replies[1][0]["version"] == "v1"
-        assert worker.slots.free == worker.slots.count and worker.batches == 1
-    finally:
-        frontend.close()
-        clients.close()
+    frontend = Frontend(table.context, table.table.config, None,  # type: ignore[arg-type] - no queue needed
+                        stats, table.live, CurveServer(table.context, "", ""))
+    yield fake, clients, Dispatcher(table.table.config, table.table, frontend, table.live, stats)
+    frontend.close()
+    clients.close()
 
 
-def test_requests_naming_a_version_that_was_replaced_are_refused_not_computed(table):
-    fake = table.boot(0)
-    clients = Clients(table.context)
-    stats = Stats(0.0)
-    frontend = Frontend(table.context, table.table.config, None, stats, table.live, CurveServer(table.context, "", ""))  # type: ignore[arg-type]
-    dispatcher = Dispatcher(table.table.config, table.table, frontend, table.live, stats)
-    try:
-        x = np.ones((1, 16), dtype=np.float32)
-        dispatcher.dispatch("mlp", [clients.request(1, x, version="v0"), clients.request(2, x)])
-        header, _ = clients.reply()
-        assert header["id"] == 1 and header["status"] == "unavailable"
-        assert "version 'v0' of mlp was replaced by 'v1' while the request waited" in header["error"]
-        assert fake.received(fake.executor).samples == (1,), "only the other request is computed"
-    finally:
-        frontend.close()
-        clients.close()
+def test_the_dispatcher_stacks_requests_where_the_layout_says_and_slices_each_reply(table, wired):
+    fake, clients, dispatcher = wired
+    xs = [np.full((n, 16), float(k), dtype=np.float32) for k, n in enumerate((1, 3, 2))]
+    dispatcher.dispatch("mlp", [clients.request(k, x) for k, x in enumerate(xs)])
+    run = fake.received(fake.executor)
+    assert isinstance(run, messages.RunBatch) and run.samples == (1, 3, 2)
+    worker = table.table.workers[0]
+    assert run.slot_offset == worker.slots.offset(0) and run.slot_size == worker.slots.slot_size
+    (ref,) = run.inputs
+    assert ref.offset == run.slot_offset and ref.shape == (6, 16)
+    stacked = np.ndarray((6, 16), np.float32, buffer=worker.arena.buf, offset=ref.offset)
+    np.testing.assert_array_equal(stacked, np.concatenate(xs))
+    # The worker's answer: an output of 4 per sample, right after the inputs, request 1 expired.
+    out_at = place(run.slot_offset, [6 * 16 * 4])[1]
+    out_at = place(out_at, [0])[0][0]
+    rows = np.arange(3 * 4, dtype=np.float32).reshape(3, 4)  # the rows of requests 0 and 2
+    np.ndarray((3, 4), np.float32, buffer=worker.arena.buf, offset=out_at)[:] = rows
+    done = messages.BatchDone(run.batch_id, (messages.TensorRef("float32", (3, 4), out_at),), 10, 0, 0, 0, (1,))
+    dispatcher.on_result(worker.executors[0], done)
+    replies = {h["id"]: (h, o) for h, o in (clients.reply() for _ in range(3))}
+    np.testing.assert_array_equal(replies[0][1][0], rows[:1])
+    np.testing.assert_array_equal(replies[2][1][0], rows[1:])
+    assert replies[1][0]["status"] == "timeout" and replies[1][0]["version"] == "v1"
+    assert worker.slots.free == worker.slots.count and worker.batches == 1
+
+
+def test_requests_naming_a_version_that_was_replaced_are_refused_not_computed(wired):
+    fake, clients, dispatcher = wired
+    x = np.ones((1, 16), dtype=np.float32)
+    dispatcher.dispatch("mlp", [clients.request(1, x, version="v0"), clients.request(2, x)])
+    header, _ = clients.reply()
+    assert header["id"] == 1 and header["status"] == "unavailable"
+    assert "version 'v0' of mlp was replaced by 'v1' while the request waited" in header["error"]
+    assert fake.received(fake.executor).samples == (1,), "only the other request is computed"
 
 
 # -- the reload manager -------------------------------------------------------------

@@ -135,18 +135,21 @@ class BatchQueue:
 
     def put(self, request: QueuedRequest) -> Refusal | None:
         """Enqueue, or (changing nothing) say why not."""
-        refusal = self.refusal(request.client, request.nbytes)
-        if refusal is not None:
-            return refusal
+        bounds, client, nbytes = self.bounds, request.client, request.nbytes
+        # The bounds in one expression: this runs for every request.
+        if (self._size >= bounds.max_size or self.nbytes + nbytes > bounds.max_bytes
+                or (bounds.max_per_client and self._per_client[client] >= bounds.max_per_client)
+                or self._bytes_per_client[client] + nbytes > bounds.max_bytes_per_client):
+            return self.refusal(client, nbytes)
         lane = self._lanes[request.header.model]
         lane.requests.append(request)
         lane.samples += request.samples
         self._size += 1
-        self.nbytes += request.nbytes
-        self._per_client[request.client] += 1
-        self._bytes_per_client[request.client] += request.nbytes
+        self.nbytes += nbytes
+        self._per_client[client] += 1
+        self._bytes_per_client[client] += nbytes
         heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
-        if len(self._deadlines) > 2 * self.bounds.max_size + 1024:
+        if len(self._deadlines) > 2 * bounds.max_size + 1024:
             # Long deadlines of requests long gone pile up below the top; rebuild.
             self._deadlines = [entry for entry in self._deadlines if entry[2].state == WAITING]
             heapq.heapify(self._deadlines)

@@ -151,7 +151,7 @@ class Dispatcher:
         else:
             computed = len(result.expired) < len(batch.requests)
             self.workers.batch_returned(executor, len(batch.requests), computed)
-            self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe())
+            self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe)
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
             by_reference = not any(w is worker for w, _, _ in self.sending)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from typing import Any, NoReturn
 
 from inferd.config import Config
 from inferd.repository import resolve_version
 
 
-class LiveVersions(Mapping[str, str]):
+class LiveVersions(dict[str, str]):
     """model -> the version that computes its new batches, and the version live before the last reload.
 
     Only the ReloadManager calls `flip` and `add`; the frontend, the dispatcher, the
     worker table and the reports read it, so a flip is seen by all of them at once.
+    It is a dict for them to read at a dict's speed (it is read several times per
+    request); every other way to change it is refused.
     """
 
     def __init__(self, live: dict[str, str], previous: dict[str, str]) -> None:
-        self._live = dict(live)
+        super().__init__(live)
         self._previous = {model: version for model, version in previous.items() if model in live}
 
     @classmethod
@@ -25,14 +27,10 @@ class LiveVersions(Mapping[str, str]):
         config's; raises RepositoryError for a model that has neither."""
         return cls({name: resolve_version(m, saved.get(name)) for name, m in config.models.items()}, previous)
 
-    def __getitem__(self, model: str) -> str:
-        return self._live[model]
+    def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise TypeError("the live versions change only through flip() and add()")
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._live)
-
-    def __len__(self) -> int:
-        return len(self._live)
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
     def previous(self, model: str) -> str | None:
         """The version that was live before the last reload of `model`, if it was reloaded."""
@@ -40,15 +38,15 @@ class LiveVersions(Mapping[str, str]):
 
     def flip(self, model: str, version: str) -> str:
         """Make `version` live; return the version it replaces."""
-        before = self._live[model]
-        self._live[model] = version
+        before = self[model]
+        dict.__setitem__(self, model, version)
         self._previous[model] = before
         return before
 
     def add(self, model: str, version: str) -> None:
-        """Serve a model added by a config reload."""
-        self._live[model] = version
+        """Serve a model a config reload added."""
+        dict.__setitem__(self, model, version)
 
     def snapshot(self) -> tuple[dict[str, str], dict[str, str]]:
         """Copies of (live, previous), to save."""
-        return dict(self._live), dict(self._previous)
+        return dict(self), dict(self._previous)

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from multiprocessing.process import BaseProcess
@@ -232,6 +233,7 @@ class WorkerTable:
         worker.control = None
         worker.executors = []
         worker.loading = {}
+        hung, worker.hung = worker.hung, None
         reason = describe_exit(code)
         if was == WorkerState.STOPPING and not worker.give_up:
             worker.state = WorkerState.DEAD
@@ -242,9 +244,9 @@ class WorkerTable:
             worker.state, worker.respawn_at = WorkerState.DEAD, now
             log.warning("worker%d replaced (%s): %s", worker.index, reason, worker.last_error)
             return f"{worker.last_error}; it was replaced"
-        if worker.hung:
-            reason = f"{worker.hung}; it was killed ({reason})"
-            worker.last_error, worker.hung = worker.hung, None
+        if hung:
+            reason = f"{hung}; it was killed ({reason})"
+            worker.last_error = hung
         worker.deaths.append(now)
         while worker.deaths and now - worker.deaths[0] > CRASH_WINDOW_S:
             worker.deaths.popleft()
@@ -472,14 +474,15 @@ class WorkerTable:
         if computed:
             executor.worker.batches += 1
 
-    def note_memory(self, worker: WorkerHandle, memory: int, reserved: int, growth: int, batch: str) -> None:
+    def note_memory(self, worker: WorkerHandle, memory: int, reserved: int, growth: int,
+                    batch: Callable[[], str]) -> None:
         """The leak watch: a worker's memory after a batch, against its level after warm-up, and what
-        the batch (`batch` names it) alone grew it by."""
+        the batch (`batch()` names it) alone grew it by."""
         worker.memory, worker.reserved = memory, reserved
         limit = self.config.workers.leak_warn_mb * 2**20
         if growth > limit:
             log.warning("%s on worker%d grew its memory by %.0f MiB (more than workers.leak_warn_mb = %g)",
-                        batch, worker.index, growth / 2**20, self.config.workers.leak_warn_mb)
+                        batch(), worker.index, growth / 2**20, self.config.workers.leak_warn_mb)
         if worker.memory_baseline is None:
             worker.memory_baseline = memory
             return

@@ -123,7 +123,7 @@ def worker_main(encoded_spec: bytes) -> None:
         context.term()
         sys.exit(WorkerExit.BOOT_ERROR)
     # torch brings ~170k long-lived Python objects; a full collection over them
-    # holds the GIL for ~130 ms and holds up every executor. Freezing them keeps
+    # holds the GIL for ~130 ms and stops every executor. Freezing them keeps
     # later collections (automatic, or after an unload) down to what is new.
     gc.freeze()
     for executor in executors:
