@@ -119,6 +119,7 @@ class Frontend:
         self.sockets: list[zmq.Socket] = []
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
+        self._admitted: set[str] = set()  # models that took requests since note_queue_depths
         self._context = context
         self._curve = curve
         self.configure(config)
@@ -226,7 +227,16 @@ class Frontend:
         if refused is not None:
             self.send_error(reply_to, header.id, protocol.OVERLOADED, _refusal_sentence(refused, self.queue), name)
             return
-        self.stats.queue_depth(now, name, self.live[name], self.queue.depth(name))
+        self._admitted.add(name)
+
+    def note_queue_depths(self) -> None:
+        """Count the queue depth of each model that took requests since the last call, for its peak:
+        once per turn of the loop (the depth is highest right before batches are taken), not per request."""
+        if self._admitted:
+            now = time.monotonic()
+            for name in self._admitted:
+                self.stats.queue_depth(now, name, self.live[name], self.queue.depth(name))
+            self._admitted.clear()
 
     def reply_ok(self, replies: Sequence[tuple[QueuedRequest, ReplyHeader, Sequence[Buffer]]],
                  by_reference: bool) -> list[zmq.MessageTracker]:

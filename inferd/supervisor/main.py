@@ -185,6 +185,7 @@ class Supervisor:
                     raise
                 except Exception:  # noqa: BLE001 - the last guard: the loop serves on
                     failure("a socket event")
+            self.frontend.note_queue_depths()
             now = time.monotonic()
             for request in self.queue.expire(now):
                 self.frontend.reply_error(request, protocol.TIMEOUT, "the deadline passed before the request ran")
