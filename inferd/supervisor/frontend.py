@@ -37,7 +37,7 @@ BURST = 256  # messages read per readiness, so one busy socket cannot starve the
 # dropped (and counted): its memory cost to the daemon is bounded.
 SEND_HWM = 1000
 MAX_RECV_HWM = 1000  # and a client that floods small requests gets TCP backpressure, not daemon memory
-MIN_RECV_HWM = 32
+MIN_RECV_HWM = 64
 SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
 
 
@@ -60,10 +60,11 @@ def receive_limits(config: Config) -> tuple[int, int]:
     Between server.max_message_mb and `largest` a message is received and answered
     `invalid` with its size; a larger one makes ZeroMQ drop the connection. The number
     of messages held is what the per-connection byte share allows, but at least
-    MIN_RECV_HWM: with fewer, ZeroMQ's I/O thread stops and waits for the loop every
-    few small requests of a client that pipelines (the benchmark's 64 in flight on one
-    connection cost the supervisor 5 us more per request at 16, a quarter of the
-    throughput at 2).
+    MIN_RECV_HWM, the depth a client pipelines on one connection (the benchmark's load
+    generator and inferd's Client keep up to 64 in flight): with fewer, ZeroMQ's I/O
+    thread stops and waits for the loop every few small requests (measured: 2 to 5 us
+    more supervisor CPU per request at 32 and 16, a quarter of the throughput at 2).
+    The operator's bound is server.max_message_mb: the largest request it must take.
     """
     limit = int(config.server.max_message_mb * (1 << 20))
     largest = limit + max(1 << 20, limit // 4)
