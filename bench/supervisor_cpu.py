@@ -1,0 +1,64 @@
+"""The supervisor's own CPU per request, by thread: its loop and ZeroMQ's I/O threads.
+
+    python -m bench.supervisor_cpu [--runs 3] [--seconds 5]
+
+One daemon (one CPU worker, 2 streams) serves the benchmark MLP; the load
+generator keeps 64 requests in flight on one connection. Each run prints the
+CPU time the supervisor's main thread (the loop) and its ZeroMQ I/O threads
+spent per request answered. Narrower than the matrix, and so steadier: it is the
+number to compare two versions of the supervisor by, run alternately on each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import psutil
+
+from bench import models
+from bench.common import run_loadgen, start_daemon
+from bench.run import model_configs
+
+
+def thread_seconds(process: psutil.Process) -> dict[tuple[int, str], float]:
+    """CPU seconds of each thread of `process`, by (thread id, thread name)."""
+    seconds = {}
+    for thread in process.threads():
+        name = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text().strip()
+        seconds[(thread.id, name)] = thread.user_time + thread.system_time
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="inferd-cpu-"))
+    models.build(root / "repo")
+    daemon = start_daemon(root / "daemon", {"mlp": model_configs(root / "repo")["mlp"]},
+                          workers={"devices": ["cpu"], "streams": 2})
+    try:
+        supervisor = psutil.Process(daemon.process.pid)
+        run_loadgen(daemon.endpoint, "mlp", models.MLP_SHAPE, 64, 2.0)  # warm
+        for _ in range(args.runs):
+            before, answered = thread_seconds(supervisor), sum(daemon.status()["replies"].values())
+            result = run_loadgen(daemon.endpoint, "mlp", models.MLP_SHAPE, 64, args.seconds, warmup=0.0)
+            after = thread_seconds(supervisor)
+            requests = sum(daemon.status()["replies"].values()) - answered
+            used = {key: after[key] - before.get(key, 0.0) for key in after}
+            loop = sum(s for (tid, _), s in used.items() if tid == supervisor.pid)
+            io = sum(s for (_, name), s in used.items() if name.startswith("ZMQbg"))
+            print(json.dumps({"samples_per_s": result["samples_per_s"],
+                              "loop_us_per_request": round(loop / requests * 1e6, 1),
+                              "zmq_io_us_per_request": round(io / requests * 1e6, 1)}), flush=True)
+    finally:
+        daemon.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
