@@ -38,12 +38,17 @@ SENDERS = 4
 SAMPLE_EVERY_S = 10.0
 
 
+SENDER_HWM = 64  # requests a sender queues for the transport; past it, TCP is pushing back
+
+
 def offer(endpoint: str, floats: int, rate: float, seconds: float) -> dict:
-    """Send requests of `floats` float32 at `rate` per second (open loop) for `seconds`, then wait for
-    the last replies. The one request is encoded once and sent by reference every time."""
+    """Offer requests of `floats` float32 at `rate` per second (open loop) for `seconds`, then wait for
+    the last replies. The one request is encoded once and sent by reference every time. A request
+    the transport cannot take (the daemon's connection is back-pressured) is counted, not queued:
+    what the daemon is offered is what reaches it."""
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.SNDHWM, 0)
+    socket.setsockopt(zmq.SNDHWM, SENDER_HWM)
     socket.linger = 0
     socket.connect(endpoint)
     x = np.random.default_rng(0).standard_normal((1, floats)).astype(np.float32)
@@ -52,15 +57,20 @@ def offer(endpoint: str, floats: int, rate: float, seconds: float) -> dict:
     latencies: list[float] = []
     outstanding = 0
     started = time.monotonic()
-    sent = 0
+    due = sent = pushed_back = 0
     while True:
         now = time.monotonic()
         if now - started < seconds:
-            while sent < int((now - started) * rate):
-                socket.send_multipart([header, payload], copy=False)
+            while due < int((now - started) * rate):
+                due += 1
+                try:
+                    socket.send_multipart([header, payload], flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    pushed_back += 1
+                    continue
                 sent += 1
                 outstanding += 1
-        elif not outstanding or now - started > seconds + 30:
+        elif not outstanding or now - started > seconds + 60:
             break
         while socket.poll(0 if now - started < seconds else 100):
             reply = protocol.decode_reply_header(socket.recv_multipart(copy=False)[0].buffer)
@@ -72,8 +82,8 @@ def offer(endpoint: str, floats: int, rate: float, seconds: float) -> dict:
     statuses["no reply"] += outstanding
     socket.close()
     context.term()
-    return {"offered_per_s": round(sent / seconds, 1), "requests": sent, "statuses": dict(statuses),
-            "latencies": latencies}
+    return {"offered_per_s": round(due / seconds, 1), "requests": sent, "pushed_back": pushed_back,
+            "statuses": dict(statuses), "latencies": latencies}
 
 
 def ceiling(config: dict, rss_start: int, connections: int) -> int:
@@ -141,7 +151,8 @@ def main() -> int:
     only_ok_or_overloaded = set(answered) <= {"ok", "overloaded"}
     row = {"mib_per_request": args.mib, "capacity_per_s": capacity, "factor": args.factor, "seconds": args.seconds,
            "offered_per_s": round(sum(p["offered_per_s"] for p in parts), 1),
-           "requests": sum(p["requests"] for p in parts), "statuses": answered,
+           "requests": sum(p["requests"] for p in parts), "pushed_back": sum(p["pushed_back"] for p in parts),
+           "statuses": answered,
            "accepted_latency_ms": percentiles([v for p in parts for v in p["latencies"]]),
            "rss_samples": samples, "rss_ceiling": limit, "rss_peak": peak, "healthy_after": healthy,
            "after": {"statuses": check["statuses"], "p50_ms": check["latency_ms"]["p50"]}}
@@ -149,7 +160,8 @@ def main() -> int:
     print()
     print(table(["", "value"], [
         ["capacity (closed loop, C=4)", f"{capacity} requests/s of {args.mib} MiB"],
-        ["offered", f"{row['offered_per_s']} requests/s for {args.seconds:g} s ({row['requests']} requests)"],
+        ["offered", f"{row['offered_per_s']} requests/s for {args.seconds:g} s: {row['requests']} sent, "
+                    f"{row['pushed_back']} held back by TCP"],
         ["answers", ", ".join(f"{k} {v}" for k, v in sorted(answered.items()))],
         ["every request answered ok or overloaded", "yes" if only_ok_or_overloaded else "NO"],
         ["accepted p50 / p99 (in the daemon)",
