@@ -328,17 +328,17 @@ def signalled_stacks(files: RuntimeFiles) -> dict[str, Any]:
 @click.pass_context
 def stats(ctx: click.Context, as_json: bool, watch: float | None) -> None:
     """Requests, latency, throughput and batches per model; processes, memory and GPUs per worker."""
-    while True:
+    if watch is None:
         result = _call(ctx, "stats")
-        text = json.dumps(result, indent=2) if as_json else _stats_table(result)
-        if watch is None:
-            click.echo(text)
-            return
-        click.echo("\033[2J\033[H" + text)
-        try:
+        click.echo(json.dumps(result, indent=2) if as_json else _stats_table(result))
+        return
+    try:  # until Ctrl-C, wherever it lands: in the wait or in a refresh
+        while True:
+            result = _call(ctx, "stats")
+            click.echo("\033[2J\033[H" + (json.dumps(result, indent=2) if as_json else _stats_table(result)))
             time.sleep(watch)
-        except KeyboardInterrupt:
-            return
+    except KeyboardInterrupt:
+        return
 
 
 @inferctl.command()
