@@ -22,6 +22,7 @@ from inferd.protocol import DTYPES
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+TENSOR_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 
 
 def _doc(text: str, default_doc: str | None = None, live: bool = False) -> Meta:
@@ -50,6 +51,17 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     metrics: Annotated[
         str, _doc('HOST:PORT of the Prometheus endpoint (text format at /metrics); "" turns it off.')
     ] = "127.0.0.1:9464"
+    http: Annotated[
+        str, _doc('HOST:PORT of the Open Inference Protocol over HTTP (KServe v2, Triton\'s REST); "" turns it off.')
+    ] = "127.0.0.1:8000"
+    grpc: Annotated[
+        str, _doc('HOST:PORT of the Open Inference Protocol over gRPC (inference.GRPCInferenceService); '
+                  '"" turns it off.')
+    ] = "127.0.0.1:8001"
+    tls_cert: Annotated[
+        str, _doc('TLS for the HTTP and gRPC front ends: the certificate chain file (PEM); "" turns TLS off.')
+    ] = ""
+    tls_key: Annotated[str, _doc("With tls_cert: its private key file (PEM).")] = ""
     state_dir: Annotated[
         str | None,
         _doc(
@@ -166,10 +178,18 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One model input: dtype name and per-sample shape (no batch dim)."""
+    """One model input: dtype name, per-sample shape (no batch dim), and the name the Open Inference
+    Protocol knows it by (default INPUT__<i>, Triton's PyTorch convention)."""
 
     dtype: str
     shape: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=7)]
+    name: str | None = None
+
+
+class OutputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model output, as the Open Inference Protocol names it (default OUTPUT__<i>)."""
+
+    name: str
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -200,6 +220,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc("How long a partial batch may wait for company while every executor is busy, in milliseconds.",
              live=True),
     ] = 2
+    outputs: Annotated[
+        tuple[OutputSpec, ...],
+        _doc('Names of the outputs for the Open Inference Protocol, e.g. [{ name = "logits" }]; unnamed ones are '
+             "OUTPUT__<i>."),
+    ] = ()
     warmup_batch_sizes: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...] | None,
         _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]", live=True),
@@ -248,10 +273,19 @@ def _check_listen(value: tuple[str, ...]) -> str | None:
     return next((problem for problem in map(_check_endpoint, value) if problem), None)
 
 
-def _check_metrics(value: str) -> str | None:
+def _check_address(value: str) -> str | None:
     if value == "" or HOST_PORT.match(value):
         return None
-    return f'{value!r} is not HOST:PORT (or "" to turn metrics off)'
+    return f'{value!r} is not HOST:PORT (or "" to turn it off)'
+
+
+def _check_names(names: list[str | None], what: str) -> str | None:
+    given = [n for n in names if n is not None]
+    bad = [n for n in given if not TENSOR_NAME.match(n)]
+    if bad:
+        return f"{bad[0]!r} is not a {what} name: letters, digits, '_', '.', '-' or ':' (at most 128)"
+    twice = sorted({n for n in given if given.count(n) > 1})
+    return f"{what} name {twice[0]!r} is given twice" if twice else None
 
 
 def _check_devices(value: str | tuple[str, ...]) -> str | None:
@@ -265,7 +299,9 @@ def _check_devices(value: str | tuple[str, ...]) -> str | None:
 
 def _check_inputs(value: tuple[InputSpec, ...]) -> str | None:
     bad = [spec.dtype for spec in value if spec.dtype not in DTYPES]
-    return f"unknown dtype {bad[0]!r}; known: {', '.join(DTYPES)}" if bad else None
+    if bad:
+        return f"unknown dtype {bad[0]!r}; known: {', '.join(DTYPES)}"
+    return _check_names([spec.name for spec in value], "input")
 
 
 def _check_file(value: str) -> str | None:
@@ -292,11 +328,16 @@ CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ServerConfig, "log_level"): lambda v: None if v in LOG_LEVELS else f"{v!r}: use one of {', '.join(LOG_LEVELS)}",
     (ServerConfig, "listen"): _check_listen,
     (ServerConfig, "control"): lambda v: None if v is None else _check_endpoint(v),
-    (ServerConfig, "metrics"): _check_metrics,
+    (ServerConfig, "metrics"): _check_address,
+    (ServerConfig, "http"): _check_address,
+    (ServerConfig, "grpc"): _check_address,
+    (ServerConfig, "tls_cert"): _check_file,
+    (ServerConfig, "tls_key"): _check_file,
     (ServerConfig, "curve_secret_key"): _check_file,
     (ServerConfig, "curve_authorized_keys"): _check_folder,
     (WorkersConfig, "devices"): _check_devices,
     (ModelConfig, "inputs"): _check_inputs,
+    (ModelConfig, "outputs"): lambda v: _check_names([spec.name for spec in v], "output"),
     (ModelConfig, "version"): version_problem,
     (ModelConfig, "precision"): lambda v: None if v in PRECISIONS else f"{v!r}: use one of {', '.join(PRECISIONS)}",
 }
@@ -392,6 +433,8 @@ def parse(raw: dict[str, Any], source: str | None = None) -> Config:
         raise ConfigError(problems)
     if bool(server.curve_secret_key) != bool(server.curve_authorized_keys):
         raise ConfigError(["server.curve_secret_key and server.curve_authorized_keys go together: set both or neither"])
+    if bool(server.tls_cert) != bool(server.tls_key):
+        raise ConfigError(["server.tls_cert and server.tls_key go together: set both or neither"])
     server = msgspec.structs.replace(
         server, state_dir=state_dir, control=server.control or paths.default_control()
     )

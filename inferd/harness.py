@@ -35,6 +35,8 @@ def local_config(workdir: Path, models: dict[str, dict[str, Any]], **sections: d
             "control": f"ipc://{workdir}/control.sock",
             "state_dir": str(workdir / "state"),
             "metrics": "",
+            "http": "",
+            "grpc": "",
         },
         "workers": {"devices": ["cpu"], "streams": 2, "cpu_threads": 1},
         "queue": {},

@@ -96,11 +96,10 @@ class RuntimeFiles:
         """Where SIGUSR1 makes the supervisor write its thread stacks."""
         return self._sibling(".stacks")
 
+    def upstream(self, protocol: str) -> Path:
+        """The ipc socket the gateway sends the requests of `protocol` (http, grpc) to."""
+        return self._sibling(f".{protocol}")
+
     def worker_stacks(self, worker: int) -> Path:
         """Where SIGUSR1 makes worker `worker` write its thread stacks."""
         return self._sibling(f".worker{worker}.stacks")
-
-    def every(self, workers: int) -> list[Path]:
-        """Every file a daemon with `workers` workers may leave, the control socket included."""
-        files = [self.backend, self.pid, self.stacks, *(self.worker_stacks(i) for i in range(workers))]
-        return [*([self.control_socket] if self.control_socket else []), *files]

@@ -181,6 +181,11 @@ def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
     return Request(header, buffers if isinstance(buffers, list) else list(buffers), size)
 
 
+def encode_header(header: RequestHeader) -> bytes:
+    """Encode a request header; each input's bytes follow it as a frame of its own."""
+    return _encoder.encode(header)
+
+
 def encode_reply(header: ReplyHeader) -> bytes:
     """Encode a reply header; the output buffers follow it as frames of their own."""
     return _encoder.encode(header)

@@ -169,6 +169,19 @@ def shared_daemon(repo: Path) -> Iterator[Daemon]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def oip_daemon(repo: Path) -> Iterator[Daemon]:
+    """One daemon for a whole module serving mlp over ZeroMQ and the Open Inference Protocol over HTTP."""
+    from inferd.harness import free_port
+
+    path = Path(tempfile.mkdtemp(prefix="inferd-o"))
+    daemon = Daemon(path, base_config(path, repo, {"mlp": MLP}, server={"http": f"127.0.0.1:{free_port()}"}))
+    daemon.start()
+    yield daemon
+    daemon.kill_all()
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def server_factory() -> Iterator[Callable[..., ScriptedServer]]:
     """Make scripted servers (wire.ScriptedServer); each is closed at the end of the test."""

@@ -226,3 +226,42 @@ def test_any_message_gets_exactly_one_reply_and_the_daemon_serves_on(shared_daem
         assert peer.nothing_more(0.05)
         peer.send("check", "mlp", [X_MLP])
         assert peer.recv()[0]["status"] == "ok"
+
+
+http_bodies = st.one_of(
+    st.binary(max_size=256),
+    st.builds(msgspec.json.encode, st.dictionaries(
+        st.sampled_from(["id", "inputs", "outputs", "parameters", "x"]),
+        st.one_of(st.none(), st.integers(-2**70, 2**70), st.text(max_size=5),
+                  st.lists(st.dictionaries(st.sampled_from(["name", "datatype", "shape", "data", "parameters"]),
+                                           st.one_of(st.text(max_size=8), st.lists(st.integers(-5, 2**40), max_size=4),
+                                                     st.dictionaries(st.just("binary_data_size"),
+                                                                     st.integers(-5, 2**40)))),
+                           max_size=3)),
+        max_size=5)),
+    st.builds(lambda depth: b'{"inputs": ' + b"[" * depth + b"]" * depth + b"}", st.integers(1, 200_000)),
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=http_bodies, binary=st.binary(max_size=128), split=st.booleans())
+def test_any_http_body_gets_one_answer_and_the_daemon_serves_on(oip_daemon, body, binary, split):
+    import urllib.error
+    import urllib.request
+
+    address = oip_daemon.config["server"]["http"]
+    headers = {"Inference-Header-Content-Length": str(len(body))} if split else {}
+    request = urllib.request.Request(f"http://{address}/v2/models/mlp/infer", data=body + (binary if split else b""),
+                                     method="POST", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+        assert "error" in msgspec.json.decode(exc.read())
+    assert status in (200, 400, 413), status
+    good = msgspec.json.encode({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 16],
+                                            "data": [0.0] * 16}]})
+    with urllib.request.urlopen(urllib.request.Request(f"http://{address}/v2/models/mlp/infer", data=good,
+                                                       method="POST"), timeout=20) as response:
+        assert response.status == 200

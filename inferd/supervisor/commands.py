@@ -83,6 +83,32 @@ class Commands:
         """Requests, latencies, throughput, batch sizes and queues per model; processes, memory, GPUs per worker."""
         return stats_report(self.daemon)
 
+    def command_models(self) -> dict[str, Any]:
+        """Each model's live version, whether a ready worker serves it, its outputs, and per version the
+        counts and times the Open Inference Protocol's statistics report (what the gateway asks)."""
+        since_epoch = time.time() - time.monotonic()
+        result = {}
+        for name, live in self.daemon.live.items():
+            versions = {}
+            for (model, version), series in self.daemon.stats.since_start.items():
+                if model != name:
+                    continue
+                versions[version] = {
+                    "requests": dict(series.replies), "samples": series.samples,
+                    "batches": sum(series.batch_sizes.values()),
+                    "batch_sizes": {str(size): n for size, n in series.batch_sizes.items()},
+                    "total_s": series.total.sum, "queue_s": series.queue.sum, "compute_s": series.compute.sum,
+                    "last_inference_s": since_epoch + series.last_answered if series.last_answered else 0.0,
+                }
+            outputs = self.daemon.workers.signature(name, live) or ()
+            result[name] = {
+                "live_version": live,
+                "ready": any(w.serves(name, live) for w in self.daemon.workers.workers),
+                "outputs": [[spec.dtype, list(spec.shape)] for spec in outputs],
+                "versions": versions,
+            }
+        return result
+
     def command_status(self) -> dict[str, Any]:
         """The daemon's state, its workers and the live version of each model."""
         return {

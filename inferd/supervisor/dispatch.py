@@ -284,6 +284,11 @@ class Dispatcher:
         if not computed:
             return []
         trackers = self.frontend.reply_ok(replies, by_reference)
+        if self.frontend.protocols:  # some came through the gateway: count them by protocol
+            for request in computed:
+                gateway = self.frontend.protocols.get(request.reply_to.socket)
+                if gateway is not None:
+                    self.stats.by_protocol[(batch.model, gateway, protocol.OK)] += 1
         self.stats.answered(now, batch.model, batch.version, row, [now - r.received for r in computed],
                             [batch.started - r.received for r in computed], done.compute_us / 1e6)
         return trackers

@@ -11,8 +11,10 @@ models no worker serves yet, and the bounds of the queue.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import zmq
@@ -118,6 +120,7 @@ class Frontend:
         self.stats = stats
         self.live = live
         self.sockets: list[zmq.Socket] = []
+        self.protocols: dict[zmq.Socket, str] = {}  # the gateway's sockets -> the protocol they carry
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
         self._admitted: set[str] = set()  # models that took requests since note_queue_depths
@@ -134,16 +137,18 @@ class Frontend:
         # send the same few again and again, and the check is pure Python.
         self._checked: dict[tuple[str, tuple[protocol.TensorMeta, ...]], int] = {}
 
-    def bind(self) -> None:
-        """Bind a ROUTER on every `server.listen` endpoint; tcp ones with CURVE when it is configured."""
-        largest, recv_hwm = receive_limits(self.config)
+    def bind(self, internal: dict[str, str]) -> None:
+        """Bind a ROUTER on every `server.listen` endpoint (tcp ones with CURVE when it is configured),
+        and on each of `internal` (protocol -> ipc:// endpoint), where the gateway sends its requests."""
+        for protocol_name, endpoint in internal.items():
+            socket = self._router()
+            socket.setsockopt(zmq.RCVHWM, MAX_RECV_HWM)  # one connection carries a whole protocol
+            self.sockets.append(socket)
+            self.protocols[socket] = protocol_name
+            socket.bind(endpoint)
+            os.chmod(endpoint[len("ipc://"):], 0o600)
         for endpoint in self.config.server.listen:
-            socket = self._context.socket(zmq.ROUTER)
-            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-            socket.setsockopt(zmq.RCVHWM, recv_hwm)
-            socket.setsockopt(zmq.MAXMSGSIZE, largest)
-            socket.linger = 0
+            socket = self._router()
             tcp = endpoint.startswith("tcp://")
             if tcp and self._curve.enabled:
                 self._curve.secure(socket)
@@ -154,10 +159,24 @@ class Frontend:
                             "set server.curve_secret_key and server.curve_authorized_keys", endpoint)
             log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and self._curve.enabled else "")
 
+    def _router(self) -> zmq.Socket:
+        largest, recv_hwm = receive_limits(self.config)
+        socket = self._context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        socket.setsockopt(zmq.RCVHWM, recv_hwm)
+        socket.setsockopt(zmq.MAXMSGSIZE, largest)
+        socket.linger = 0
+        return socket
+
     def close(self, linger_ms: int = 0) -> None:
         """Close every client socket, letting queued replies leave for at most `linger_ms`."""
         for socket in self.sockets:
+            endpoint = socket.last_endpoint.decode() if socket in self.protocols else ""
             socket.close(linger=linger_ms)
+            if socket in self.protocols:
+                self.protocols.pop(socket)
+                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
         self.sockets = []
 
     def admit(self, state: DaemonState, workers: WorkerTable) -> None:
@@ -270,7 +289,8 @@ class Frontend:
         """Send an error reply, and count it (against its model when the model is one this daemon serves)."""
         served = model in self.live
         counted = version or (self.live[model] if model is not None and served else None)
-        self.stats.reply(time.monotonic(), model if served else None, counted, status)
+        self.stats.reply(time.monotonic(), model if served else None, counted, status,
+                         self.protocols.get(reply_to.socket))
         try:
             send_parts(reply_to.socket,
                        [*reply_to.envelope, protocol.error_reply(request_id, status, error, model, version)])

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from inferd.supervisor.report import worker_report
+from inferd.supervisor.report import requests_by_protocol, worker_report
 from inferd.supervisor.state import StartupError
 from inferd.supervisor.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
 
@@ -73,6 +73,13 @@ def build_families(daemon: DaemonView) -> list[Metric]:
         live.add_metric([model, daemon.live[model]], 1)
     families: list[Metric] = [requests, samples, *durations.values(), batch_size, queue_depth, live]
     families += _worker_families(daemon)
+    by_protocol = CounterMetricFamily("inferd_requests_by_protocol", "Requests answered, by protocol and status.",
+                                      labels=["model", "protocol", "status"])
+    for model in daemon.live:
+        for protocol, statuses in requests_by_protocol(daemon, model, per_model[model].replies).items():
+            for status, count in sorted(statuses.items()):
+                by_protocol.add_metric([model, protocol, status], count)
+    families.append(by_protocol)
     undelivered = CounterMetricFamily("inferd_replies_undelivered", "Replies whose client had gone or stopped reading.")
     undelivered.add_metric([], daemon.stats.undelivered)
     families.append(undelivered)

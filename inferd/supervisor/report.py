@@ -7,6 +7,7 @@ endpoint reads the same measurements (see metrics.py).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from inferd.supervisor.stats import Series
@@ -78,6 +79,18 @@ def worker_report(daemon: DaemonView) -> list[dict[str, Any]]:
     return report
 
 
+def requests_by_protocol(daemon: DaemonView, model: str, replies: Counter[str]) -> dict[str, dict[str, int]]:
+    """Replies to `model` since start by protocol and status: what came through the gateway, and the rest
+    (ZeroMQ, and inferctl infer)."""
+    result: dict[str, dict[str, int]] = {"zmq": dict(replies)}
+    for (counted, protocol, status), n in daemon.stats.by_protocol.items():
+        if counted == model:
+            result.setdefault(protocol, {})[status] = n
+            result["zmq"][status] = result["zmq"].get(status, 0) - n
+    result["zmq"] = {status: n for status, n in result["zmq"].items() if n}
+    return result
+
+
 def stats_report(daemon: DaemonView) -> dict[str, Any]:
     """The whole `stats` object."""
     now = time.monotonic()
@@ -97,6 +110,7 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
         models[name] = {
             "live_version": live,
             **_series_report(totals[0], totals[1], totals[2], minute_s, ten_s),
+            "requests_by_protocol": requests_by_protocol(daemon, name, totals[0].replies),
             "queue_depth": daemon.queue.depth(name),
             "versions": versions,
         }

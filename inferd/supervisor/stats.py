@@ -112,6 +112,7 @@ class Series:
     compute: Histogram = field(default_factory=Histogram)
     batch_sizes: Counter = field(default_factory=Counter)  # samples per batch -> batches
     queue_peak: int = 0
+    last_answered: float = 0.0  # when its last ok reply went (monotonic; 0: none yet)
 
     def merge(self, other: Series) -> None:
         """Fold `other` into this series."""
@@ -122,6 +123,7 @@ class Series:
         self.compute.merge(other.compute)
         self.batch_sizes.update(other.batch_sizes)
         self.queue_peak = max(self.queue_peak, other.queue_peak)
+        self.last_answered = max(self.last_answered, other.last_answered)
 
 
 @dataclass
@@ -136,6 +138,9 @@ class Stats:
     def __init__(self, now: float) -> None:
         self.started = now
         self.replies: Counter[str] = Counter()  # every reply since start by status, with or without a model
+        # (model, protocol, status) -> replies since start, for the requests that came through the gateway;
+        # the rest came over ZeroMQ.
+        self.by_protocol: Counter[tuple[str | None, str, str]] = Counter()
         self.undelivered = 0  # replies whose client had gone or stopped reading
         self.since_start: dict[tuple[str, str], Series] = {}
         self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
@@ -154,10 +159,13 @@ class Stats:
             total = self.since_start[key] = Series()
         return recent, total
 
-    def reply(self, now: float, model: str | None, version: str | None, status: str) -> None:
+    def reply(self, now: float, model: str | None, version: str | None, status: str,
+              protocol: str | None = None) -> None:
         """Count a reply other than `ok` (those come through `answered`); against its model and version
-        when it has them (a request for an unknown model has neither)."""
+        when it has them (a request for an unknown model has neither), and its gateway protocol if any."""
         self.replies[status] += 1
+        if protocol is not None:
+            self.by_protocol[(model, protocol, status)] += 1
         if model is not None and version is not None:
             for series in self._series(now, model, version):
                 series.replies[status] += 1
@@ -173,6 +181,7 @@ class Stats:
             series.total.add_all(totals_s)
             series.queue.add_all(queues_s)
             series.compute.add(compute_s, len(totals_s))
+            series.last_answered = now
 
     def batch(self, now: float, model: str, version: str, samples: int) -> None:
         """Count a batch of `samples` samples."""

@@ -413,7 +413,11 @@ class WorkerTable:
     def version_loaded(self, worker: WorkerHandle, model: str, loaded: LoadedModel) -> str | None:
         """Record that `worker` has `loaded` of `model` warm, if a full batch of it fits an arena slot;
         otherwise return why not (and record nothing)."""
-        problem = slot_shortfall(model, self.config.models[model], loaded.outputs, worker.slots.slot_size)
+        spec = self.config.models[model]
+        problem = slot_shortfall(model, spec, loaded.outputs, worker.slots.slot_size)
+        if problem is None and len(spec.outputs) > len(loaded.outputs):
+            problem = (f"models.{model}.outputs names {len(spec.outputs)} outputs, but {model} {loaded.version} "
+                       f"returns {len(loaded.outputs)}")
         if problem is not None:
             return f"worker{worker.index}: {problem}"
         worker.loaded[(model, loaded.version)] = loaded

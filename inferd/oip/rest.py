@@ -1,0 +1,190 @@
+"""The Open Inference Protocol over HTTP: KServe v2's REST API with Triton's extensions, as an ASGI app.
+
+    GET  /v2/health/live | /v2/health/ready | /v2
+    GET  /v2/models/{m}[/versions/{v}] | .../ready | .../config | .../stats
+    POST /v2/models/{m}[/versions/{v}]/infer
+
+An inference request is JSON, or JSON followed by raw tensor bytes (Triton's
+binary tensor extension: the JSON's length in `Inference-Header-Content-Length`,
+each binary input's size in its `parameters.binary_data_size`). Bodies may be
+gzip or deflate. Every error is `{"error": SENTENCE}` with the status the
+protocol gives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from inferd import __version__, protocol
+from inferd.errors import InvalidRequest
+from inferd.oip.catalog import Catalog, ModelView, NotFound
+from inferd.oip.upstream import Control, Upstream
+
+log = logging.getLogger("inferd.oip.rest")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+HTTP_STATUS = {
+    protocol.INVALID: 400, protocol.OVERLOADED: 429, protocol.TIMEOUT: 504,
+    protocol.UNAVAILABLE: 503, protocol.INTERNAL: 500,
+}
+MAX_HEADER_JSON = 1 << 20  # the JSON part of a binary request: names, shapes and parameters, never data
+BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is cut off
+_ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$")
+_json = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder().encode
+
+
+class HttpError(Exception):
+    """An error reply: HTTP status and one sentence (and headers, for 429's Retry-After)."""
+
+    def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or []
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks = []
+    size = 0
+    more = True
+    deadline = time.monotonic() + BODY_TIMEOUT_S
+    while more:
+        left = deadline - time.monotonic()
+        try:
+            message = await asyncio.wait_for(receive(), max(0.001, left))
+        except TimeoutError:
+            raise HttpError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        if message["type"] == "http.disconnect":
+            raise ConnectionAbortedError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise HttpError(413, f"the request body is over {limit} bytes (server.max_message_mb)")
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    """A gzip or deflate body, inflated to at most `limit` bytes (a zip bomb stops there)."""
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
+    if wbits is None:
+        raise HttpError(415, f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise HttpError(400, f"the {encoding} body cannot be inflated: {exc}") from None
+    if len(data) > limit or inflater.unconsumed_tail:
+        raise HttpError(413, f"the request body inflates to over {limit} bytes (server.max_message_mb)")
+    return data
+
+
+class RestApp:
+    """The ASGI application of the gateway's HTTP server."""
+
+    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control, max_message_bytes: int) -> None:
+        self.catalog = catalog
+        self.upstream = upstream
+        self.control = control
+        self.max_message_bytes = max_message_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        try:
+            status, body, headers = await self._route(scope, receive)
+        except HttpError as exc:
+            status, body, headers = exc.status, _encode({"error": exc.message}), exc.headers
+        except ConnectionAbortedError:
+            return
+        except Exception:
+            log.exception("handling %s %s raised", scope.get("method"), scope.get("path"))
+            status, body, headers = 500, _encode({"error": "the gateway failed on this request (a bug; "
+                                                           "its traceback is in the daemon's log)"}), []
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        path, method = scope["path"], scope["method"]
+        if path == "/v2/health/live" and method == "GET":
+            await self.control.call("status")
+            return 200, b"", []
+        if path == "/v2/health/ready" and method == "GET":
+            ready = (await self.control.call("health"))["healthy"]
+            return (200 if ready else 400), b"" if ready else _encode({"error": "the daemon is not ready"}), []
+        if path == "/v2" and method == "GET":
+            return 200, _encode({"name": "inferd", "version": __version__, "extensions": EXTENSIONS}), []
+        match = _ROUTE.match(path)
+        if match is None:
+            raise HttpError(404, f"no such endpoint: {method} {path}")
+        name, version, action = match.groups()
+        try:
+            model = await self.catalog.model(name, version)
+        except NotFound as exc:
+            raise HttpError(404, str(exc)) from None
+        if action == "infer":
+            if method != "POST":
+                raise HttpError(405, "infer takes POST")
+            return await self._infer(scope, receive, model, version)
+        if method != "GET":
+            raise HttpError(405, f"{path} takes GET")
+        if action is None:
+            return 200, _encode(model.metadata()), []
+        if action == "ready":
+            return (200, b"", []) if model.ready else (400, _encode({"error": f"{name} is not ready"}), [])
+        if action == "config":
+            return 200, _encode(model.triton_config()), []
+        return 200, _encode(await self.catalog.statistics(name, version)), []
+
+    async def _infer(self, scope: Scope, receive: Receive, model: ModelView,
+                     version: str | None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        headers = {key.lower(): value for key, value in scope["headers"]}
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_message_bytes:
+            raise HttpError(413, f"the request body is {int(declared)} bytes, over {self.max_message_bytes} "
+                                 "(server.max_message_mb)")
+        body = await _read_body(receive, self.max_message_bytes)
+        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if encoding not in ("", "identity"):
+            body = _inflate(body, encoding, self.max_message_bytes)
+        json_length = headers.get(b"inference-header-content-length")
+        if json_length is not None:
+            if not json_length.isdigit() or int(json_length) > len(body) or int(json_length) > MAX_HEADER_JSON:
+                raise HttpError(400, f"Inference-Header-Content-Length {json_length.decode('latin-1')!r} is not "
+                                     f"a length within the body's {len(body)} bytes")
+            split = int(json_length)
+        else:
+            split = len(body)
+        try:
+            request = _json.decode(body[:split])
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise HttpError(400, f"the request is not JSON: {exc}") from None
+        try:
+            prepared = model.prepare(request, memoryview(body)[split:], version)
+        except InvalidRequest as exc:
+            raise HttpError(400, exc.message) from None
+        reply, outputs = await self.upstream.infer(model.name, version, prepared.inputs, prepared.timeout_ms)
+        if reply.status != protocol.OK:
+            extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
+            raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
+        json_part, binary = model.respond(reply, outputs, prepared)
+        encoded = _encode(json_part)
+        if not binary:
+            return 200, encoded, []
+        return 200, encoded + b"".join(binary), [(b"inference-header-content-length", str(len(encoded)).encode())]

@@ -1,0 +1,116 @@
+"""The gateway's link to the supervisor: requests in inferd's own wire protocol on an ipc:// socket,
+and commands on its control socket, both from the gateway's asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from inferd import protocol
+from inferd.ipc.control import Answer, encode_command
+from inferd.protocol import Buffer, ReplyHeader
+
+log = logging.getLogger("inferd.oip.upstream")
+
+_answer_decoder = msgspec.json.Decoder(Answer)
+SEND_HWM = 0  # the gateway bounds what it has in flight itself (its server's connection limits)
+
+
+class Upstream:
+    """One DEALER to the supervisor's data endpoint for a protocol; replies matched to requests by id."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str) -> None:
+        self._socket = context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        self._socket.linger = 0
+        self._socket.connect(endpoint)
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[tuple[ReplyHeader, list[memoryview]]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start reading replies (on the running loop)."""
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def infer(self, model: str, version: str | None, inputs: Sequence[tuple[str, tuple[int, ...], Buffer]],
+                    timeout_ms: int | None) -> tuple[ReplyHeader, list[memoryview]]:
+        """Send one request (inputs as (dtype, full shape, bytes) in the model's order); its reply."""
+        request_id = next(self._ids)
+        header = protocol.RequestHeader(
+            id=request_id, model=model, version=version, timeout_ms=timeout_ms,
+            inputs=tuple(protocol.TensorMeta(dtype, shape) for dtype, shape, _ in inputs))
+        future: asyncio.Future[tuple[ReplyHeader, list[memoryview]]] = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = future
+        try:
+            await self._socket.send_multipart([protocol.encode_header(header), *(data for _, _, data in inputs)],
+                                              copy=False)
+            return await future
+        finally:
+            self._waiting.pop(request_id, None)
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._socket.recv_multipart(copy=False)
+            try:
+                header = protocol.decode_reply_header(frames[0].buffer)
+            except msgspec.DecodeError:
+                log.warning("malformed reply from the supervisor dropped")
+                continue
+            future = self._waiting.get(header.id) if isinstance(header.id, int) else None
+            if future is not None and not future.done():
+                future.set_result((header, [frame.buffer for frame in frames[1:]]))
+
+    def close(self) -> None:
+        """Stop reading and close the socket; whoever still waits gets CancelledError."""
+        if self._reader is not None:
+            self._reader.cancel()
+        for future in self._waiting.values():
+            future.cancel()
+        self._socket.close()
+
+
+class Control:
+    """Commands on the supervisor's control socket (status, health, models, stats), one at a time."""
+
+    def __init__(self, context: zmq.asyncio.Context, endpoint: str, timeout_s: float = 5.0) -> None:
+        self._context = context
+        self._endpoint = endpoint
+        self._timeout_s = timeout_s
+        self._lock = asyncio.Lock()
+        self._socket: zmq.asyncio.Socket | None = None
+
+    async def call(self, command: str, **args: Any) -> Any:
+        """The command's result; ConnectionError with a sentence when the supervisor does not answer."""
+        async with self._lock:
+            socket = self._socket
+            if socket is None:
+                socket = self._socket = self._context.socket(zmq.DEALER)
+                socket.linger = 0
+                socket.connect(self._endpoint)
+            await socket.send(encode_command(command, **args))
+            while True:
+                if not await socket.poll(int(self._timeout_s * 1000)):
+                    # The answer may still come: a new socket, so it is not taken for the next one's.
+                    socket.close()
+                    self._socket = None
+                    raise ConnectionError(f"the daemon did not answer {command} within {self._timeout_s:g} s")
+                answer = _answer_decoder.decode(await socket.recv())
+                if answer.progress is None:
+                    break
+        if not answer.ok:
+            raise ConnectionError(answer.error or f"{command} failed")
+        return answer.result
+
+    def close(self) -> None:
+        """Close the socket."""
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None

@@ -1,0 +1,136 @@
+"""The gateway process (the Open Inference Protocol's front ends), supervised like a worker.
+
+It is started once the supervisor's sockets are bound, restarted with backoff
+when it dies, and stopped at the end of a drain, after the last reply it carries
+has gone. Its ports are checked at start, so that one in use is a sentence
+naming the key to change rather than a gateway that keeps dying.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+from multiprocessing.process import BaseProcess
+
+import msgspec
+
+from inferd import config as config_module
+from inferd.config import Config
+from inferd.oip.spec import GatewaySpec
+from inferd.supervisor.state import StartupError
+from inferd.worker.exits import describe_exit
+
+log = logging.getLogger("inferd.gateway")
+
+MAX_BACKOFF_S = 30.0
+STOP_TIMEOUT_S = 10.0
+
+_spawn = multiprocessing.get_context("spawn")
+
+
+def _run(encoded_spec: bytes) -> None:
+    # Imported only in the gateway's process: the supervisor never loads the HTTP server.
+    from inferd.oip.gateway import gateway_main
+
+    gateway_main(encoded_spec)
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def check_port(address: str, key: str) -> None:
+    """Refuse to start with a port something else holds: one sentence naming the key."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, int(port)))
+        except OSError as exc:
+            raise StartupError(f"cannot listen at {address} ({exc.strerror}); change {key} or set it to \"\" "
+                               "to turn it off") from None
+
+
+class Gateway:
+    """The one gateway process: its spec, its process, its restarts."""
+
+    def __init__(self, config: Config, devices: list[str], control: str, http_upstream: str) -> None:
+        self.config = config
+        self._devices, self._control, self._http_upstream = devices, control, http_upstream
+        self.process: BaseProcess | None = None
+        self.restarts = 0
+        self.respawn_at = 0.0
+        self.stopping = False
+        self._deaths: list[float] = []
+
+    @property
+    def upstream(self) -> str:
+        """The supervisor's endpoint the gateway sends HTTP requests to."""
+        return self._http_upstream
+
+    @property
+    def wanted(self) -> bool:
+        """True when the config turns a front end on."""
+        return bool(self.config.server.http)
+
+    def check(self) -> None:
+        """At start: the ports are free, and a warning for each reachable beyond loopback without TLS."""
+        server = self.config.server
+        if server.http:
+            check_port(server.http, "server.http")
+            if not server.tls_cert and not _loopback(server.http.rpartition(":")[0].strip("[]")):
+                log.warning("the HTTP front end at %s is reachable from the network without TLS; "
+                            "set server.tls_cert and server.tls_key", server.http)
+
+    def start(self) -> None:
+        """Spawn the gateway process."""
+        spec = GatewaySpec(config=config_module.encode(self.config), devices=self._devices, control=self._control,
+                           http_upstream=self._http_upstream)
+        self.process = _spawn.Process(target=_run, args=(msgspec.msgpack.encode(spec),), name="inferd-gateway")
+        self.process.start()
+        log.info("gateway started (http %s), pid %d", self.config.server.http, self.process.pid)
+
+    def reaped(self, now: float) -> None:
+        """Its process exited: restart it (at once the first time, then with doubling backoff) unless stopping."""
+        assert self.process is not None
+        self.process.join(timeout=1.0)
+        reason = describe_exit(self.process.exitcode)
+        self.process = None
+        if self.stopping:
+            log.info("gateway exited (%s)", reason)
+            return
+        self._deaths = [t for t in self._deaths if now - t < 60.0] + [now]
+        delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (len(self._deaths) - 2)) if len(self._deaths) > 1 else 0.0
+        self.restarts += 1
+        self.respawn_at = now + delay
+        log.error("gateway died (%s); restarting in %.1f s", reason, delay)
+
+    def respawn_due(self, now: float) -> None:
+        """Start it again once its backoff has passed."""
+        if self.wanted and not self.stopping and self.process is None and now >= self.respawn_at:
+            self.start()
+
+    def stop(self) -> None:
+        """Ask it to finish what it carries and exit."""
+        self.stopping = True
+        if self.process is not None and self.process.pid is not None:
+            try:
+                os.kill(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def wait(self) -> None:
+        """At exit: wait for it, killing it if it outlasts STOP_TIMEOUT_S."""
+        if self.process is None:
+            return
+        self.stop()
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.exitcode is None and self.process.pid is not None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.join(5.0)
+        self.process = None

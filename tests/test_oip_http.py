@@ -1,0 +1,287 @@
+"""The Open Inference Protocol over HTTP, spoken by Triton's own client (tritonclient.http), unmodified,
+against the real daemon; answers checked against the same models run in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import signal
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import models
+import numpy as np
+import pytest
+import torch
+import tritonclient.http as httpclient
+import tritonclient.http.aio as aioclient
+from conftest import FAILING, MLP, Daemon, base_config, wait_for
+from tritonclient.utils import InferenceServerException
+from wire import RawPeer
+
+from inferd.harness import free_port
+
+PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4], "name": "a"}, {"dtype": "int64", "shape": [2], "name": "b"}],
+        "outputs": [{"name": "scaled"}, {"name": "doubled"}], "max_batch_size": 8}
+
+
+@pytest.fixture(scope="module")
+def oip(repo: Path) -> Iterator[Daemon]:
+    """One daemon serving mlp, pair and failing over ZeroMQ and HTTP."""
+    path = Path(tempfile.mkdtemp(prefix="inferd-h"))
+    config = base_config(path, repo, {"mlp": MLP, "pair": PAIR, "failing": FAILING},
+                         server={"http": f"127.0.0.1:{free_port()}"})
+    daemon = Daemon(path, config)
+    daemon.start()
+    yield daemon
+    daemon.kill_all()
+
+
+def url(daemon: Daemon) -> str:
+    return daemon.config["server"]["http"]
+
+
+def client(daemon: Daemon) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(url(daemon))
+
+
+def reference(repo: Path, name: str, version: str):
+    module = torch.jit.load(str(repo / name / version / "model.pt"))
+
+    def run(*arrays):
+        with torch.inference_mode():
+            out = module(*(torch.from_numpy(a) for a in arrays))
+        return tuple(o.numpy() for o in out) if isinstance(out, tuple) else out.numpy()
+
+    return run
+
+
+def test_health_metadata_and_config_as_tritonclient_reads_them(oip):
+    c = client(oip)
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("mlp")
+    server = c.get_server_metadata()
+    assert server["name"] == "inferd" and "binary_tensor_data" in server["extensions"]
+    meta = c.get_model_metadata("pair")
+    assert meta["versions"] == ["v1"]
+    assert meta["inputs"] == [{"name": "a", "datatype": "FP32", "shape": [-1, 3, 4]},
+                              {"name": "b", "datatype": "INT64", "shape": [-1, 2]}]
+    assert meta["outputs"] == [{"name": "scaled", "datatype": "FP32", "shape": [-1, 3]},
+                               {"name": "doubled", "datatype": "INT64", "shape": [-1, 2]}]
+    config = c.get_model_config("mlp")
+    assert config["max_batch_size"] == 16 and config["input"][0] == {"name": "INPUT__0", "data_type": "TYPE_FP32",
+                                                                     "dims": [16]}
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    assert c.get_model_metadata("mlp", model_version="v2")["name"] == "mlp"
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_infer_with_binary_or_json_data_answers_like_the_model_in_process(oip, repo, binary):
+    expected = reference(repo, "pair", "v1")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((5, 3, 4), dtype=np.float32)
+    b = rng.integers(-100, 100, (5, 2), dtype=np.int64)
+    inputs = [httpclient.InferInput("a", list(a.shape), "FP32"), httpclient.InferInput("b", list(b.shape), "INT64")]
+    inputs[0].set_data_from_numpy(a, binary_data=binary)
+    inputs[1].set_data_from_numpy(b, binary_data=binary)
+    outputs = [httpclient.InferRequestedOutput("scaled", binary_data=binary),
+               httpclient.InferRequestedOutput("doubled", binary_data=not binary)]
+    result = client(oip).infer("pair", inputs, outputs=outputs, request_id="r-7")
+    e0, e1 = expected(a, b)
+    np.testing.assert_allclose(result.as_numpy("scaled"), e0, rtol=1e-5)
+    np.testing.assert_array_equal(result.as_numpy("doubled"), e1)
+    response = result.get_response()
+    assert response["id"] == "r-7" and response["model_version"] == "v1"
+
+
+def test_a_pinned_version_gzip_bodies_and_a_deadline(oip, repo):
+    x = np.random.default_rng(1).standard_normal((3, models.MLP_IN), dtype=np.float32)
+    given = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+    result = client(oip).infer("mlp", [given], model_version="v2", request_compression_algorithm="gzip",
+                               timeout=5_000_000)
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), reference(repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InferenceServerException, match="version 'v1' of mlp is not served") as refused:
+        client(oip).infer("mlp", [given], model_version="v1")
+    assert refused.value.status() == "404"
+
+
+def post(daemon: Daemon, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://{url(daemon)}{path}", data=body, method="POST", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+ONE = {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}
+ERRORS = [
+    ("not json", b"{nope", 400, "not JSON"),
+    ("unknown model", b"{}", 404, "unknown model 'nope'"),
+    ("no inputs", json.dumps({"inputs": []}).encode(), 400, "has no inputs"),
+    ("unknown input", json.dumps({"inputs": [{**ONE, "name": "x"}]}).encode(), 400, "has no input 'x'"),
+    ("wrong datatype", json.dumps({"inputs": [{**ONE, "datatype": "FP64"}]}).encode(), 400,
+     "is FP64, but mlp takes FP32"),
+    ("bytes", json.dumps({"inputs": [{**ONE, "datatype": "BYTES"}]}).encode(), 400, "BYTES"),
+    ("wrong sample shape", json.dumps({"inputs": [{**ONE, "shape": [2, 8]}]}).encode(), 400, "mlp takes [N, 16]"),
+    ("data and shape disagree", json.dumps({"inputs": [{**ONE, "shape": [2, 16]}]}).encode(), 400,
+     "16 values of data, but shape [2, 16] holds 32"),
+    ("negative dim", json.dumps({"inputs": [{**ONE, "shape": [-1, 16]}]}).encode(), 400, "at least 1"),
+    ("huge dims", json.dumps({"inputs": [{**ONE, "shape": [2**40, 2**40]}]}).encode(), 400, "elements"),
+    ("batch too big", json.dumps({"inputs": [{**ONE, "shape": [17, 16], "data": [0.0] * 272}]}).encode(), 400,
+     "over max_batch_size 16"),
+    ("missing binary size", json.dumps({"inputs": [{k: v for k, v in ONE.items() if k != "data"}]}).encode(), 400,
+     "neither data nor parameters.binary_data_size"),
+    ("deep json", b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "not JSON"),
+    ("bad timeout", json.dumps({"inputs": [ONE], "parameters": {"timeout": -5}}).encode(), 400,
+     "positive number of microseconds"),
+]
+
+
+@pytest.mark.parametrize("case, body, status, message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_each_bad_request_gets_its_status_and_a_sentence_and_the_daemon_serves_on(oip, case, body, status, message):
+    model = "nope" if case == "unknown model" else "mlp"
+    got, answer = post(oip, f"/v2/models/{model}/infer", body)
+    assert got == status and message in answer["error"], (got, answer)
+    assert post(oip, "/v2/models/mlp/infer", json.dumps({"inputs": [ONE]}).encode())[0] == 200
+
+
+def test_binary_sizes_that_disagree_with_the_body_and_a_truncated_body_are_refused(oip):
+    header = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 16],
+                                     "parameters": {"binary_data_size": 64}}]}).encode()
+    for data, message in ((b"\0" * 60, "binary_data_size 64, but 60 bytes"),
+                          (b"\0" * 68, "4 bytes of binary data follow that no input claims")):
+        status, answer = post(oip, "/v2/models/mlp/infer", header + data,
+                              {"Inference-Header-Content-Length": str(len(header))})
+        assert status == 400 and message in answer["error"], answer
+    status, answer = post(oip, "/v2/models/mlp/infer", header, {"Inference-Header-Content-Length": "9999"})
+    assert status == 400 and "Inference-Header-Content-Length" in answer["error"]
+
+
+def test_a_gzip_bomb_is_refused_once_it_inflates_past_the_limit(oip):
+    bomb = gzip.compress(b"\0" * (80 << 20))  # 80 MiB of zeros in ~80 KB; the limit is 64 MiB
+    status, answer = post(oip, "/v2/models/mlp/infer", bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and "inflates to over" in answer["error"]
+
+
+def test_a_model_error_is_500_and_statistics_count_what_was_served(oip):
+    x = np.array([[-1.0, 2.0]], dtype=np.float32)
+    given = httpclient.InferInput("INPUT__0", [1, 2], "FP32")
+    given.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException, match="negative input refused by the model") as failed:
+        client(oip).infer("failing", [given])
+    assert failed.value.status() == "500"
+    before = client(oip).get_inference_statistics("mlp")["model_stats"]
+    served = sum(s["inference_stats"]["success"]["count"] for s in before)
+    post(oip, "/v2/models/mlp/infer", json.dumps({"inputs": [ONE]}).encode())
+    wait_for(lambda: sum(s["inference_stats"]["success"]["count"]
+                         for s in client(oip).get_inference_statistics("mlp")["model_stats"]) == served + 1,
+             timeout=5, what="the statistics to count the request")
+    stats = client(oip).get_inference_statistics("mlp")["model_stats"][0]
+    assert stats["version"] == "v2" and stats["execution_count"] >= 1 and stats["inference_stats"]["queue"]["ns"] > 0
+    by_protocol = oip.call("stats")["models"]["mlp"]["requests_by_protocol"]
+    assert by_protocol["http"]["ok"] >= 1
+
+
+def test_the_asyncio_client_and_zeromq_clients_are_batched_together(oip, repo):
+    expected = reference(repo, "mlp", "v2")
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1, models.MLP_IN), dtype=np.float32) for _ in range(60)]
+    before = sum(w["batches"] for w in oip.status()["workers"])
+
+    async def over_http() -> list[np.ndarray]:
+        async with aioclient.InferenceServerClient(url(oip)) as c:
+            async def one(x: np.ndarray) -> np.ndarray:
+                given = aioclient.InferInput("INPUT__0", list(x.shape), "FP32")
+                given.set_data_from_numpy(x)
+                return (await c.infer("mlp", [given])).as_numpy("OUTPUT__0")
+            return await asyncio.gather(*(one(x) for x in xs[:30]))
+
+    with oip.client() as zmq_client:
+        futures = [zmq_client.submit("mlp", x) for x in xs[30:]]
+        http_answers = asyncio.run(over_http())
+        zmq_answers = [f.result() for f in futures]
+    for x, y in zip(xs, http_answers + zmq_answers):
+        np.testing.assert_allclose(y, expected(x), rtol=1e-5, atol=1e-6)
+    batches = sum(w["batches"] for w in oip.status()["workers"]) - before
+    assert batches < 60, "requests of both protocols should share batches"
+
+
+ONE_AT_A_TIME = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
+BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
+SMALL = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()
+
+
+def test_overloaded_is_429_with_retry_after(start_daemon):
+    daemon = start_daemon({"variable": ONE_AT_A_TIME}, server={"http": f"127.0.0.1:{free_port()}"},
+                          queue={"max_size": 1}, workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("blocker", "variable", [BLOCKER], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+        peer.send(0, "variable", [np.ones((1, 2), dtype=np.float32)], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="the executor's pipeline full")
+        peer.send(1, "variable", [np.ones((1, 2), dtype=np.float32)], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="the queue's one place taken")
+        request = urllib.request.Request(f"http://{url(daemon)}/v2/models/variable/infer", data=SMALL, method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=20)
+        assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+        assert "queue is full" in json.loads(refused.value.read())["error"]
+        assert [peer.recv()[0]["status"] for _ in range(3)] == ["ok"] * 3
+
+
+def test_a_draining_daemon_answers_503(start_daemon):
+    daemon = start_daemon({"variable": ONE_AT_A_TIME}, server={"http": f"127.0.0.1:{free_port()}"},
+                          workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("blocker", "variable", [BLOCKER], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+        daemon.signal(signal.SIGTERM)
+        wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
+        status, answer = post(daemon, "/v2/models/variable/infer", SMALL)
+        assert status == 503 and "shutting down" in answer["error"]
+        assert peer.recv()[0]["status"] == "ok", "what was running finishes"
+    assert daemon.wait(30) == 0
+
+
+def test_a_dead_gateway_is_restarted_and_serves_again(start_daemon):
+    import os
+
+    import psutil
+
+    daemon = start_daemon({"mlp": MLP}, server={"http": f"127.0.0.1:{free_port()}"})
+    one = json.dumps({"inputs": [ONE]}).encode()
+    assert post(daemon, "/v2/models/mlp/infer", one)[0] == 200
+    supervisor = psutil.Process(daemon.process.pid)
+    gateway = next(p for p in supervisor.children() if p.cmdline()[0].startswith("inferd: gateway"))
+    os.kill(gateway.pid, signal.SIGKILL)
+
+    def served_again() -> bool:
+        try:
+            return post(daemon, "/v2/models/mlp/infer", one)[0] == 200
+        except OSError:  # refused, or reset by the gateway that died
+            return False
+
+    wait_for(served_again, timeout=30, what="the new gateway serving")
+    assert "gateway died (killed by signal 9" in daemon.log()
+
+
+def test_a_port_in_use_is_one_sentence_naming_the_key(start_daemon):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = start_daemon({"mlp": MLP}, server={"http": f"127.0.0.1:{port}"}, wait=False)
+        assert daemon.wait(60) == 1
+    assert f"cannot listen at 127.0.0.1:{port} (Address already in use); change server.http" in daemon.log()
+
+
+def test_beyond_loopback_without_tls_is_a_warning(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, server={"http": f"0.0.0.0:{free_port()}"})
+    assert "reachable from the network without TLS" in daemon.log()
