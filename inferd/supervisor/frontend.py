@@ -121,6 +121,7 @@ class Frontend:
         self.live = live
         self.sockets: list[zmq.Socket] = []
         self.protocols: dict[zmq.Socket, str] = {}  # the gateway's sockets -> the protocol they carry
+        self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
         self._admitted: set[str] = set()  # models that took requests since note_queue_depths
@@ -146,7 +147,8 @@ class Frontend:
             self.sockets.append(socket)
             self.protocols[socket] = protocol_name
             socket.bind(endpoint)
-            os.chmod(endpoint[len("ipc://"):], 0o600)
+            self._internal_paths.append(Path(endpoint[len("ipc://"):]))
+            os.chmod(self._internal_paths[-1], 0o600)
         for endpoint in self.config.server.listen:
             socket = self._router()
             tcp = endpoint.startswith("tcp://")
@@ -172,12 +174,10 @@ class Frontend:
     def close(self, linger_ms: int = 0) -> None:
         """Close every client socket, letting queued replies leave for at most `linger_ms`."""
         for socket in self.sockets:
-            endpoint = socket.last_endpoint.decode() if socket in self.protocols else ""
             socket.close(linger=linger_ms)
-            if socket in self.protocols:
-                self.protocols.pop(socket)
-                Path(endpoint[len("ipc://"):]).unlink(missing_ok=True)
-        self.sockets = []
+        for path in self._internal_paths:
+            path.unlink(missing_ok=True)
+        self.sockets, self.protocols, self._internal_paths = [], {}, []
 
     def admit(self, state: DaemonState, workers: WorkerTable) -> None:
         """Decide what is admitted from now on: nothing while the daemon starts or stops, or while no
