@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs bench bench-curve bench-reload bench-soak clean
+.PHONY: demo test docs proto bench bench-curve bench-reload bench-soak clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -38,6 +38,10 @@ bench-reload: $(STAMP)
 
 bench-soak: $(STAMP)
 	$(PY) -m bench.soak
+
+# The gRPC messages, from inferd/oip/inference.proto (the generated code is checked in).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iinferd/oip --python_out=inferd/oip --pyi_out=inferd/oip inferd/oip/inference.proto
 
 docs: $(STAMP)
 	$(PY) -m inferd.config --update README.md

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import torch
@@ -137,6 +138,11 @@ MLP = {"inputs": [{"dtype": "float32", "shape": [models.MLP_IN]}], "max_batch_si
 PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4]}, {"dtype": "int64", "shape": [2]}], "max_batch_size": 8}
 SLOW = {"inputs": [{"dtype": "float32", "shape": [models.SLOW_FEATURES]}], "max_batch_size": 4}
 RELOAD_MLP = {**MLP, "version": "v1"}  # the reload repository's mlp, pinned to its first version
+NAMED_PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4], "name": "a"},
+                         {"dtype": "int64", "shape": [2], "name": "b"}],
+              "outputs": [{"name": "scaled"}, {"name": "doubled"}], "max_batch_size": 8}
+# `variable` with one sample at a time: BLOCKER keeps its one executor busy for ~3 s.
+ONE_AT_A_TIME = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
 FAILING = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
 
 
@@ -171,15 +177,30 @@ def shared_daemon(repo: Path) -> Iterator[Daemon]:
 
 @pytest.fixture(scope="module")
 def oip_daemon(repo: Path) -> Iterator[Daemon]:
-    """One daemon for a whole module serving mlp over ZeroMQ and the Open Inference Protocol over HTTP."""
+    """One daemon for a whole module serving mlp, pair (with named tensors) and failing over ZeroMQ and
+    the Open Inference Protocol over HTTP and gRPC."""
     from inferd.harness import free_port
 
     path = Path(tempfile.mkdtemp(prefix="inferd-o"))
-    daemon = Daemon(path, base_config(path, repo, {"mlp": MLP}, server={"http": f"127.0.0.1:{free_port()}"}))
+    config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR, "failing": FAILING},
+                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
+    daemon = Daemon(path, config)
     daemon.start()
     yield daemon
     daemon.kill_all()
     shutil.rmtree(path, ignore_errors=True)
+
+
+def reference(repo: Path, name: str, version: str) -> Callable[..., Any]:
+    """The model `name` at `version` from the test repository, run in this process: numpy in, numpy out."""
+    module = torch.jit.load(str(repo / name / version / "model.pt"))
+
+    def run(*arrays: np.ndarray) -> Any:
+        with torch.inference_mode():
+            out = module(*(torch.from_numpy(a) for a in arrays))
+        return tuple(o.numpy() for o in out) if isinstance(out, tuple) else out.numpy()
+
+    return run
 
 
 @pytest.fixture

@@ -7,38 +7,24 @@ import asyncio
 import gzip
 import json
 import signal
-import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import models
 import numpy as np
 import pytest
-import torch
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
-from conftest import FAILING, MLP, Daemon, base_config, wait_for
+from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
 from inferd.harness import free_port
 
-PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4], "name": "a"}, {"dtype": "int64", "shape": [2], "name": "b"}],
-        "outputs": [{"name": "scaled"}, {"name": "doubled"}], "max_batch_size": 8}
-
 
 @pytest.fixture(scope="module")
-def oip(repo: Path) -> Iterator[Daemon]:
-    """One daemon serving mlp, pair and failing over ZeroMQ and HTTP."""
-    path = Path(tempfile.mkdtemp(prefix="inferd-h"))
-    config = base_config(path, repo, {"mlp": MLP, "pair": PAIR, "failing": FAILING},
-                         server={"http": f"127.0.0.1:{free_port()}"})
-    daemon = Daemon(path, config)
-    daemon.start()
-    yield daemon
-    daemon.kill_all()
+def oip(oip_daemon: Daemon) -> Daemon:
+    return oip_daemon
 
 
 def url(daemon: Daemon) -> str:
@@ -47,17 +33,6 @@ def url(daemon: Daemon) -> str:
 
 def client(daemon: Daemon) -> httpclient.InferenceServerClient:
     return httpclient.InferenceServerClient(url(daemon))
-
-
-def reference(repo: Path, name: str, version: str):
-    module = torch.jit.load(str(repo / name / version / "model.pt"))
-
-    def run(*arrays):
-        with torch.inference_mode():
-            out = module(*(torch.from_numpy(a) for a in arrays))
-        return tuple(o.numpy() for o in out) if isinstance(out, tuple) else out.numpy()
-
-    return run
 
 
 def test_health_metadata_and_config_as_tritonclient_reads_them(oip):
@@ -211,7 +186,6 @@ def test_the_asyncio_client_and_zeromq_clients_are_batched_together(oip, repo):
     assert batches < 60, "requests of both protocols should share batches"
 
 
-ONE_AT_A_TIME = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
 BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
 SMALL = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()
 
@@ -267,7 +241,7 @@ def test_a_dead_gateway_is_restarted_and_serves_again(start_daemon):
             return False
 
     wait_for(served_again, timeout=30, what="the new gateway serving")
-    assert "gateway died (killed by signal 9" in daemon.log()
+    assert "gateway http died (killed by signal 9" in daemon.log()
 
 
 def test_a_port_in_use_is_one_sentence_naming_the_key(start_daemon):

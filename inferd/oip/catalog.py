@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 from inferd import protocol
 from inferd.config import Config, ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.upstream import Control
-from inferd.protocol import Buffer, ReplyHeader
+from inferd.protocol import Buffer
 
+# What server metadata says is served, in both protocols.
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
 TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16",
                 "int32": "TYPE_INT32", "int64": "TYPE_INT64", "float16": "TYPE_FP16", "float32": "TYPE_FP32",
@@ -35,22 +37,28 @@ def output_name(model: ModelConfig, index: int) -> str:
     return model.outputs[index].name if index < len(model.outputs) else f"OUTPUT__{index}"
 
 
-@dataclass
-class Prepared:
-    """A request of the protocol, checked and turned into inferd's: its inputs in the model's order."""
+class GivenInput(NamedTuple):
+    """One input of a request as its protocol gave it: raw little-endian bytes, or a list of values."""
+
+    name: Any
+    datatype: Any
+    shape: Any
+    raw: Buffer | None
+    values: Any = None
+
+
+class Requested(NamedTuple):
+    """A checked request: its inputs in the model's order as (dtype, full shape, bytes), its deadline."""
 
     inputs: list[tuple[str, tuple[int, ...], Buffer]]
     timeout_ms: int | None
-    request_id: str | None
-    outputs: dict[str, bool] | None  # requested output name -> as binary; None: all, `binary`
-    binary: bool
 
 
-def _parameters(entry: dict[str, Any], what: str) -> dict[str, Any]:
-    parameters = entry.get("parameters", {})
-    if not isinstance(parameters, dict):
-        raise InvalidRequest(f"{what} has parameters that are not an object")
-    return parameters
+def timeout_ms(timeout: Any) -> int:
+    """The protocol's `timeout` parameter (microseconds) as inferd's deadline in milliseconds."""
+    if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
+        raise InvalidRequest("parameters.timeout must be a positive number of microseconds")
+    return max(1, math.ceil(timeout / 1000))
 
 
 class ModelView:
@@ -64,6 +72,7 @@ class ModelView:
         self.ready: bool = state["ready"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
         self.inputs = input_names(config)
+        self.output_names = [output_name(config, i) for i in range(len(self.outputs))]
         self._streams = streams
         self._devices = devices
 
@@ -72,8 +81,8 @@ class ModelView:
         return {
             "name": self.name, "versions": [self.version], "platform": "pytorch_libtorch",
             "inputs": [tensors.metadata(n, s.dtype, s.shape) for n, s in zip(self.inputs, self.config.inputs)],
-            "outputs": [tensors.metadata(output_name(self.config, i), dtype, shape)
-                        for i, (dtype, shape) in enumerate(self.outputs)],
+            "outputs": [tensors.metadata(name, dtype, shape)
+                        for name, (dtype, shape) in zip(self.output_names, self.outputs)],
         }
 
     def triton_config(self) -> dict[str, Any]:
@@ -84,110 +93,47 @@ class ModelView:
             "max_batch_size": self.config.max_batch_size,
             "input": [{"name": n, "data_type": TRITON_TYPES[s.dtype], "dims": list(s.shape)}
                       for n, s in zip(self.inputs, self.config.inputs)],
-            "output": [{"name": output_name(self.config, i), "data_type": TRITON_TYPES[dtype], "dims": shape}
-                       for i, (dtype, shape) in enumerate(self.outputs)],
+            "output": [{"name": name, "data_type": TRITON_TYPES[dtype], "dims": shape}
+                       for name, (dtype, shape) in zip(self.output_names, self.outputs)],
             "dynamic_batching": {"max_queue_delay_microseconds": int(self.config.max_wait_ms * 1000)},
             "instance_group": [{"kind": "KIND_GPU", "count": self._streams, "gpus": gpus}] if gpus
             else [{"kind": "KIND_CPU", "count": self._streams * max(1, len(self._devices))}],
         }
 
-    def prepare(self, request: Any, binary: memoryview, version: str | None) -> Prepared:
-        """Check a decoded request against the model and take each input's bytes (InvalidRequest if wrong)."""
-        if not isinstance(request, dict):
-            raise InvalidRequest("the request is not a JSON object")
-        unknown = sorted(set(request) - {"id", "parameters", "inputs", "outputs"})
-        if unknown:
-            raise InvalidRequest(f"the request has unknown field {unknown[0]!r}")
-        request_id = request.get("id")
-        if request_id is not None and not isinstance(request_id, str):
-            raise InvalidRequest("the request's id must be a string")
-        parameters = _parameters(request, "the request")
-        timeout_ms = None
-        if "timeout" in parameters:
-            timeout = parameters["timeout"]
-            if not isinstance(timeout, int) or isinstance(timeout, bool) or timeout <= 0:
-                raise InvalidRequest("parameters.timeout must be a positive number of microseconds")
-            timeout_ms = max(1, math.ceil(timeout / 1000))
-        binary_default = parameters.get("binary_data_output", False) is True
-        given = request.get("inputs")
-        if not isinstance(given, list) or not given:
+    def request(self, given: Sequence[GivenInput], timeout: Any = None) -> Requested:
+        """Check a request's inputs against the model and take each one's bytes (InvalidRequest if wrong)."""
+        if not given:
             raise InvalidRequest(f"the request has no inputs; {self.name} takes {', '.join(self.inputs)}")
         by_name: dict[str, tuple[str, tuple[int, ...], Buffer]] = {}
-        offset = 0
         for entry in given:
-            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            if not isinstance(entry.name, str):
                 raise InvalidRequest("each input is an object with a name")
-            name = entry["name"]
-            what = f"input {name!r}"
-            if name not in self.inputs:
-                raise InvalidRequest(f"{self.name} has no input {name!r}; it takes {', '.join(self.inputs)}")
-            if name in by_name:
+            what = f"input {entry.name!r}"
+            if entry.name not in self.inputs:
+                raise InvalidRequest(f"{self.name} has no input {entry.name!r}; it takes {', '.join(self.inputs)}")
+            if entry.name in by_name:
                 raise InvalidRequest(f"{what} is given twice")
-            spec = self.config.inputs[self.inputs.index(name)]
-            dtype = tensors.wire_dtype(entry.get("datatype"), what)
+            spec = self.config.inputs[self.inputs.index(entry.name)]
+            dtype = tensors.wire_dtype(entry.datatype, what)
             if dtype != spec.dtype:
                 raise InvalidRequest(f"{what} is {tensors.WIRE_TO_DATATYPE[dtype]}, but {self.name} takes "
                                      f"{tensors.WIRE_TO_DATATYPE[spec.dtype]}")
-            shape = tensors.check_shape(entry.get("shape"), what)
-            size = _parameters(entry, what).get("binary_data_size")
-            if size is not None:
-                if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
-                    raise InvalidRequest(f"{what} has binary_data_size {size!r}, but {len(binary) - offset} "
-                                         "bytes of binary data are left")
-                if "data" in entry:
-                    raise InvalidRequest(f"{what} has both data and binary_data_size")
-                by_name[name] = (dtype, shape, tensors.from_bytes(binary[offset:offset + size], dtype, shape, what))
-                offset += size
-            elif "data" in entry:
-                by_name[name] = (dtype, shape, tensors.from_json(entry["data"], dtype, shape, what))
-            else:
-                raise InvalidRequest(f"{what} has neither data nor parameters.binary_data_size")
+            shape = tensors.check_shape(entry.shape, what)
+            data = tensors.from_bytes(entry.raw, dtype, shape, what) if entry.raw is not None \
+                else tensors.from_values(entry.values, dtype, shape, what)
+            by_name[entry.name] = (dtype, shape, data)
         missing = [n for n in self.inputs if n not in by_name]
         if missing:
             raise InvalidRequest(f"the request lacks input {missing[0]!r}; {self.name} takes {', '.join(self.inputs)}")
-        if offset != len(binary):
-            raise InvalidRequest(f"{len(binary) - offset} bytes of binary data follow that no input claims")
-        return Prepared([by_name[n] for n in self.inputs], timeout_ms, request_id,
-                        self._requested(request.get("outputs"), binary_default), binary_default)
+        return Requested([by_name[n] for n in self.inputs], None if timeout is None else timeout_ms(timeout))
 
-    def _requested(self, outputs: Any, binary_default: bool) -> dict[str, bool] | None:
-        if outputs is None:
-            return None
-        if not isinstance(outputs, list):
-            raise InvalidRequest("the request's outputs are not a list")
-        known = [output_name(self.config, i) for i in range(len(self.outputs))]
-        requested: dict[str, bool] = {}
-        for entry in outputs:
-            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-                raise InvalidRequest("each requested output is an object with a name")
-            if entry["name"] not in known:
-                raise InvalidRequest(f"{self.name} has no output {entry['name']!r}; it has {', '.join(known)}")
-            binary = _parameters(entry, f"output {entry['name']!r}").get("binary_data", binary_default)
-            requested[entry["name"]] = binary is True
-        return requested
-
-    def respond(self, reply: ReplyHeader, outputs: list[memoryview],
-                prepared: Prepared) -> tuple[dict[str, Any], list[memoryview]]:
-        """The response's JSON and the binary parts that follow it, in order."""
-        entries = []
-        binary: list[memoryview] = []
-        for index, (meta, data) in enumerate(zip(reply.outputs, outputs)):
-            name = output_name(self.config, index)
-            as_binary = prepared.binary if prepared.outputs is None else prepared.outputs.get(name)
-            if as_binary is None:
-                continue
-            entry: dict[str, Any] = {"name": name, "datatype": tensors.WIRE_TO_DATATYPE[meta.dtype],
-                                     "shape": list(meta.shape)}
-            if as_binary:
-                entry["parameters"] = {"binary_data_size": len(data)}
-                binary.append(data)
-            else:
-                entry["data"] = tensors.to_json(data, meta.dtype)
-            entries.append(entry)
-        response: dict[str, Any] = {"model_name": self.name, "model_version": reply.version, "outputs": entries}
-        if prepared.request_id is not None:
-            response["id"] = prepared.request_id
-        return response, binary
+    def check_output(self, name: Any) -> str:
+        """A requested output's name, if the model has it."""
+        if not isinstance(name, str):
+            raise InvalidRequest("each requested output is an object with a name")
+        if name not in self.output_names:
+            raise InvalidRequest(f"{self.name} has no output {name!r}; it has {', '.join(self.output_names)}")
+        return name
 
 
 class Catalog:
@@ -213,29 +159,32 @@ class Catalog:
                            f"{state['live_version']!r}")
         return ModelView(name, self.config.models[name], state, self.config.workers.streams, self._devices)
 
-    async def statistics(self, name: str, version: str | None) -> dict[str, Any]:
-        """The statistics extension's answer, from the numbers `inferctl stats` keeps."""
-        versions = (await self._control.call("models"))[name]["versions"]
-        model_stats = []
-        for served, numbers in sorted(versions.items()):
-            if version is not None and served != version:
-                continue
-            requests = numbers["requests"]
-            ok = requests.get(protocol.OK, 0)
-            failed = sum(n for status, n in requests.items() if status != protocol.OK)
+    async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
+        """The statistics extension's answer for model `name` (every model if None), from the numbers
+        `inferctl stats` keeps."""
+        models = await self._control.call("models")
+        return {"model_stats": [_model_statistics(model, served, numbers)
+                                for model in sorted(models) if name in (None, model)
+                                for served, numbers in sorted(models[model]["versions"].items())
+                                if version in (None, served)]}
 
-            def spent(count: int, seconds: float) -> dict[str, int]:
-                return {"count": count, "ns": int(seconds * 1e9)}
 
-            model_stats.append({
-                "name": name, "version": served, "last_inference": int(numbers["last_inference_s"] * 1000),
-                "inference_count": numbers["samples"], "execution_count": numbers["batches"],
-                "inference_stats": {
-                    "success": spent(ok, numbers["total_s"]), "fail": spent(failed, 0.0),
-                    "queue": spent(ok, numbers["queue_s"]), "compute_input": spent(ok, 0.0),
-                    "compute_infer": spent(ok, numbers["compute_s"]), "compute_output": spent(ok, 0.0),
-                },
-                "batch_stats": [{"batch_size": size, "compute_infer": spent(count, 0.0)}
-                                for size, count in sorted(numbers["batch_sizes"].items(), key=lambda kv: int(kv[0]))],
-            })
-        return {"model_stats": model_stats}
+def _spent(count: int, seconds: float) -> dict[str, int]:
+    return {"count": count, "ns": int(seconds * 1e9)}
+
+
+def _model_statistics(name: str, version: str, numbers: dict[str, Any]) -> dict[str, Any]:
+    requests = numbers["requests"]
+    ok = requests.get(protocol.OK, 0)
+    failed = sum(n for status, n in requests.items() if status != protocol.OK)
+    return {
+        "name": name, "version": version, "last_inference": int(numbers["last_inference_s"] * 1000),
+        "inference_count": numbers["samples"], "execution_count": numbers["batches"],
+        "inference_stats": {
+            "success": _spent(ok, numbers["total_s"]), "fail": _spent(failed, 0.0),
+            "queue": _spent(ok, numbers["queue_s"]), "compute_input": _spent(ok, 0.0),
+            "compute_infer": _spent(ok, numbers["compute_s"]), "compute_output": _spent(ok, 0.0),
+        },
+        "batch_stats": [{"batch_size": int(size), "compute_infer": _spent(count, 0.0)}
+                        for size, count in sorted(numbers["batch_sizes"].items(), key=lambda kv: int(kv[0]))],
+    }

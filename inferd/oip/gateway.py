@@ -1,48 +1,43 @@
-"""The gateway process: the Open Inference Protocol's HTTP front end, in front of the supervisor.
+"""A gateway process: one of the Open Inference Protocol's front ends (HTTP or gRPC), in front of the
+supervisor.
 
 Spawned by the supervisor (supervisor/gateway.py), which restarts it when it
-dies and stops it at the end of a drain. It serves HTTP with uvicorn (httptools)
-on its own asyncio loop and sends every inference request to the supervisor's
-ipc:// endpoint for its protocol in inferd's own wire protocol; it reads the
-models' state from the control socket. It exits on its own when the supervisor
-is gone.
+dies and stops it at the end of a drain. It serves its protocol on its own
+asyncio loop and sends every inference request to the supervisor's ipc://
+endpoint for that protocol, in inferd's own wire protocol; it reads the models'
+state from the control socket. It exits on its own when the supervisor is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from typing import Protocol
 
 import msgspec
 import setproctitle
-import uvicorn
 import zmq.asyncio
 
 from inferd import config as config_module
 from inferd.logs import setup_logging
 from inferd.oip.catalog import Catalog
-from inferd.oip.rest import RestApp
 from inferd.oip.spec import GatewaySpec
 from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.gateway")
 
-KEEP_ALIVE_S = 5.0  # an idle HTTP connection is closed after this long
 
+class FrontEnd(Protocol):
+    """A protocol's server: HttpServer or GrpcServer."""
 
-class _Server(uvicorn.Server):
-    """uvicorn's server, with the gateway's own signal handling (uvicorn's would take SIGINT too)."""
+    async def serve(self) -> None: ...
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+    def stop(self) -> None: ...
 
 
 def _exit_with_parent() -> None:
@@ -61,22 +56,27 @@ def _exit_with_parent() -> None:
 async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
     context = zmq.asyncio.Context()
     control = Control(context, spec.control)
-    upstream = Upstream(context, spec.http_upstream)
+    upstream = Upstream(context, spec.upstream)
     upstream.start()
+    catalog = Catalog(config, spec.devices, control)
     server = config.server
-    host, _, port = server.http.rpartition(":")
-    app = RestApp(Catalog(config, spec.devices, control), upstream, control,
-                  int(server.max_message_mb * (1 << 20)))
-    http = _Server(uvicorn.Config(
-        app, host=host.strip("[]"), port=int(port), lifespan="off", log_level="warning", access_log=False,
-        http="httptools", loop="none", timeout_keep_alive=int(KEEP_ALIVE_S),
-        ssl_certfile=server.tls_cert or None, ssl_keyfile=server.tls_key or None,
-    ))
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, lambda: setattr(http, "should_exit", True))
-    log.info("Open Inference Protocol over HTTP at %s://%s", "https" if server.tls_cert else "http", server.http)
+    max_message_bytes = int(server.max_message_mb * (1 << 20))
+    # Each front end imports only its own server.
+    if spec.protocol == "http":
+        from inferd.oip.http_server import HttpServer
+        from inferd.oip.rest import RestApp
+
+        front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes), server)
+        address, scheme = server.http, "https" if server.tls_cert else "http"
+    else:
+        from inferd.oip.rpc import GrpcServer, InferenceService
+
+        front = GrpcServer(InferenceService(catalog, upstream, control), server, max_message_bytes)
+        address, scheme = server.grpc, "grpcs" if server.tls_cert else "grpc"
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, front.stop)
+    log.info("Open Inference Protocol at %s://%s", scheme, address)
     try:
-        await http.serve()
+        await front.serve()
     finally:
         upstream.close()
         control.close()
@@ -84,12 +84,12 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
 
 
 def gateway_main(encoded_spec: bytes) -> None:
-    """Entry point of the spawned gateway process."""
+    """Entry point of a spawned gateway process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=GatewaySpec)
     config = config_module.decode(spec.config)
-    setproctitle.setproctitle(f"inferd: gateway http {config.server.http}")
-    setup_logging("gateway", config.server.log_level)
-    # The supervisor decides when the gateway stops (after the drain); a Ctrl-C reaches the whole group.
+    setproctitle.setproctitle(f"inferd: gateway {spec.protocol}")
+    setup_logging(f"gateway-{spec.protocol}", config.server.log_level)
+    # The supervisor decides when a gateway stops (after the drain); a Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     asyncio.run(_serve(spec, config))

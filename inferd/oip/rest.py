@@ -19,14 +19,16 @@ import re
 import time
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from inferd import __version__, protocol
 from inferd.errors import InvalidRequest
-from inferd.oip.catalog import Catalog, ModelView, NotFound
+from inferd.oip import tensors
+from inferd.oip.catalog import EXTENSIONS, Catalog, GivenInput, ModelView, NotFound, Requested
 from inferd.oip.upstream import Control, Upstream
+from inferd.protocol import ReplyHeader
 
 log = logging.getLogger("inferd.oip.rest")
 
@@ -34,7 +36,6 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
 HTTP_STATUS = {
     protocol.INVALID: 400, protocol.OVERLOADED: 429, protocol.TIMEOUT: 504,
     protocol.UNAVAILABLE: 503, protocol.INTERNAL: 500,
@@ -130,6 +131,8 @@ class RestApp:
             return (200 if ready else 400), b"" if ready else _encode({"error": "the daemon is not ready"}), []
         if path == "/v2" and method == "GET":
             return 200, _encode({"name": "inferd", "version": __version__, "extensions": EXTENSIONS}), []
+        if path == "/v2/models/stats" and method == "GET":
+            return 200, _encode(await self.catalog.statistics(None, None)), []
         match = _ROUTE.match(path)
         if match is None:
             raise HttpError(404, f"no such endpoint: {method} {path}")
@@ -176,15 +179,107 @@ class RestApp:
         except (msgspec.DecodeError, RecursionError) as exc:
             raise HttpError(400, f"the request is not JSON: {exc}") from None
         try:
-            prepared = model.prepare(request, memoryview(body)[split:], version)
+            parsed = JsonRequest.parse(request, memoryview(body)[split:], model)
         except InvalidRequest as exc:
             raise HttpError(400, exc.message) from None
-        reply, outputs = await self.upstream.infer(model.name, version, prepared.inputs, prepared.timeout_ms)
+        reply, outputs = await self.upstream.infer(model.name, version, parsed.requested.inputs,
+                                                   parsed.requested.timeout_ms)
         if reply.status != protocol.OK:
             extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
             raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
-        json_part, binary = model.respond(reply, outputs, prepared)
+        json_part, binary = parsed.response(model, reply, outputs)
         encoded = _encode(json_part)
         if not binary:
             return 200, encoded, []
         return 200, encoded + b"".join(binary), [(b"inference-header-content-length", str(len(encoded)).encode())]
+
+
+def _parameters(entry: dict[str, Any], what: str) -> dict[str, Any]:
+    parameters = entry.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidRequest(f"{what} has parameters that are not an object")
+    return parameters
+
+
+class JsonRequest(NamedTuple):
+    """An inference request of the REST API, checked: what goes upstream, and how the response is wanted."""
+
+    requested: Requested
+    request_id: str | None
+    outputs: dict[str, bool] | None  # requested output name -> as binary; None: all, as `binary`
+    binary: bool
+
+    @classmethod
+    def parse(cls, request: Any, binary: memoryview, model: ModelView) -> JsonRequest:
+        """The request's JSON (and the binary data after it), checked against `model`."""
+        if not isinstance(request, dict):
+            raise InvalidRequest("the request is not a JSON object")
+        unknown = sorted(set(request) - {"id", "parameters", "inputs", "outputs"})
+        if unknown:
+            raise InvalidRequest(f"the request has unknown field {unknown[0]!r}")
+        request_id = request.get("id")
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequest("the request's id must be a string")
+        parameters = _parameters(request, "the request")
+        given = request.get("inputs")
+        if not isinstance(given, list):
+            raise InvalidRequest(f"the request has no inputs; {model.name} takes {', '.join(model.inputs)}")
+        inputs = []
+        offset = 0
+        for entry in given:
+            if not isinstance(entry, dict):
+                raise InvalidRequest("each input is an object with a name")
+            what = f"input {entry.get('name')!r}"
+            size = _parameters(entry, what).get("binary_data_size")
+            raw = None
+            if size is not None:
+                if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
+                    raise InvalidRequest(f"{what} has binary_data_size {size!r}, but {len(binary) - offset} "
+                                         "bytes of binary data are left")
+                if "data" in entry:
+                    raise InvalidRequest(f"{what} has both data and binary_data_size")
+                raw = binary[offset:offset + size]
+                offset += size
+            elif "data" not in entry:
+                raise InvalidRequest(f"{what} has neither data nor parameters.binary_data_size")
+            inputs.append(GivenInput(entry.get("name"), entry.get("datatype"), entry.get("shape"), raw,
+                                     entry.get("data")))
+        requested = model.request(inputs, parameters.get("timeout"))
+        if offset != len(binary):
+            raise InvalidRequest(f"{len(binary) - offset} bytes of binary data follow that no input claims")
+        binary_default = parameters.get("binary_data_output", False) is True
+        return cls(requested, request_id, _wanted(request.get("outputs"), model, binary_default), binary_default)
+
+    def response(self, model: ModelView, reply: ReplyHeader,
+                 outputs: list[memoryview]) -> tuple[dict[str, Any], list[memoryview]]:
+        """The response's JSON and the binary parts that follow it, in order."""
+        entries = []
+        binary: list[memoryview] = []
+        for name, meta, data in zip(model.output_names, reply.outputs, outputs):
+            as_binary = self.binary if self.outputs is None else self.outputs.get(name)
+            if as_binary is None:
+                continue
+            entry: dict[str, Any] = {"name": name, "datatype": tensors.WIRE_TO_DATATYPE[meta.dtype],
+                                     "shape": list(meta.shape)}
+            if as_binary:
+                entry["parameters"] = {"binary_data_size": len(data)}
+                binary.append(data)
+            else:
+                entry["data"] = tensors.to_json(data, meta.dtype)
+            entries.append(entry)
+        response: dict[str, Any] = {"model_name": model.name, "model_version": reply.version, "outputs": entries}
+        if self.request_id is not None:
+            response["id"] = self.request_id
+        return response, binary
+
+
+def _wanted(outputs: Any, model: ModelView, binary_default: bool) -> dict[str, bool] | None:
+    if outputs is None:
+        return None
+    if not isinstance(outputs, list):
+        raise InvalidRequest("the request's outputs are not a list")
+    wanted: dict[str, bool] = {}
+    for entry in outputs:
+        name = model.check_output(entry.get("name") if isinstance(entry, dict) else None)
+        wanted[name] = _parameters(entry, f"output {name!r}").get("binary_data", binary_default) is True
+    return wanted

@@ -1,14 +1,18 @@
-"""What the supervisor hands the gateway process at spawn (kept apart so the supervisor loads no HTTP server)."""
+"""What the supervisor hands a gateway process at spawn (kept apart so the supervisor loads no HTTP or
+gRPC server)."""
 
 from __future__ import annotations
 
 import msgspec
 
+PROTOCOLS = ("http", "grpc")  # the front ends, each in a gateway process of its own
+
 
 class GatewaySpec(msgspec.Struct, frozen=True):
-    """Everything the gateway needs, as msgpack."""
+    """Everything a gateway needs, as msgpack."""
 
+    protocol: str  # one of PROTOCOLS
     config: bytes
     devices: list[str]
     control: str
-    http_upstream: str  # the supervisor's ipc:// endpoint for requests that came over HTTP
+    upstream: str  # the supervisor's ipc:// endpoint for the requests of this protocol

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from inferd.errors import InvalidRequest
-from inferd.protocol import DTYPES
+from inferd.protocol import DTYPES, Buffer
 
 # The protocol's datatype names and inferd's wire dtypes, one to one.
 DATATYPES: dict[str, str] = {
@@ -42,7 +42,7 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def from_bytes(data: memoryview | bytes, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
+def from_bytes(data: Buffer, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
     """Raw little-endian bytes of a tensor, checked against its dtype and shape (no copy)."""
     expected = math.prod(shape) * DTYPES[dtype].itemsize
     if len(data) != expected:
@@ -51,8 +51,9 @@ def from_bytes(data: memoryview | bytes, dtype: str, shape: tuple[int, ...], wha
     return memoryview(data).cast("B")
 
 
-def from_json(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> bytes:
-    """A tensor's `data` from JSON (flat, or nested as its shape), as raw little-endian bytes."""
+def from_values(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> bytes:
+    """A tensor given as a list of values (JSON `data`, flat or nested as its shape, or gRPC `contents`),
+    as raw little-endian bytes."""
     count = math.prod(shape)
     if not isinstance(data, list):
         raise InvalidRequest(f"{what} has data that is not a list")

@@ -1,6 +1,7 @@
-"""The gateway process (the Open Inference Protocol's front ends), supervised like a worker.
+"""The gateway processes (the Open Inference Protocol's front ends, one per protocol), supervised like
+workers.
 
-It is started once the supervisor's sockets are bound, restarted with backoff
+Each is started once the supervisor's sockets are bound, restarted with backoff
 when it dies, and stopped at the end of a drain, after the last reply it carries
 has gone. Its ports are checked at start, so that one in use is a sentence
 naming the key to change rather than a gateway that keeps dying.
@@ -13,13 +14,14 @@ import multiprocessing
 import os
 import signal
 import socket
+from collections.abc import Callable
 from multiprocessing.process import BaseProcess
 
 import msgspec
 
 from inferd import config as config_module
 from inferd.config import Config
-from inferd.oip.spec import GatewaySpec
+from inferd.oip.spec import PROTOCOLS, GatewaySpec
 from inferd.supervisor.state import StartupError
 from inferd.worker.exits import describe_exit
 
@@ -57,11 +59,13 @@ def check_port(address: str, key: str) -> None:
 
 
 class Gateway:
-    """The one gateway process: its spec, its process, its restarts."""
+    """One gateway process (one protocol's front end): its spec, its process, its restarts."""
 
-    def __init__(self, config: Config, devices: list[str], control: str, http_upstream: str) -> None:
+    def __init__(self, protocol: str, config: Config, devices: list[str], control: str, upstream: str) -> None:
+        self.protocol = protocol
         self.config = config
-        self._devices, self._control, self._http_upstream = devices, control, http_upstream
+        self.upstream = upstream  # the supervisor's endpoint the gateway sends its requests to
+        self._devices, self._control = devices, control
         self.process: BaseProcess | None = None
         self.restarts = 0
         self.respawn_at = 0.0
@@ -69,31 +73,25 @@ class Gateway:
         self._deaths: list[float] = []
 
     @property
-    def upstream(self) -> str:
-        """The supervisor's endpoint the gateway sends HTTP requests to."""
-        return self._http_upstream
-
-    @property
-    def wanted(self) -> bool:
-        """True when the config turns a front end on."""
-        return bool(self.config.server.http)
+    def address(self) -> str:
+        """HOST:PORT it serves at (server.http or server.grpc)."""
+        return str(getattr(self.config.server, self.protocol))
 
     def check(self) -> None:
-        """At start: the ports are free, and a warning for each reachable beyond loopback without TLS."""
-        server = self.config.server
-        if server.http:
-            check_port(server.http, "server.http")
-            if not server.tls_cert and not _loopback(server.http.rpartition(":")[0].strip("[]")):
-                log.warning("the HTTP front end at %s is reachable from the network without TLS; "
-                            "set server.tls_cert and server.tls_key", server.http)
+        """At start: the port is free, and a warning if it is reachable beyond loopback without TLS."""
+        check_port(self.address, f"server.{self.protocol}")
+        if not self.config.server.tls_cert and not _loopback(self.address.rpartition(":")[0].strip("[]")):
+            log.warning("the %s front end at %s is reachable from the network without TLS; "
+                        "set server.tls_cert and server.tls_key", self.protocol, self.address)
 
     def start(self) -> None:
         """Spawn the gateway process."""
-        spec = GatewaySpec(config=config_module.encode(self.config), devices=self._devices, control=self._control,
-                           http_upstream=self._http_upstream)
-        self.process = _spawn.Process(target=_run, args=(msgspec.msgpack.encode(spec),), name="inferd-gateway")
+        spec = GatewaySpec(protocol=self.protocol, config=config_module.encode(self.config), devices=self._devices,
+                           control=self._control, upstream=self.upstream)
+        self.process = _spawn.Process(target=_run, args=(msgspec.msgpack.encode(spec),),
+                                      name=f"inferd-gateway-{self.protocol}")
         self.process.start()
-        log.info("gateway started (http %s), pid %d", self.config.server.http, self.process.pid)
+        log.info("gateway %s started (%s), pid %d", self.protocol, self.address, self.process.pid)
 
     def reaped(self, now: float) -> None:
         """Its process exited: restart it (at once the first time, then with doubling backoff) unless stopping."""
@@ -102,18 +100,17 @@ class Gateway:
         reason = describe_exit(self.process.exitcode)
         self.process = None
         if self.stopping:
-            log.info("gateway exited (%s)", reason)
+            log.info("gateway %s exited (%s)", self.protocol, reason)
             return
         self._deaths = [t for t in self._deaths if now - t < 60.0] + [now]
         delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (len(self._deaths) - 2)) if len(self._deaths) > 1 else 0.0
         self.restarts += 1
         self.respawn_at = now + delay
-        log.error("gateway died (%s); restarting in %.1f s", reason, delay)
+        log.error("gateway %s died (%s); restarting in %.1f s", self.protocol, reason, delay)
 
-    def respawn_due(self, now: float) -> None:
-        """Start it again once its backoff has passed."""
-        if self.wanted and not self.stopping and self.process is None and now >= self.respawn_at:
-            self.start()
+    def respawn_due(self, now: float) -> bool:
+        """True when it is down and its backoff has passed."""
+        return not self.stopping and self.process is None and now >= self.respawn_at
 
     def stop(self) -> None:
         """Ask it to finish what it carries and exit."""
@@ -134,3 +131,10 @@ class Gateway:
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.join(5.0)
         self.process = None
+
+
+def configured_gateways(config: Config, devices: list[str], control: str,
+                        upstream: Callable[[str], str]) -> list[Gateway]:
+    """A gateway for each front end the config turns on; `upstream(protocol)` is its ipc:// endpoint."""
+    return [Gateway(name, config, devices, control, upstream(name))
+            for name in PROTOCOLS if getattr(config.server, name)]

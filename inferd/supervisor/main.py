@@ -34,6 +34,7 @@ from inferd.ipc import messages
 from inferd.ipc.arena import SHM_DIR, arena_name, new_instance, sweep_stale
 from inferd.ipc.sockets import recv_parts
 from inferd.logs import set_level
+from inferd.oip.spec import PROTOCOLS
 from inferd.paths import RuntimeFiles, runtime_dir
 from inferd.repository import RepositoryError, SavedVersions
 from inferd.supervisor.batcher import BatchQueue, queue_settings
@@ -42,7 +43,7 @@ from inferd.supervisor.control import ControlServer
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.frontend import Frontend
-from inferd.supervisor.gateway import Gateway
+from inferd.supervisor.gateway import Gateway, configured_gateways
 from inferd.supervisor.guard import failure
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.liveness import Liveness
@@ -87,8 +88,8 @@ class Supervisor:
         # First, while this process has no thread and no socket: whatever kills it, this cleans up.
         self.reaper.start(
             arenas=[SHM_DIR / arena_name(self.instance, i) for i in range(len(devices))],
-            sockets=[path for path in (self.files.control_socket, self.files.backend, self.files.upstream("http"),
-                                       self.files.upstream("grpc")) if path is not None],
+            sockets=[path for path in (self.files.control_socket, self.files.backend,
+                                       *(self.files.upstream(name) for name in PROTOCOLS)) if path is not None],
             pid_file=self.files.pid,
             files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices)))],
         )
@@ -113,8 +114,9 @@ class Supervisor:
         self.control = ControlServer(self.context, config.server.control or "", Commands(self), self.frontend,
                                      self.curve)
         self.metrics = MetricsServer(self)
-        self.gateway = Gateway(config, devices, config.server.control or "", f"ipc://{self.files.upstream('http')}")
-        self._gateway_sentinel: int | None = None
+        self.gateways = configured_gateways(config, devices, config.server.control or "",
+                                             lambda name: f"ipc://{self.files.upstream(name)}")
+        self._gateway_sentinels: dict[int, Gateway] = {}
         self.wakeup = Wakeup(self.files.stacks)
         self.systemd = StatusReport()
         self.exit_code = 0
@@ -151,9 +153,9 @@ class Supervisor:
             # anything named after it (the backend socket) is touched.
             self.control.bind()
             self.workers.open(self.instance)
-            if self.gateway.wanted:
-                self.gateway.check()
-            self.frontend.bind({"http": self.gateway.upstream} if self.gateway.wanted else {})
+            for front in self.gateways:
+                front.check()
+            self.frontend.bind({front.protocol: front.upstream for front in self.gateways})
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind: {exc.strerror}") from None
         self.files.pid.write_text(f"{os.getpid()}\n")
@@ -168,7 +170,8 @@ class Supervisor:
         for worker in self.workers.workers:
             self.workers.spawn(worker, now)
             self._watch(worker)
-        self._start_gateway()
+        for front in self.gateways:
+            self._start_gateway(front)
         log.info("inferd %s starting: pid %d, models %s", __version__, os.getpid(),
                  ", ".join(f"{n} {v}" for n, v in self.live.items()))
 
@@ -234,10 +237,9 @@ class Supervisor:
             self._on_wakeup()
         elif target in self._sentinels:
             self._on_worker_exit(self._sentinels[target])
-        elif target == self._gateway_sentinel:
+        elif target in self._gateway_sentinels:
             self.poller.unregister(target)
-            self._gateway_sentinel = None
-            self.gateway.reaped(time.monotonic())
+            self._gateway_sentinels.pop(target).reaped(time.monotonic())
             self._check_stopped()
         else:
             self.frontend.on_readable(target)
@@ -253,8 +255,9 @@ class Supervisor:
     def _housekeeping(self, now: float) -> None:
         if self.state in (DaemonState.STARTING, DaemonState.SERVING):
             self.workers.respawn_due(now)
-            if self.gateway.process is None and self.gateway.wanted and now >= self.gateway.respawn_at:
-                self._start_gateway()
+            for front in self.gateways:
+                if front.respawn_due(now):
+                    self._start_gateway(front)
         for worker in self.workers.workers:
             if worker.process is not None and worker.process.sentinel not in self._sentinels:
                 self._watch(worker)
@@ -271,16 +274,14 @@ class Supervisor:
 
     def _check_stopped(self) -> None:
         if (self.state == DaemonState.STOPPING and all(w.process is None for w in self.workers.workers)
-                and self.gateway.process is None):
+                and all(front.process is None for front in self.gateways)):
             self._done = True
 
-    def _start_gateway(self) -> None:
-        if not self.gateway.wanted:
-            return
-        self.gateway.start()
-        assert self.gateway.process is not None
-        self._gateway_sentinel = self.gateway.process.sentinel
-        self.poller.register(self._gateway_sentinel, zmq.POLLIN)
+    def _start_gateway(self, front: Gateway) -> None:
+        front.start()
+        assert front.process is not None
+        self._gateway_sentinels[front.process.sentinel] = front
+        self.poller.register(front.process.sentinel, zmq.POLLIN)
 
     def _check_started(self) -> None:
         workers = self.workers.workers
@@ -367,7 +368,8 @@ class Supervisor:
         self.state = DaemonState.STOPPING
         for worker in self.workers.workers:
             self.workers.stop(worker)
-        self.gateway.stop()
+        for front in self.gateways:
+            front.stop()
 
     def _force_stop(self) -> None:
         for request in self.queue.drain():
@@ -442,7 +444,8 @@ class Supervisor:
             if worker.process is not None and worker.process.exitcode is None:
                 self.workers.stop(worker)
         self.workers.wait_all(STOP_TIMEOUT_S)
-        self.gateway.wait()
+        for front in self.gateways:
+            front.wait()
         # Replies still queued in ZeroMQ get a moment to leave, unless some still
         # point into an arena that is about to close.
         self.frontend.close(linger_ms=0 if self.dispatcher.sending else REPLY_FLUSH_MS)

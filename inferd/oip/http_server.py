@@ -1,0 +1,123 @@
+"""The gateway's HTTP server: uvicorn with httptools, guarded against clients that hold a connection
+without finishing a request, or send more header than any request of the protocol needs.
+
+uvicorn closes a connection that idles between requests (keep-alive), but not one that never
+finishes its request head, and it keeps every header it is sent. The guard adds a deadline for each
+request head and bounds on its headers and target, so a slow-loris client costs one socket for at
+most HEAD_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from inferd.config import ServerConfig
+
+log = logging.getLogger("inferd.oip.http")
+
+KEEP_ALIVE_S = 5  # an idle connection is closed after this long
+HEAD_TIMEOUT_S = 10.0  # from a connection's first byte, or a request's, until its headers are complete
+MAX_HEADERS = 100
+MAX_HEAD_BYTES = 64 << 10  # request line and headers together
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline on each request head and bounds on its size."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._refusal: str | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._start_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._start_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        if len(self.headers) >= MAX_HEADERS:
+            self._refuse(f"more than {MAX_HEADERS} headers")
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._stop_head_timer()
+        super().on_headers_complete()
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse(f"a request head of over {MAX_HEAD_BYTES} bytes")
+
+    def _refuse(self, what: str) -> None:
+        # Raised inside a parser callback, this ends the parse; uvicorn then answers 400 and closes.
+        log.warning("refusing a request from %s: %s", self.client, what)
+        self._refusal = f"The request was refused: {what}."
+        raise ValueError(what)
+
+    def send_400_response(self, msg: str) -> None:
+        super().send_400_response(self._refusal or msg)
+
+    def _start_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            log.warning("closing a connection from %s: no complete request head within %g s", self.client,
+                        HEAD_TIMEOUT_S)
+            self.transport.close()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with the gateway's own signal handling (uvicorn's would take SIGINT too)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HttpServer:
+    """The Open Inference Protocol's HTTP front end: serves `app` at server.http until stopped."""
+
+    def __init__(self, app: Any, server: ServerConfig) -> None:
+        host, _, port = server.http.rpartition(":")
+        self._server = _Server(uvicorn.Config(
+            app, host=host.strip("[]"), port=int(port), lifespan="off", log_level="error", access_log=False,
+            http=GuardedProtocol, loop="none", timeout_keep_alive=KEEP_ALIVE_S,
+            ssl_certfile=server.tls_cert or None, ssl_keyfile=server.tls_key or None,
+        ))
+
+    async def serve(self) -> None:
+        """Serve until stop(); requests in progress are answered first."""
+        await self._server.serve()
+
+    def stop(self) -> None:
+        """Stop taking connections and return from serve() once what is in progress is answered."""
+        self._server.should_exit = True

@@ -1,0 +1,226 @@
+"""The Open Inference Protocol over gRPC: inference.GRPCInferenceService (KServe v2 with Triton's
+model configuration and statistics extensions), served by grpc.aio.
+
+Tensors travel in `raw_input_contents` / `raw_output_contents` (what Triton's clients send), or as
+typed `contents` lists. Every error is a status with one sentence in its details. Requests are parsed
+here, not by grpc, so that one which is not a valid message is INVALID_ARGUMENT with a sentence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import grpc.aio
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+
+from inferd import __version__, protocol
+from inferd.config import ServerConfig
+from inferd.errors import InvalidRequest
+from inferd.oip import inference_pb2 as pb
+from inferd.oip import tensors
+from inferd.oip.catalog import EXTENSIONS, Catalog, GivenInput, ModelView, NotFound
+from inferd.oip.upstream import Control, Upstream
+
+log = logging.getLogger("inferd.oip.grpc")
+
+SERVICE = "inference.GRPCInferenceService"
+GRPC_STATUS = {
+    protocol.INVALID: grpc.StatusCode.INVALID_ARGUMENT, protocol.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    protocol.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED, protocol.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    protocol.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+# The typed list each datatype's values may come in; FP16 and BF16 have none (raw bytes only).
+CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents", "INT16": "int_contents",
+            "INT32": "int_contents", "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents"}
+STOP_GRACE_S = 10.0
+HANDSHAKE_TIMEOUT_MS = 10_000  # a connection that never completes its HTTP/2 handshake is closed
+IDLE_TIMEOUT_MS = 60_000  # one that carries no call for this long is closed
+MAX_METADATA_BYTES = 16 << 10
+
+
+class RpcError(Exception):
+    """An error reply: a status code and one sentence."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _parameter(value: pb.InferParameter) -> Any:
+    choice = value.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(value, choice)
+
+
+def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidRequest(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents")
+    given = []
+    for index, tensor in enumerate(request.inputs):
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidRequest(f"input {tensor.name!r} has contents, but the request has raw_input_contents")
+            given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), raw[index]))
+            continue
+        field = CONTENTS.get(tensor.datatype)
+        if not tensor.HasField("contents"):
+            raise InvalidRequest(f"input {tensor.name!r} has neither contents nor raw_input_contents")
+        if field is None:
+            raise InvalidRequest(f"input {tensor.name!r} is {tensor.datatype}, which has no typed contents; "
+                                 "send it in raw_input_contents")
+        given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), None,
+                                list(getattr(tensor.contents, field))))
+    return given
+
+
+class InferenceService:
+    """The service's methods, each answering one request or raising RpcError."""
+
+    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control) -> None:
+        self.catalog = catalog
+        self.upstream = upstream
+        self.control = control
+
+    async def server_live(self, request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
+        await self.control.call("status")
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=(await self.control.call("health"))["healthy"])
+
+    async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="inferd", version=__version__, extensions=EXTENSIONS)
+
+    async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=(await self._model(request.name, request.version)).ready)
+
+    async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
+        model = await self._model(request.name, request.version)
+        return json_format.ParseDict(model.metadata(), pb.ModelMetadataResponse())
+
+    async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
+        model = await self._model(request.name, request.version)
+        return pb.ModelConfigResponse(config=json_format.ParseDict(model.triton_config(), pb.ModelConfig()))
+
+    async def model_statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+        if request.name:
+            await self._model(request.name, request.version)
+        statistics = await self.catalog.statistics(request.name or None, request.version or None)
+        return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
+
+    async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        version = request.model_version or None
+        model = await self._model(request.model_name, request.model_version)
+        timeout = request.parameters.get("timeout")
+        requested = model.request(_given(request), None if timeout is None else _parameter(timeout))
+        wanted = {model.check_output(output.name) for output in request.outputs} or None
+        reply, outputs = await self.upstream.infer(model.name, version, requested.inputs, requested.timeout_ms)
+        if reply.status != protocol.OK:
+            raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
+        response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)
+        for name, meta, data in zip(model.output_names, reply.outputs, outputs):
+            if wanted is None or name in wanted:
+                response.outputs.add(name=name, datatype=tensors.WIRE_TO_DATATYPE[meta.dtype], shape=meta.shape)
+                response.raw_output_contents.append(bytes(data))
+        return response
+
+    async def _model(self, name: str, version: str) -> ModelView:
+        if not name:
+            raise InvalidRequest("the request names no model")
+        try:
+            return await self.catalog.model(name, version or None)
+        except NotFound as exc:
+            raise RpcError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The generic handler that serves every method of the service."""
+        methods: dict[str, tuple[Callable[[Any], Awaitable[Message]], type[Message]]] = {
+            "ServerLive": (self.server_live, pb.ServerLiveRequest),
+            "ServerReady": (self.server_ready, pb.ServerReadyRequest),
+            "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
+            "ModelReady": (self.model_ready, pb.ModelReadyRequest),
+            "ModelMetadata": (self.model_metadata, pb.ModelMetadataRequest),
+            "ModelConfig": (self.model_config, pb.ModelConfigRequest),
+            "ModelStatistics": (self.model_statistics, pb.ModelStatisticsRequest),
+            "ModelInfer": (self.model_infer, pb.ModelInferRequest),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            name: grpc.unary_unary_rpc_method_handler(_answering(name, method, kind),
+                                                      response_serializer=lambda message: message.SerializeToString())
+            for name, (method, kind) in methods.items()
+        })
+
+
+def _answering(name: str, method: Callable[[Any], Awaitable[Message]],
+               kind: type[Message]) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
+    """`method` as a grpc handler: the request parsed from its bytes, every error a status and a sentence."""
+
+    async def handle(data: bytes, context: grpc.aio.ServicerContext) -> Message:
+        try:
+            try:
+                request = kind.FromString(data)
+            except DecodeError:
+                raise InvalidRequest(f"the request is not a {kind.DESCRIPTOR.full_name} message") from None
+            return await method(request)
+        except RpcError as exc:
+            code, message = exc.code, exc.message
+        except InvalidRequest as exc:
+            code, message = grpc.StatusCode.INVALID_ARGUMENT, exc.message
+        except ConnectionError as exc:
+            code, message = grpc.StatusCode.UNAVAILABLE, str(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("handling %s raised", name)
+            code, message = grpc.StatusCode.INTERNAL, "the gateway failed on this request (a bug; its traceback " \
+                                                      "is in the daemon's log)"
+        await context.abort(code, message)
+        raise AssertionError("abort returns only by raising")
+
+    return handle
+
+
+class GrpcServer:
+    """The Open Inference Protocol's gRPC front end: serves `service` at server.grpc until stopped."""
+
+    def __init__(self, service: InferenceService, server: ServerConfig, max_message_bytes: int) -> None:
+        self._service = service
+        self._config = server
+        self._max_message_bytes = max_message_bytes
+        self._server: grpc.aio.Server | None = None
+        self._stopping: asyncio.Task[None] | None = None
+
+    async def serve(self) -> None:
+        """Serve until stop(); calls in progress are answered first (for at most STOP_GRACE_S)."""
+        self._server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", self._max_message_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.max_metadata_size", MAX_METADATA_BYTES),
+            ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
+            ("grpc.max_connection_idle_ms", IDLE_TIMEOUT_MS),
+            ("grpc.so_reuseport", 0),  # a port another process holds is an error, not a shared port
+        ])
+        self._server.add_generic_rpc_handlers((self._service.handler(),))
+        if self._config.tls_cert:
+            credentials = grpc.ssl_server_credentials([(_read(self._config.tls_key), _read(self._config.tls_cert))])
+            self._server.add_secure_port(self._config.grpc, credentials)
+        else:
+            self._server.add_insecure_port(self._config.grpc)
+        await self._server.start()
+        await self._server.wait_for_termination()
+
+    def stop(self) -> None:
+        """Stop taking calls; serve() returns once those in progress are answered."""
+        if self._server is not None and self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._server.stop(STOP_GRACE_S))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()

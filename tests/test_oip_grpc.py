@@ -1,0 +1,326 @@
+"""The Open Inference Protocol over gRPC, spoken by Triton's own client (tritonclient.grpc), unmodified,
+against the real daemon; answers checked against the same models run in-process.
+
+This process loads tritonclient's generated messages, never inferd's (both define the `inference`
+package, so one process cannot hold both): inferd's own messages are looked at in subprocesses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import models
+import numpy as np
+import psutil
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+import tritonclient.http as httpclient
+from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+from wire import RawPeer
+
+from inferd.harness import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
+
+
+@pytest.fixture(scope="module")
+def oip(oip_daemon: Daemon) -> Daemon:
+    return oip_daemon
+
+
+def client(daemon: Daemon) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(daemon.config["server"]["grpc"])
+
+
+def mlp_input(x: np.ndarray) -> grpcclient.InferInput:
+    given = grpcclient.InferInput("INPUT__0", list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+    return given
+
+
+def test_health_metadata_config_and_statistics_as_tritonclient_reads_them(oip):
+    c = client(oip)
+    assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("mlp")
+    with pytest.raises(InferenceServerException, match="version 'v1' of mlp is not served"):
+        c.is_model_ready("mlp", model_version="v1")
+    server = c.get_server_metadata(as_json=True)
+    assert server["name"] == "inferd" and "model_configuration" in server["extensions"]
+    meta = c.get_model_metadata("pair", as_json=True)
+    assert meta["versions"] == ["v1"] and meta["platform"] == "pytorch_libtorch"
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [("a", "FP32", ["-1", "3", "4"]),
+                                                                               ("b", "INT64", ["-1", "2"])]
+    assert [t["name"] for t in meta["outputs"]] == ["scaled", "doubled"]
+    config = c.get_model_config("mlp").config
+    assert config.name == "mlp" and config.max_batch_size == 16 and config.platform == "pytorch_libtorch"
+    assert config.input[0].name == "INPUT__0" and list(config.input[0].dims) == [models.MLP_IN]
+    assert config.input[0].data_type == grpcclient.model_config_pb2.TYPE_FP32
+    assert config.dynamic_batching.max_queue_delay_microseconds == 2000
+    assert config.instance_group[0].kind == grpcclient.model_config_pb2.ModelInstanceGroup.KIND_CPU
+    c.infer("mlp", [mlp_input(np.zeros((2, models.MLP_IN), dtype=np.float32))])
+    stats = c.get_inference_statistics("mlp").model_stats
+    assert stats[0].name == "mlp" and stats[0].version == "v2" and stats[0].inference_count >= 2
+    assert stats[0].inference_stats.success.count >= 1 and stats[0].inference_stats.queue.ns > 0
+    everything = {s.name for s in c.get_inference_statistics().model_stats}
+    assert "mlp" in everything
+
+
+def test_infer_answers_like_the_model_in_process_with_the_outputs_asked_for(oip, repo):
+    expected = reference(repo, "pair", "v1")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((5, 3, 4), dtype=np.float32)
+    b = rng.integers(-100, 100, (5, 2), dtype=np.int64)
+    inputs = [grpcclient.InferInput("a", list(a.shape), "FP32"), grpcclient.InferInput("b", list(b.shape), "INT64")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    result = client(oip).infer("pair", inputs, request_id="r-9")
+    e0, e1 = expected(a, b)
+    np.testing.assert_allclose(result.as_numpy("scaled"), e0, rtol=1e-5)
+    np.testing.assert_array_equal(result.as_numpy("doubled"), e1)
+    response = result.get_response()
+    assert response.id == "r-9" and response.model_version == "v1"
+    only = client(oip).infer("pair", inputs, outputs=[grpcclient.InferRequestedOutput("doubled")])
+    assert only.as_numpy("scaled") is None
+    np.testing.assert_array_equal(only.as_numpy("doubled"), e1)
+
+
+def test_a_pinned_version_compression_and_a_deadline_that_is_met(oip, repo):
+    x = np.random.default_rng(1).standard_normal((3, models.MLP_IN), dtype=np.float32)
+    for algorithm in ("gzip", "deflate", None):
+        result = client(oip).infer("mlp", [mlp_input(x)], model_version="v2", compression_algorithm=algorithm,
+                                   timeout=5_000_000)
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), reference(repo, "mlp", "v2")(x), rtol=1e-5,
+                                   atol=1e-6)
+    with pytest.raises(InferenceServerException, match="version 'v1' of mlp is not served") as refused:
+        client(oip).infer("mlp", [mlp_input(x)], model_version="v1")
+    assert refused.value.status() == "StatusCode.NOT_FOUND"
+
+
+def infer_error(daemon: Daemon, model: str, inputs: list[grpcclient.InferInput], **kwargs) -> tuple[str, str]:
+    with pytest.raises(InferenceServerException) as failed:
+        client(daemon).infer(model, inputs, **kwargs)
+    return failed.value.status(), failed.value.message()
+
+
+def raw_input(name: str, datatype: str, shape: list[int], data: bytes) -> grpcclient.InferInput:
+    given = grpcclient.InferInput(name, shape, datatype)
+    given._raw_content = data  # a payload that disagrees with the shape; tritonclient would not build one
+    return given
+
+
+ONE = np.zeros((1, models.MLP_IN), dtype=np.float32)
+ERRORS = [
+    ("unknown model", "nope", [mlp_input(ONE)], "StatusCode.NOT_FOUND", "unknown model 'nope'"),
+    ("unknown input", "mlp", [raw_input("x", "FP32", [1, 16], ONE.tobytes())], "StatusCode.INVALID_ARGUMENT",
+     "has no input 'x'"),
+    ("wrong datatype", "mlp", [raw_input("INPUT__0", "FP64", [1, 16], bytes(128))], "StatusCode.INVALID_ARGUMENT",
+     "is FP64, but mlp takes FP32"),
+    ("bytes", "mlp", [raw_input("INPUT__0", "BYTES", [1, 16], bytes(64))], "StatusCode.INVALID_ARGUMENT",
+     "BYTES, which inferd does not serve"),
+    ("shape and bytes disagree", "mlp", [raw_input("INPUT__0", "FP32", [2, 16], ONE.tobytes())],
+     "StatusCode.INVALID_ARGUMENT", "has 64 bytes of data, but FP32 [2, 16] needs 128"),
+    ("negative dim", "mlp", [raw_input("INPUT__0", "FP32", [-1, 16], ONE.tobytes())], "StatusCode.INVALID_ARGUMENT",
+     "at least 1"),
+    ("huge dims", "mlp", [raw_input("INPUT__0", "FP32", [2**40, 2**40], b"")], "StatusCode.INVALID_ARGUMENT",
+     "elements"),
+    ("batch too big", "mlp", [mlp_input(np.zeros((17, 16), dtype=np.float32))], "StatusCode.INVALID_ARGUMENT",
+     "over max_batch_size 16"),
+    ("model error", "failing", [mlp_input(np.array([[-1.0, 2.0]], dtype=np.float32))], "StatusCode.INTERNAL",
+     "negative input refused by the model"),
+]
+
+
+@pytest.mark.parametrize("case, model, inputs, status, message", ERRORS, ids=[e[0] for e in ERRORS])
+def test_each_bad_request_gets_its_status_and_a_sentence_and_the_daemon_serves_on(oip, case, model, inputs, status,
+                                                                                 message):
+    got, text = infer_error(oip, model, inputs)
+    assert got == status and message in text, (got, text)
+    assert client(oip).infer("mlp", [mlp_input(ONE)]).as_numpy("OUTPUT__0").shape == (1, models.MLP_OUT)
+
+
+def call_raw(daemon: Daemon, method: str, body: bytes) -> grpc.RpcError | bytes:
+    """One call of the service with `body` as its request, bytes as they are."""
+    with grpc.insecure_channel(daemon.config["server"]["grpc"]) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        try:
+            return call(body, timeout=20)
+        except grpc.RpcError as exc:
+            return exc
+
+
+def test_typed_contents_are_taken_and_bytes_that_are_not_a_message_are_invalid(oip, repo):
+    x = np.random.default_rng(2).standard_normal((2, models.MLP_IN), dtype=np.float32)
+    request = service_pb2.ModelInferRequest(model_name="mlp")
+    request.inputs.add(name="INPUT__0", datatype="FP32", shape=[2, models.MLP_IN]).contents.fp32_contents.extend(
+        x.ravel().tolist())
+    answer = service_pb2.ModelInferResponse.FromString(call_raw(oip, "ModelInfer", request.SerializeToString()))
+    np.testing.assert_allclose(np.frombuffer(answer.raw_output_contents[0], dtype=np.float32).reshape(2, -1),
+                               reference(repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+    half = service_pb2.ModelInferRequest(model_name="mlp")
+    half.inputs.add(name="INPUT__0", datatype="FP16", shape=[1, 16]).contents.fp32_contents.append(1.0)
+    refused = call_raw(oip, "ModelInfer", half.SerializeToString())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "no typed contents" in refused.details()
+    garbage = call_raw(oip, "ModelInfer", b"\xff\xff\xff\xff")
+    assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a inference.ModelInferRequest message" in garbage.details()
+    unimplemented = call_raw(oip, "RepositoryIndex", b"")
+    assert unimplemented.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_compressed_message_that_inflates_past_the_limit_is_refused(oip):
+    huge = np.zeros((1, (80 << 20) // 4), dtype=np.float32)  # 80 MiB of zeros; the limit is 64 MiB
+    given = grpcclient.InferInput("INPUT__0", list(huge.shape), "FP32")
+    given.set_data_from_numpy(huge)
+    got, _ = infer_error(oip, "mlp", [given], compression_algorithm="gzip")
+    assert got == "StatusCode.RESOURCE_EXHAUSTED"
+    assert client(oip).is_server_live()
+
+
+def test_grpc_http_and_zeromq_clients_at_once_are_batched_together(oip, repo):
+    expected = reference(repo, "mlp", "v2")
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1, models.MLP_IN), dtype=np.float32) for _ in range(90)]
+    before = sum(w["batches"] for w in oip.status()["workers"])
+
+    async def over_grpc(batch: list[np.ndarray]) -> list[np.ndarray]:
+        async with aioclient.InferenceServerClient(oip.config["server"]["grpc"]) as c:
+            async def one(x: np.ndarray) -> np.ndarray:
+                given = aioclient.InferInput("INPUT__0", list(x.shape), "FP32")
+                given.set_data_from_numpy(x)
+                return (await c.infer("mlp", [given])).as_numpy("OUTPUT__0")
+            return await asyncio.gather(*(one(x) for x in batch))
+
+    http = httpclient.InferenceServerClient(oip.config["server"]["http"], concurrency=30)
+    with oip.client() as zmq_client:
+        zmq_futures = [zmq_client.submit("mlp", x) for x in xs[60:]]
+        http_futures = []
+        for x in xs[30:60]:
+            given = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+            given.set_data_from_numpy(x)
+            http_futures.append(http.async_infer("mlp", [given]))
+        grpc_answers = asyncio.run(over_grpc(xs[:30]))
+        http_answers = [f.get_result().as_numpy("OUTPUT__0") for f in http_futures]
+        zmq_answers = [f.result() for f in zmq_futures]
+    http.close()
+    for x, y in zip(xs, grpc_answers + http_answers + zmq_answers):
+        np.testing.assert_allclose(y, expected(x), rtol=1e-5, atol=1e-6)
+    batches = sum(w["batches"] for w in oip.status()["workers"]) - before
+    assert batches < 90, "requests of the three protocols should share batches"
+    by_protocol = oip.call("stats")["models"]["mlp"]["requests_by_protocol"]
+    assert by_protocol["grpc"]["ok"] >= 30 and by_protocol["http"]["ok"] >= 30
+
+
+def grpc_daemon(start_daemon, **sections) -> Daemon:
+    server = {"grpc": f"127.0.0.1:{free_port()}", **sections.pop("server", {})}
+    return start_daemon({"variable": ONE_AT_A_TIME}, server=server, workers={"streams": 1}, **sections)
+
+
+def test_deadline_overloaded_and_draining_have_their_status(start_daemon):
+    daemon = grpc_daemon(start_daemon, queue={"max_size": 1})
+    small = grpcclient.InferInput("INPUT__0", [1, 2], "FP32")
+    small.set_data_from_numpy(np.ones((1, 2), dtype=np.float32))
+    late: queue.Queue = queue.Queue()
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("blocker", "variable", [BLOCKER], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+        # 100 ms: it waits behind the blocker, in the executor's pipeline, and cannot be met.
+        client(daemon).async_infer("variable", [small], lambda result, error: late.put(error), timeout=100_000)
+        wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="the executor's pipeline full")
+        peer.send(0, "variable", [np.ones((1, 2), dtype=np.float32)], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="the queue's one place taken")
+        got, text = infer_error(daemon, "variable", [small])
+        assert got == "StatusCode.RESOURCE_EXHAUSTED" and "queue is full" in text
+        error = late.get(timeout=30)
+        assert error.status() == "StatusCode.DEADLINE_EXCEEDED" and "deadline" in error.message()
+        assert [peer.recv()[0]["status"] for _ in range(2)] == ["ok"] * 2
+        peer.send("blocker2", "variable", [BLOCKER], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy again")
+        daemon.signal(signal.SIGTERM)
+        wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
+        got, text = infer_error(daemon, "variable", [small])
+        assert got == "StatusCode.UNAVAILABLE" and "shutting down" in text
+        assert peer.recv()[0]["status"] == "ok", "what was running finishes"
+    assert daemon.wait(30) == 0
+
+
+def test_a_dead_grpc_gateway_is_restarted_and_serves_again(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, server={"grpc": f"127.0.0.1:{free_port()}"})
+    assert client(daemon).infer("mlp", [mlp_input(ONE)]).as_numpy("OUTPUT__0") is not None
+    gateway = next(p for p in psutil.Process(daemon.process.pid).children()
+                   if p.cmdline()[0].startswith("inferd: gateway grpc"))
+    os.kill(gateway.pid, signal.SIGKILL)
+
+    def served_again() -> bool:
+        try:
+            return client(daemon).infer("mlp", [mlp_input(ONE)]).as_numpy("OUTPUT__0") is not None
+        except InferenceServerException:
+            return False
+
+    wait_for(served_again, timeout=30, what="the new gateway serving")
+    assert "gateway grpc died (killed by signal 9" in daemon.log()
+
+
+def test_a_grpc_port_in_use_is_one_sentence_naming_the_key(start_daemon):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = start_daemon({"mlp": MLP}, server={"grpc": f"127.0.0.1:{port}"}, wait=False)
+        assert daemon.wait(60) == 1
+    assert f"cannot listen at 127.0.0.1:{port} (Address already in use); change server.grpc" in daemon.log()
+
+
+def test_inferds_messages_have_tritons_field_numbers():
+    """The wire contract: every field of inferd's messages has the number, type and label of Triton's."""
+    dump = (
+        "import json, sys\n"
+        "from google.protobuf import descriptor_pb2\n"
+        "def walk(proto, prefix, out):\n"
+        "    for m in proto:\n"
+        "        name = prefix + '.' + m.name\n"
+        "        out[name] = {f.name: [f.number, f.type, f.label, f.type_name] for f in m.field}\n"
+        "        walk(m.nested_type, name, out)\n"
+        "out = {}\n"
+        "for module in sys.argv[1:]:\n"
+        "    file = descriptor_pb2.FileDescriptorProto()\n"
+        "    __import__(module, fromlist=['DESCRIPTOR']).DESCRIPTOR.CopyToProto(file)\n"
+        "    walk(file.message_type, '.' + file.package, out)\n"
+        "    for e in file.enum_type:\n"
+        "        out['.inference.' + e.name] = {v.name: v.number for v in e.value}\n"
+        "print(json.dumps(out))\n"
+    )
+
+    def messages(*modules: str) -> dict:
+        done = subprocess.run([sys.executable, "-c", dump, *modules], capture_output=True, text=True, cwd=ROOT,
+                              check=True)
+        return json.loads(done.stdout)
+
+    ours = messages("inferd.oip.inference_pb2")
+    theirs = messages("tritonclient.grpc.service_pb2", "tritonclient.grpc.model_config_pb2")
+    assert len(ours) > 30
+    for name, fields in ours.items():
+        assert name in theirs, name
+        for field, shape in fields.items():
+            assert theirs[name].get(field) == shape, (name, field, shape, theirs[name].get(field))
+
+
+def test_the_checked_in_messages_are_what_protoc_makes_of_the_proto(tmp_path):
+    folder = ROOT / "inferd" / "oip"
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{folder}", f"--python_out={tmp_path}",
+                    f"--pyi_out={tmp_path}", str(folder / "inference.proto")], check=True)
+    for name in ("inference_pb2.py", "inference_pb2.pyi"):
+        assert (tmp_path / name).read_text() == (folder / name).read_text(), f"{name} is stale: run `make proto`"
+
