@@ -462,6 +462,17 @@ def test_the_example_reads_the_model_folder_of_the_kubernetes_model_volume():
     assert config.parse(daemon_config()).models[ISVC["metadata"]["name"]].repository == f"{mount}/{folder}"
 
 
+def test_the_predictor_pods_stay_out_of_the_deployments_selectors():
+    # KServe labels the predictor pods with the InferenceService's and the runtime's labels.
+    labels = {**RUNTIME["spec"].get("labels", {}), **ISVC["metadata"].get("labels", {})}
+    selectors = [(name, doc["spec"].get("selector") or doc["spec"]["podSelector"]) for name, doc in MANIFESTS
+                 if doc["kind"] in ("Service", "PodDisruptionBudget", "NetworkPolicy")
+                 and doc["metadata"]["namespace"] == ISVC["metadata"]["namespace"]]
+    assert selectors
+    for name, selector in selectors:
+        assert not selector.get("matchLabels", selector).items() <= labels.items(), f"{name} selects the pods"
+
+
 def test_the_runtime_drains_within_the_default_grace_period():
     pre_stop = runtime_container()["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
