@@ -1,27 +1,35 @@
-"""deploy/kubernetes: valid against the Kubernetes schemas, consistent with one another and with inferd.
+"""deploy/kubernetes and deploy/kserve: valid against the Kubernetes schemas, consistent with one another
+and with inferd.
 
 The PromQL of the autoscaling rules is checked, and run on made-up series, by
-promtool where it is installed (.ci/run installs Prometheus).
+promtool where it is installed (.ci/run installs Prometheus). KServe's resources
+have no schema here: their pod parts are checked as core v1 objects, the rest
+against the fields KServe's API types declare.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 import shutil
 import subprocess
 import tomllib
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
+import torch
 import yaml
 
-from inferd import config, paths
-from inferd.cli import inferctl
+from inferd import config, paths, repository
+from inferd.cli import inferctl, inferd
+from inferd.harness import DaemonProcess, free_port
 
 KUBERNETES = "1.30.0"  # the oldest release still widely run; the manifests use nothing newer
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
+KSERVE = DEPLOY.parent / "kserve"
 RULES = DEPLOY / "prometheus" / "inferd-rules.yml"
 
 
@@ -218,3 +226,284 @@ def test_the_recording_rules_compute_the_signals(tmp_path):
     unit.write_text(yaml.safe_dump(cases))
     done = subprocess.run(["promtool", "test", "rules", str(unit)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# -- deploy/kserve -----------------------------------------------------------------------
+# What KServe declares (kserve/kserve: pkg/apis/serving, pkg/constants, the storage initializer):
+MODEL_MOUNT = "/mnt/models"  # where the storage initializer puts the storageUri
+KSERVE_CONTAINER = "kserve-container"  # the runtime container an InferenceService's model is merged into
+PROTOCOLS = {"v1", "v2", "grpc-v1", "grpc-v2"}
+RUNTIME_POD_FIELDS = ("containers", "volumes", "nodeSelector", "affinity", "tolerations", "imagePullSecrets",
+                      "hostIPC")  # ServingRuntimePodSpec: these are a PodSpec's
+RUNTIME_FIELDS = {*RUNTIME_POD_FIELDS, "labels", "annotations", "supportedModelFormats", "multiModel", "disabled",
+                  "protocolVersions", "workerSpec", "grpcEndpoint", "grpcDataEndpoint", "httpDataEndpoint",
+                  "replicas", "storageHelper", "builtInAdapter"}
+MODEL_FORMAT_FIELDS = {"name": str, "version": str, "autoSelect": bool, "priority": int}
+# predictor.model: these, and the fields of a Container.
+MODEL_FIELDS = {"modelFormat", "runtime", "runtimeVersion", "protocolVersion", "storageUri", "storage"}
+# predictor: the model, these (ComponentExtensionSpec), and the fields of a PodSpec.
+COMPONENT_FIELDS = {"minReplicas", "maxReplicas", "scaleTarget", "scaleMetric", "containerConcurrency", "timeout",
+                    "canaryTrafficPercent", "logger", "batcher", "labels", "annotations", "deploymentStrategy"}
+STORAGE_SCHEMES = ("gs://", "s3://", "pvc://", "file://", "https://", "http://", "hdfs://", "webhdfs://", "oci://",
+                   "hf://")
+ISVC_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# Istio, in front of a RawDeployment, takes a Service port's protocol from its name.
+PORT_NAME = re.compile(r"(http|grpc)(-[a-z0-9]+)*")
+DEFAULT_GRACE_S = 30  # Kubernetes' terminationGracePeriodSeconds: a ServingRuntime cannot set it
+
+
+def kserve_doc(kind: str) -> dict[str, Any]:
+    (doc,) = [doc for path in sorted(KSERVE.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text())
+              if doc and doc["kind"] == kind]
+    return doc
+
+
+RUNTIME = kserve_doc("ClusterServingRuntime")
+ISVC = kserve_doc("InferenceService")
+
+
+def runtime_container(runtime: dict[str, Any] = RUNTIME) -> dict[str, Any]:
+    return next(c for c in runtime["spec"]["containers"] if c["name"] == KSERVE_CONTAINER)
+
+
+def runtime_pod(runtime: dict[str, Any]) -> dict[str, Any]:
+    """The pod part of a ServingRuntime as a Pod, so the Kubernetes schema can judge it."""
+    spec = runtime["spec"]
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": runtime["metadata"]["name"], "labels": spec.get("labels", {}),
+                         "annotations": spec.get("annotations", {})},
+            "spec": {key: spec[key] for key in RUNTIME_POD_FIELDS if key in spec}}
+
+
+def predictor_pod(isvc: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
+    """The runtime's pod with the InferenceService's predictor laid over it, as KServe merges them
+    (a shallow merge: enough for the schema to judge every field the InferenceService adds)."""
+    pod = copy.deepcopy(runtime_pod(runtime))
+    predictor = isvc["spec"]["predictor"]
+    pod["spec"].update({k: v for k, v in predictor.items() if k != "model" and k not in COMPONENT_FIELDS})
+    container = next(c for c in pod["spec"]["containers"] if c["name"] == KSERVE_CONTAINER)
+    container.update({k: v for k, v in predictor["model"].items() if k not in MODEL_FIELDS})
+    return pod
+
+
+def served_config() -> config.Config:
+    """The config the runtime's container runs with: the template that the storageUri carries."""
+    args = runtime_container()["args"]
+    return config.load(KSERVE / Path(args[args.index("--config") + 1]).relative_to(MODEL_MOUNT))
+
+
+def runtime_problems(runtime: dict[str, Any]) -> list[str]:
+    """What KServe's ServingRuntime types would refuse or ignore, each as a sentence."""
+    problems = []
+    if (runtime["apiVersion"], runtime["kind"]) != ("serving.kserve.io/v1alpha1", "ClusterServingRuntime"):
+        problems.append("not a serving.kserve.io/v1alpha1 ClusterServingRuntime")
+    if "namespace" in runtime["metadata"]:
+        problems.append("metadata.namespace: a ClusterServingRuntime is cluster-scoped")
+    spec = runtime["spec"]
+    problems += [f"spec.{key}: not a ServingRuntime field" for key in sorted(set(spec) - RUNTIME_FIELDS)]
+    for i, model_format in enumerate(spec.get("supportedModelFormats", [])):
+        where = f"spec.supportedModelFormats[{i}]"
+        if "name" not in model_format:
+            problems.append(f"{where}.name: required")
+        for key, value in model_format.items():
+            kind = MODEL_FORMAT_FIELDS.get(key)
+            if kind is None:
+                problems.append(f"{where}.{key}: not a field")
+            elif type(value) is not kind:  # `is`: a bool is an int to isinstance
+                problems.append(f"{where}.{key}: not a {kind.__name__}")
+        if model_format.get("priority", 1) < 1:
+            problems.append(f"{where}.priority: at least 1")
+        if "priority" in model_format and not model_format.get("autoSelect"):
+            problems.append(f"{where}.priority: counts only with autoSelect")
+    problems += [f"spec.protocolVersions: {v!r} is none of {sorted(PROTOCOLS)}"
+                 for v in spec.get("protocolVersions", []) if v not in PROTOCOLS]
+    if [c["name"] for c in spec["containers"]].count(KSERVE_CONTAINER) != 1:
+        problems.append(f"spec.containers: needs one container named {KSERVE_CONTAINER}")
+    return problems
+
+
+def isvc_problems(isvc: dict[str, Any], runtime: dict[str, Any]) -> list[str]:
+    """What KServe would refuse in an InferenceService on `runtime`, or place on another runtime."""
+    problems = []
+    if (isvc["apiVersion"], isvc["kind"]) != ("serving.kserve.io/v1beta1", "InferenceService"):
+        problems.append("not a serving.kserve.io/v1beta1 InferenceService")
+    if not ISVC_NAME.fullmatch(isvc["metadata"]["name"]):
+        problems.append(f"metadata.name: does not match {ISVC_NAME.pattern}")
+    model, spec = isvc["spec"]["predictor"]["model"], runtime["spec"]
+    if model.get("runtime") != runtime["metadata"]["name"]:
+        problems.append(f"model.runtime: not {runtime['metadata']['name']}")
+    if model["modelFormat"]["name"] not in {f["name"] for f in spec["supportedModelFormats"]}:
+        problems.append("model.modelFormat.name: not a format of the runtime")
+    if model.get("protocolVersion") not in spec["protocolVersions"]:
+        problems.append("model.protocolVersion: not a protocol of the runtime")
+    if not model.get("storageUri", "").startswith(STORAGE_SCHEMES):
+        problems.append(f"model.storageUri: none of {', '.join(STORAGE_SCHEMES)}")
+    mode = isvc["metadata"].get("annotations", {}).get("serving.kserve.io/deploymentMode")
+    if len(runtime_container(runtime)["ports"]) > 1 and mode != "RawDeployment":
+        problems.append("serving.kserve.io/deploymentMode: Knative allows a container one port; needs RawDeployment")
+    return problems
+
+
+def set_at(doc: Any, path: tuple[str | int, ...], value: Any) -> None:
+    for key in path[:-1]:
+        doc = doc[key]
+    doc[path[-1]] = value
+
+
+def test_the_kserve_runtime_and_inferenceservice_have_what_kserve_takes():
+    assert runtime_problems(RUNTIME) == []
+    assert isvc_problems(ISVC, RUNTIME) == []
+
+
+@pytest.mark.parametrize("path,value,problem", [
+    (("spec", "protocolVersions"), ["v2", "v3"], "'v3' is none of"),
+    (("spec", "supportedModelFormats", 0, "priority"), 0, "at least 1"),
+    (("spec", "supportedModelFormats", 0, "autoSelect"), "true", "not a bool"),
+    (("spec", "supportedModelFormat"), [], "not a ServingRuntime field"),
+    (("spec", "containers", 0, "name"), "inferd", KSERVE_CONTAINER),
+    (("metadata", "namespace"), "inferd", "cluster-scoped"),
+])
+def test_the_runtime_check_catches_a_broken_runtime(path, value, problem):
+    broken = copy.deepcopy(RUNTIME)
+    set_at(broken, path, value)
+    assert any(problem in p for p in runtime_problems(broken)), runtime_problems(broken)
+
+
+@pytest.mark.parametrize("path,value,problem", [
+    (("spec", "predictor", "model", "modelFormat", "name"), "onnx", "not a format"),
+    (("spec", "predictor", "model", "protocolVersion"), "v1", "not a protocol"),
+    (("spec", "predictor", "model", "storageUri"), "ftp://models/mlp", "storageUri"),
+    (("metadata", "annotations", "serving.kserve.io/deploymentMode"), "Serverless", "one port"),
+    (("metadata", "name"), "MLP", "metadata.name"),
+])
+def test_the_inferenceservice_check_catches_a_broken_inferenceservice(path, value, problem):
+    broken = copy.deepcopy(ISVC)
+    set_at(broken, path, value)
+    assert any(problem in p for p in isvc_problems(broken, RUNTIME)), isvc_problems(broken, RUNTIME)
+
+
+def test_the_runtime_and_predictor_pods_are_valid_core_v1_pods():
+    kubernetes_validate.validate(runtime_pod(RUNTIME), KUBERNETES, strict=True)
+    kubernetes_validate.validate(predictor_pod(ISVC, RUNTIME), KUBERNETES, strict=True)
+
+
+def test_the_pod_check_catches_a_broken_runtime_or_predictor():
+    broken = copy.deepcopy(RUNTIME)
+    runtime_container(broken)["readinessProbe"]["httpGet"]["pth"] = "/v2/health/ready"  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(runtime_pod(broken), KUBERNETES, strict=True)
+    misspelt = copy.deepcopy(ISVC)
+    misspelt["spec"]["predictor"]["model"]["resource"] = {"limits": {"memory": "8Gi"}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(predictor_pod(misspelt, RUNTIME), KUBERNETES, strict=True)
+
+
+def test_the_runtime_container_is_the_deployments_image_user_and_lockdown():
+    runtime, deployed = runtime_container(), container()
+    assert runtime["image"] == deployed["image"]
+    assert runtime["resources"] == deployed["resources"]
+    pod_security = pod_spec()["securityContext"]
+    # The Deployment sets the user and seccomp on the pod, which a ServingRuntime cannot.
+    assert runtime["securityContext"] == {
+        **deployed["securityContext"],
+        **{key: pod_security[key] for key in ("runAsNonRoot", "runAsUser", "runAsGroup", "seccompProfile")}}
+
+
+def test_the_runtime_runs_inferd_on_the_config_the_storage_uri_carries():
+    container = runtime_container()
+    assert container["args"][:2] == ["serve", "--config"]
+    assert "--config" in {opt for param in inferd.commands["serve"].params for opt in param.opts}
+    config_path = container["args"][2]
+    assert Path(config_path).parent == Path(MODEL_MOUNT)
+    assert {"name": "INFERD_CONFIG", "value": config_path} in container["env"]  # inferctl in the pod finds it
+    assert served_config().models, "the template parses with inferd's parser and names a model"
+    assert all(model.repository == MODEL_MOUNT for model in served_config().models.values())
+    assert ISVC["metadata"]["name"] in served_config().models, "clients call /v2/models/<InferenceService>"
+
+
+def test_the_runtime_ports_and_probes_are_the_configs_front_ends():
+    served = served_config()
+    http, grpc = runtime_container()["ports"]  # KServe routes the Service's port 80 to the first
+    assert served.server.http == f"0.0.0.0:{http['containerPort']}"
+    assert served.server.grpc == f"0.0.0.0:{grpc['containerPort']}"
+    assert PORT_NAME.fullmatch(http["name"]) and http["name"].startswith("http")
+    assert PORT_NAME.fullmatch(grpc["name"]) and grpc["name"].startswith("grpc")
+    probes = {kind: runtime_container()[kind]["httpGet"] for kind in ("startupProbe", "readinessProbe",
+                                                                       "livenessProbe")}
+    assert all(probe["port"] == http["name"] for probe in probes.values())
+    assert probes["readinessProbe"]["path"] == "/v2/health/ready"
+    assert probes["livenessProbe"]["path"] == probes["startupProbe"]["path"] == "/v2/health/live"
+    assert RUNTIME["spec"]["annotations"]["prometheus.kserve.io/port"] == served.server.metrics.rpartition(":")[2]
+
+
+def test_the_runtime_mounts_what_the_config_writes_and_leaves_the_model_mount_to_kserve():
+    served, container = served_config(), runtime_container()
+    volumes = {volume["name"]: volume for volume in RUNTIME["spec"]["volumes"]}
+    mounts = {mount["mountPath"]: mount["name"] for mount in container["volumeMounts"]}
+    assert set(mounts.values()) == set(volumes)
+    # The root filesystem is read-only: the state, the control socket (where a bare inferctl looks)
+    # and the arenas each need a volume.
+    assert served.server.control == f"ipc://{paths.SYSTEM_RUNTIME_DIR / paths.CONTROL_SOCKET_NAME}"
+    assert {str(paths.SYSTEM_RUNTIME_DIR), served.server.state_dir, "/dev/shm"} <= set(mounts)
+    shm = volumes[mounts["/dev/shm"]]["emptyDir"]
+    assert shm["medium"] == "Memory"
+    assert float(shm["sizeLimit"].removesuffix("Gi")) * 1024 >= 4 * served.workers.shm_mb  # four GPUs' workers
+    # KServe mounts the storageUri there: a volume of the runtime's at or above it would hide it.
+    assert not any(path == MODEL_MOUNT or MODEL_MOUNT.startswith(path + "/") for path in mounts)
+
+
+def test_the_example_reads_the_model_folder_of_the_kubernetes_model_volume():
+    claim, _, folder = ISVC["spec"]["predictor"]["model"]["storageUri"].removeprefix("pvc://").partition("/")
+    assert manifest("PersistentVolumeClaim", claim)["metadata"]["namespace"] == ISVC["metadata"]["namespace"]
+    # The Deployment serves the same model from the same folder of that volume.
+    volume = next(v["name"] for v in pod_spec()["volumes"]
+                  if v.get("persistentVolumeClaim", {}).get("claimName") == claim)
+    mount = next(m["mountPath"] for m in container()["volumeMounts"] if m["name"] == volume)
+    assert config.parse(daemon_config()).models[ISVC["metadata"]["name"]].repository == f"{mount}/{folder}"
+
+
+def test_the_predictor_pods_stay_out_of_the_deployments_selectors():
+    # KServe labels the predictor pods with the InferenceService's and the runtime's labels.
+    labels = {**RUNTIME["spec"].get("labels", {}), **ISVC["metadata"].get("labels", {})}
+    selectors = [(name, doc["spec"].get("selector") or doc["spec"]["podSelector"]) for name, doc in MANIFESTS
+                 if doc["kind"] in ("Service", "PodDisruptionBudget", "NetworkPolicy")
+                 and doc["metadata"]["namespace"] == ISVC["metadata"]["namespace"]]
+    assert selectors
+    for name, selector in selectors:
+        assert not selector.get("matchLabels", selector).items() <= labels.items(), f"{name} selects the pods"
+
+
+def test_the_runtime_drains_within_the_default_grace_period():
+    pre_stop = runtime_container()["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    # 5 s of room for the workers and the gateway to exit after the drain.
+    assert int(pre_stop[1]) + served_config().server.drain_timeout_s + 5 <= DEFAULT_GRACE_S
+
+
+def test_the_runtime_command_serves_a_storage_uri_laid_out_as_the_readme_says(tmp_path):
+    """inferd on a folder laid out as the storageUri must be, with the template config: it finds the
+    version, and the probe paths answer on the HTTP front end. Only what ties it to a pod changes:
+    addresses and folders of this machine, one CPU worker, a smaller arena."""
+    store = tmp_path / "models"  # stands for /mnt/models
+    raw = tomllib.loads((KSERVE / "inferd.toml").read_text())
+    ((name, model),) = raw["models"].items()
+    (store / "v1").mkdir(parents=True)
+    torch.jit.script(torch.nn.Linear(model["inputs"][0]["shape"][0], 4)).save(str(store / "v1" / "model.pt"))
+    model["repository"] = str(store)
+    raw["server"].update(http=f"127.0.0.1:{free_port()}", grpc=f"127.0.0.1:{free_port()}", metrics="",
+                         listen=[f"tcp://127.0.0.1:{free_port()}"], control=f"ipc://{tmp_path}/control.sock",
+                         state_dir=str(tmp_path / "state"))
+    raw["workers"].update(devices=["cpu"], shm_mb=64)
+    daemon = DaemonProcess(store, raw)  # writes store/inferd.toml, where the storageUri holds it
+    try:
+        daemon.start()
+        assert daemon.status()["models"][name]["live_version"] == "v1" == repository.versions(store)[-1]
+        http = raw["server"]["http"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            path = runtime_container()[kind]["httpGet"]["path"]
+            with urllib.request.urlopen(f"http://{http}{path}", timeout=5) as reply:
+                assert reply.status == 200, f"{kind} {path}"
+        with urllib.request.urlopen(f"http://{http}/v2/models/{name}/ready", timeout=5) as reply:
+            assert reply.status == 200
+    finally:
+        daemon.kill_all()
