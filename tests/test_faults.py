@@ -265,3 +265,48 @@ def test_any_http_body_gets_one_answer_and_the_daemon_serves_on(oip_daemon, body
     with urllib.request.urlopen(urllib.request.Request(f"http://{address}/v2/models/mlp/infer", data=good,
                                                        method="POST"), timeout=20) as response:
         assert response.status == 200
+
+
+def _infer_request(model: str, inputs: list[tuple[str, str, list[int], bytes | None, list[float] | None]],
+                   timeout: int | None) -> bytes:
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    if timeout is not None:
+        request.parameters["timeout"].int64_param = timeout
+    for name, datatype, shape, raw, values in inputs:
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
+        if values is not None:
+            tensor.contents.fp32_contents.extend(values)
+        if raw is not None:
+            request.raw_input_contents.append(raw)
+    return request.SerializeToString()
+
+
+grpc_messages = st.one_of(
+    st.binary(max_size=256),
+    st.builds(_infer_request, st.sampled_from(["mlp", "nope", ""]),
+              st.lists(st.tuples(st.sampled_from(["INPUT__0", "x", ""]),
+                                 st.sampled_from(["FP32", "FP16", "INT64", "BYTES", "BF16", "nope"]),
+                                 st.lists(st.integers(-3, 2**40), max_size=4),
+                                 st.one_of(st.none(), st.binary(max_size=128)),
+                                 st.one_of(st.none(), st.lists(st.floats(width=32), max_size=40))),
+                       max_size=3),
+              st.one_of(st.none(), st.integers(-5, 2**62))),
+)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(message=grpc_messages)
+def test_any_grpc_message_gets_one_status_and_the_daemon_serves_on(oip_daemon, message):
+    import grpc
+
+    with grpc.insecure_channel(oip_daemon.config["server"]["grpc"]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        try:
+            call(message, timeout=20)
+        except grpc.RpcError as exc:
+            assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), exc
+            assert exc.details()
+        good = _infer_request("mlp", [("INPUT__0", "FP32", [1, models.MLP_IN], X_MLP.tobytes(), None)], None)
+        assert call(good, timeout=20)

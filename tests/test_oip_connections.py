@@ -1,0 +1,113 @@
+"""The Open Inference Protocol's connections: TLS on both front ends, and clients that hold a connection
+without finishing a request or send more header than a request needs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import models
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from conftest import MLP, Daemon
+from tritonclient.utils import InferenceServerException
+
+from inferd.harness import free_port
+
+HEAD_TIMEOUT_S = 10.0  # inferd/oip/http_server.py, and the gRPC handshake timeout in rpc.py
+ONE = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, models.MLP_IN],
+                              "data": [0.5] * models.MLP_IN}]}).encode()
+
+
+def address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
+def http_infer(url: str, context: ssl.SSLContext | None = None) -> int:
+    request = urllib.request.Request(f"{url}/v2/models/mlp/infer", data=ONE, method="POST")
+    with urllib.request.urlopen(request, timeout=20, context=context) as answer:
+        return answer.status
+
+
+def grpc_infer(target: str, **kwargs) -> np.ndarray:
+    given = grpcclient.InferInput("INPUT__0", [1, models.MLP_IN], "FP32")
+    given.set_data_from_numpy(np.full((1, models.MLP_IN), 0.5, dtype=np.float32))
+    return grpcclient.InferenceServerClient(target, **kwargs).infer("mlp", [given]).as_numpy("OUTPUT__0")
+
+
+def closed_by_server(connection: socket.socket, within: float) -> bool:
+    connection.settimeout(within)
+    try:
+        while connection.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_connections_that_never_finish_a_request_are_closed_and_others_are_served(oip_daemon):
+    server = oip_daemon.config["server"]
+    started = time.monotonic()
+    with socket.create_connection(address(server["http"])) as http_loris, \
+            socket.create_connection(address(server["grpc"])) as grpc_loris:
+        http_loris.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        assert http_infer(f"http://{server['http']}") == 200
+        assert grpc_infer(server["grpc"]).shape == (1, models.MLP_OUT)
+        assert closed_by_server(http_loris, HEAD_TIMEOUT_S + 10)
+        assert closed_by_server(grpc_loris, HEAD_TIMEOUT_S + 10)
+    assert time.monotonic() - started >= HEAD_TIMEOUT_S - 1, "closed for its slowness, not at once"
+
+
+@pytest.mark.parametrize("head, sentence", [
+    (b"".join(b"X-%d: 1\r\n" % i for i in range(101)), b"more than 100 headers"),
+    (b"X-Big: " + b"a" * (70 << 10) + b"\r\n", b"a request head of over 65536 bytes"),
+], ids=["too many headers", "too big a head"])
+def test_too_much_header_is_refused_with_a_sentence(oip_daemon, head, sentence):
+    with socket.create_connection(address(oip_daemon.config["server"]["http"])) as connection:
+        connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        connection.settimeout(20)
+        answer = b""
+        while chunk := connection.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and sentence in answer, answer[:300]
+    assert http_infer(f"http://{oip_daemon.config['server']['http']}") == 200
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+def test_tls_on_both_front_ends(start_daemon, certificate):
+    cert, key = certificate
+    daemon: Daemon = start_daemon({"mlp": MLP}, server={
+        "http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+        "tls_cert": str(cert), "tls_key": str(key)})
+    server = daemon.config["server"]
+    trusted = ssl.create_default_context(cafile=str(cert))
+    assert http_infer(f"https://{server['http']}", trusted) == 200
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        http_infer(f"https://{server['http']}", ssl.create_default_context())
+    with pytest.raises((urllib.error.URLError, ConnectionError)):
+        http_infer(f"http://{server['http']}")  # plain HTTP to a TLS port
+    assert grpc_infer(server["grpc"], ssl=True, root_certificates=str(cert)).shape == (1, models.MLP_OUT)
+    with pytest.raises(InferenceServerException, match="UNAVAILABLE"):
+        grpc_infer(server["grpc"])  # no TLS
+    assert "without TLS" not in daemon.log()
+    assert "Open Inference Protocol at https://" in daemon.log()
+    assert "Open Inference Protocol at grpcs://" in daemon.log()
