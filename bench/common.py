@@ -39,6 +39,16 @@ def run_loadgen(*args: Any, **kwargs: Any) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_oip_loadgen(protocol: str, address: str, model: str, shape: tuple[int, ...], concurrency: int,
+                    seconds: float, warmup: float = 2.0) -> dict[str, Any]:
+    """Run the Open Inference Protocol's load generator in its own process and return its JSON line."""
+    command = [sys.executable, "-m", "bench.oip_loadgen", "--protocol", protocol, "--address", address,
+               "--model", model, "--shape", ",".join(map(str, shape)), "--concurrency", str(concurrency),
+               "--seconds", str(seconds), "--warmup", str(warmup)]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def record(name: str, rows: list[dict[str, Any]]) -> Path:
     """Print each row as a JSON line and append them to bench/results/NAME.jsonl."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,9 @@ before each configuration's cases, and a bare pyzmq ROUTER echo of the same
 payload driven by the same load generator. inferd
 runs with streams 1 and 2 and one and two CPU workers; each configuration
 serves mlp and cnn at concurrency 1 and 64, and echo at 1 MB and 16 MB at
-concurrency 4. The table gives each target's ratio; JSON lines are appended to
+concurrency 4; and mlp and cnn at concurrency 1 and 64 again over the Open Inference
+Protocol, HTTP (binary tensors) and gRPC, with bench/oip_loadgen.py, the same closed
+loop. The table gives each target's ratio; JSON lines are appended to
 bench/results/matrix.jsonl.
 
 Targets (on a 2-core CPU machine):
@@ -17,6 +19,8 @@ Targets (on a 2-core CPU machine):
   T3 mlp C=64 samples/s >= 0.6 x in-process samples/s at batch 32
   T4 echo 16 MB C=4 bytes/s >= 0.6 x bare ZeroMQ echo bytes/s
   T5 mlp and cnn C=64: p99 <= 2.5 x p50
+  O1 OIP HTTP and gRPC, mlp and cnn C=64: samples/s >= 0.7 x the ZeroMQ path's
+  O2 OIP HTTP and gRPC, mlp and cnn C=1: p50 <= the ZeroMQ path's p50 + 0.3 ms
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 import psutil
 
 from bench import models
-from bench.common import ROOT, record, run_loadgen, start_daemon, table
+from bench.common import ROOT, record, run_loadgen, run_oip_loadgen, start_daemon, table
 from inferd.harness import free_port
 
 CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (streams, CPU workers)
@@ -64,6 +68,8 @@ CASES = [  # (name, model, per-sample shape, concurrency)
     ("echo 1MB C=4", "echo1m", (ECHO_1MB,), 4),
     ("echo 16MB C=4", "echo16m", (ECHO_16MB,), 4),
 ]
+OIP_CASES = CASES[:4]  # mlp and cnn, C=1 and C=64
+PROTOCOLS = ("http", "grpc")
 
 
 def in_process(repo: Path, name: str, shape: tuple[int, ...], seconds: float) -> dict[str, Any]:
@@ -113,7 +119,8 @@ def main() -> int:
     rows.append({"kind": "reference", "echo": echo})
     model_references: dict[tuple[int, int], dict[str, Any]] = {}
     for streams, workers in CONFIGS[1:2] if args.quick else CONFIGS:
-        daemon = start_daemon(workdir / f"s{streams}w{workers}", model_configs(repo),
+        front_ends = {name: f"127.0.0.1:{free_port()}" for name in PROTOCOLS}
+        daemon = start_daemon(workdir / f"s{streams}w{workers}", model_configs(repo), server=front_ends,
                               workers={"streams": streams, "devices": ["cpu"] * workers, "shm_mb": 320})
         try:
             # The models in-process, right before the cases they are the reference of (the daemon
@@ -123,23 +130,32 @@ def main() -> int:
             model_references[(streams, workers)] = references
             rows.append({"kind": "reference", "streams": streams, "workers": workers, **references})
             supervisor = psutil.Process(daemon.process.pid)
-            processes = [supervisor, *(psutil.Process(w["pid"]) for w in daemon.status()["workers"])]
+            gateways = [p for p in supervisor.children() if p.cmdline()[0].startswith("inferd: gateway")]
+            processes = [supervisor, *gateways, *(psutil.Process(w["pid"]) for w in daemon.status()["workers"])]
             before = sum(_cpu_seconds(processes))
             time.sleep(IDLE_S)
             idle_percent = (sum(_cpu_seconds(processes)) - before) / IDLE_S * 100
             rows.append({"kind": "idle", "streams": streams, "workers": workers,
                          "cpu_percent_of_one_core": round(idle_percent, 2)})
-            for name, model, shape, concurrency in CASES:
+            runs = [("zeromq", case) for case in CASES] + [(name, case) for name in PROTOCOLS for case in OIP_CASES]
+            for protocol_name, (name, model, shape, concurrency) in runs:
                 before = _cpu_seconds(processes)
                 answered_before, batches_before = _answered_and_batches(daemon, model)
-                result = run_loadgen(daemon.endpoint, model, shape, concurrency, args.seconds)
-                supervisor_s, *workers_s = (a - b for a, b in zip(_cpu_seconds(processes), before))
+                if protocol_name == "zeromq":
+                    result = run_loadgen(daemon.endpoint, model, shape, concurrency, args.seconds)
+                else:
+                    result = run_oip_loadgen(protocol_name, front_ends[protocol_name], model, shape, concurrency,
+                                             args.seconds)
+                supervisor_s, *rest = (a - b for a, b in zip(_cpu_seconds(processes), before))
+                gateways_s, workers_s = rest[:len(gateways)], rest[len(gateways):]
                 answered, batches = _answered_and_batches(daemon, model)
                 batches -= batches_before
                 requests = max(1, answered - answered_before)
-                rows.append({"kind": "inferd", "case": name, "streams": streams, "workers": workers, **result,
+                rows.append({"kind": "inferd", "protocol": protocol_name, "case": name, "streams": streams,
+                             "workers": workers, **result,
                              "mean_batch": round(sum(s * n for s, n in batches.items()) / max(1, batches.total()), 2),
                              "supervisor_cpu_us_per_request": round(supervisor_s / requests * 1e6, 1),
+                             "gateway_cpu_us_per_request": round(sum(gateways_s) / requests * 1e6, 1),
                              "worker_cpu_us_per_request": round(sum(workers_s) / requests * 1e6, 1)})
         finally:
             daemon.stop()
@@ -156,11 +172,19 @@ def render(echo: dict[str, Any], model_references: dict[tuple[int, int], dict[st
     """The results table, each target's ratio against the references of its configuration."""
     transport = 2 * echo["mlp C=1"]["latency_ms"]["p50"] + 0.15
     lines = []
+    zeromq = {(r["case"], r["streams"], r["workers"]): r for r in runs if r["protocol"] == "zeromq"}
     for run in runs:
         case, latency = run["case"], run["latency_ms"]
         references = model_references[(run["streams"], run["workers"])]
         mlp, cnn = references["mlp"], references["cnn"]
-        if case == "mlp C=1":
+        same = zeromq[(case, run["streams"], run["workers"])]
+        if run["protocol"] != "zeromq" and case.endswith("C=1"):
+            limit = same["latency_ms"]["p50"] + 0.3
+            target, ok = f"O2 p50 {latency['p50']:.3f} <= ZeroMQ's + 0.3 = {limit:.3f} ms", latency["p50"] <= limit
+        elif run["protocol"] != "zeromq":
+            ratio = run["samples_per_s"] / same["samples_per_s"]
+            target, ok = f"O1 {ratio:.2f} x ZeroMQ's samples/s (>= 0.7)", ratio >= 0.7
+        elif case == "mlp C=1":
             limit = mlp["batch1_latency_ms"]["p50"] + transport
             idle_limit = mlp["batch1_after_idle_latency_ms"]["p50"] + transport
             target = (f"T1 p50 {latency['p50']:.3f} <= {limit:.3f} ms "
@@ -177,16 +201,17 @@ def render(echo: dict[str, Any], model_references: dict[tuple[int, int], dict[st
             target, ok = f"T4 {ratio:.2f} x bare echo (>= 0.6)", ratio >= 0.6
         else:
             target, ok = "", None
-        if case.endswith("C=64"):
+        if case.endswith("C=64") and run["protocol"] == "zeromq":
             tail = latency["p99"] / latency["p50"]
             target += f"; T5 p99/p50 {tail:.2f} (<= 2.5)"
             ok = ok and tail <= 2.5
-        lines.append([case, run["streams"], run["workers"], run["samples_per_s"],
+        lines.append([run["protocol"], case, run["streams"], run["workers"], run["samples_per_s"],
                       f"{run['bytes_per_s'] / 2**20:.0f}", latency["p50"], latency["p99"], run["mean_batch"],
-                      run["supervisor_cpu_us_per_request"], run["worker_cpu_us_per_request"],
+                      run["supervisor_cpu_us_per_request"], run["gateway_cpu_us_per_request"],
+                      run["worker_cpu_us_per_request"],
                       run["cpu_us_per_request"], target, {True: "met", False: "MISSED", None: ""}[ok]])
-    header = ["case", "streams", "workers", "samples/s", "MiB/s", "p50 ms", "p99 ms", "mean batch",
-              "CPU us/request: supervisor", "workers", "load generator", "target", ""]
+    header = ["protocol", "case", "streams", "workers", "samples/s", "MiB/s", "p50 ms", "p99 ms", "mean batch",
+              "CPU us/request: supervisor", "gateway", "workers", "load generator", "target", ""]
     refs = [f"bare echo: p50 {echo['mlp C=1']['latency_ms']['p50']} ms (1 KB), "
             f"{echo['mlp C=64']['samples_per_s']} req/s at C=64, "
             f"{echo['echo 16MB C=4']['bytes_per_s'] / 2**20:.0f} MiB/s (16 MB)"]

@@ -1,13 +1,15 @@
-"""The benchmark's own tools still work: the load generator against the bare echo, and the daemon."""
+"""The benchmark's own tools still work: the load generators against the bare echo, and the daemon."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
 import models
+import pytest
 
-from bench import loadgen
+from bench import loadgen, oip_loadgen
 from inferd.harness import free_port
 
 
@@ -33,3 +35,15 @@ def test_the_load_generator_against_the_daemon_gets_answers_of_the_right_model(s
     wrong = loadgen.run(shared_daemon.endpoint, "mlp", (models.MLP_IN + 1,), "float32", concurrency=2, seconds=0.2,
                         warmup=0.0)
     assert wrong["statuses"].keys() == {"invalid"} and wrong["latency_ms"]["p50"] != wrong["latency_ms"]["p50"]
+
+
+@pytest.mark.parametrize("protocol_name", ["http", "grpc"])
+def test_the_oip_load_generator_gets_answers_and_counts_refusals(oip_daemon, protocol_name):
+    address = oip_daemon.config["server"][protocol_name]
+    result = asyncio.run(oip_loadgen.run(protocol_name, address, "mlp", (models.MLP_IN,), concurrency=4, seconds=0.5,
+                                         warmup=0.2))
+    assert result["statuses"] == {"ok": result["requests"]} and result["requests"] > 0
+    assert result["latency_ms"]["p50"] > 0
+    wrong = asyncio.run(oip_loadgen.run(protocol_name, address, "mlp", (models.MLP_IN + 1,), concurrency=2,
+                                        seconds=0.2, warmup=0.0))
+    assert set(wrong["statuses"]) == {"400" if protocol_name == "http" else "INVALID_ARGUMENT"}

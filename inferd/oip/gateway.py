@@ -21,6 +21,7 @@ from typing import Protocol
 
 import msgspec
 import setproctitle
+import zmq
 import zmq.asyncio
 
 from inferd import config as config_module
@@ -55,8 +56,9 @@ def _exit_with_parent() -> None:
 
 async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
     context = zmq.asyncio.Context()
+    data_context = zmq.Context()
     control = Control(context, spec.control)
-    upstream = Upstream(context, spec.upstream)
+    upstream = Upstream(data_context, spec.upstream)
     upstream.start()
     catalog = Catalog(config, spec.devices, control)
     server = config.server
@@ -81,6 +83,7 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
         upstream.close()
         control.close()
         context.term()
+        data_context.term()
 
 
 def gateway_main(encoded_spec: bytes) -> None:

@@ -110,6 +110,7 @@ class HttpServer:
         host, _, port = server.http.rpartition(":")
         self._server = _Server(uvicorn.Config(
             app, host=host.strip("[]"), port=int(port), lifespan="off", log_level="error", access_log=False,
+            proxy_headers=False,
             http=GuardedProtocol, loop="none", timeout_keep_alive=KEEP_ALIVE_S,
             ssl_certfile=server.tls_cert or None, ssl_keyfile=server.tls_key or None,
         ))

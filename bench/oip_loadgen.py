@@ -1,0 +1,147 @@
+"""A closed-loop load generator for the Open Inference Protocol: `--concurrency` requests in flight over
+HTTP (the binary tensor extension, one keep-alive connection per request in flight) or gRPC (ModelInfer
+with raw_input_contents, every call on one channel), for `--seconds`.
+
+Like bench/loadgen.py for the ZeroMQ path, each request is encoded before the clock starts and each
+reply is read only as far as its status, so what it measures is the daemon, not a client library. It
+prints one JSON line of the same shape: samples/s, latency percentiles in ms, the count of each status.
+
+    python -m bench.oip_loadgen --protocol http --address 127.0.0.1:8000 --model mlp --shape 256 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from bench.loadgen import percentiles
+
+Send = Callable[[], Awaitable[str]]  # one request; its status ("ok", an HTTP code, a gRPC code)
+
+
+def http_request(model: str, data: np.ndarray) -> bytes:
+    """One binary inference request: headers, the JSON part, the tensor's bytes."""
+    raw = data.tobytes()
+    header = json.dumps({
+        "inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": list(data.shape),
+                    "parameters": {"binary_data_size": len(raw)}}],
+        "outputs": [{"name": "OUTPUT__0", "parameters": {"binary_data": True}}],
+    }).encode()
+    return (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
+            f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(header) + len(raw)}\r\n\r\n"
+            ).encode() + header + raw
+
+
+async def http_senders(address: str, request: bytes, count: int) -> list[Send]:
+    """`count` keep-alive connections, each sending `request` and reading one response per call."""
+    host, _, port = address.rpartition(":")
+    senders = []
+    for _ in range(count):
+        reader, writer = await asyncio.open_connection(host, int(port))
+
+        async def send(reader: asyncio.StreamReader = reader, writer: asyncio.StreamWriter = writer) -> str:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            status = head[9:12].decode()
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line[:15].lower() == b"content-length:":
+                    length = int(line[15:])
+            await reader.readexactly(length)
+            return "ok" if status == "200" else status
+
+        senders.append(send)
+    return senders
+
+
+def grpc_senders(address: str, model: str, data: np.ndarray, count: int) -> list[Send]:
+    """`count` callers of ModelInfer on one channel (HTTP/2 carries the calls side by side)."""
+    import grpc
+    import grpc.aio
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=model)
+    request.inputs.add(name="INPUT__0", datatype="FP32", shape=list(data.shape))
+    request.raw_input_contents.append(data.tobytes())
+    encoded = request.SerializeToString()
+    channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", -1),
+                                                           ("grpc.max_send_message_length", -1)])
+    call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+
+    async def send() -> str:
+        try:
+            await call(encoded)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code().name
+        return "ok"
+
+    return [send] * count
+
+
+async def drive(senders: list[Send], seconds: float, warmup: float) -> tuple[list[float], Counter[str]]:
+    """Each sender in a closed loop until the time is up: the latencies and statuses of the timed part."""
+    latencies: list[float] = []
+    statuses: Counter[str] = Counter()
+    measure_from = time.monotonic() + warmup
+    stop_at = measure_from + seconds
+
+    async def loop(send: Send) -> None:
+        while (sent := time.monotonic()) < stop_at:
+            status = await send()
+            if sent >= measure_from:
+                statuses[status] += 1
+                if status == "ok":
+                    latencies.append(time.monotonic() - sent)
+
+    await asyncio.gather(*(loop(send) for send in senders))
+    return latencies, statuses
+
+
+async def run(protocol: str, address: str, model: str, shape: tuple[int, ...], concurrency: int, seconds: float,
+              warmup: float) -> dict:
+    """Drive the front end and return the measurements of the timed part."""
+    data = np.random.default_rng(0).standard_normal((1, *shape)).astype(np.float32)
+    if protocol == "http":
+        senders = await http_senders(address, http_request(model, data), concurrency)
+    else:
+        senders = grpc_senders(address, model, data, concurrency)
+    cpu_started = time.process_time()
+    latencies, statuses = await drive(senders, seconds, warmup)
+    answered = sum(statuses.values())
+    ok = statuses.get("ok", 0)
+    return {
+        "protocol": protocol, "address": address, "model": model, "concurrency": concurrency,
+        "samples_per_request": 1, "seconds": seconds, "requests": answered,
+        "samples_per_s": round(ok / seconds, 1), "bytes_per_s": round(ok * data.nbytes / seconds, 1),
+        "latency_ms": percentiles(latencies), "statuses": dict(statuses),
+        # the generator's own, warm-up included, per timed request
+        "cpu_us_per_request": round((time.process_time() - cpu_started) / max(1, answered) * 1e6, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--protocol", choices=["http", "grpc"], required=True)
+    parser.add_argument("--address", required=True, help="HOST:PORT")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--shape", required=True, help="per-sample shape, e.g. 256 or 3,64,64")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    shape = tuple(int(d) for d in args.shape.split(","))
+    result = asyncio.run(run(args.protocol, args.address, args.model, shape, args.concurrency, args.seconds,
+                             args.warmup))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
