@@ -138,6 +138,8 @@ PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4]}, {"dtype": "int64", "sh
 SLOW = {"inputs": [{"dtype": "float32", "shape": [models.SLOW_FEATURES]}], "max_batch_size": 4}
 RELOAD_MLP = {**MLP, "version": "v1"}  # the reload repository's mlp, pinned to its first version
 FAILING = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
+BF16 = {"inputs": [{"dtype": "bfloat16", "shape": [models.BF16_FEATURES]}], "max_batch_size": 8,
+        "warmup_batch_sizes": [1, 8]}
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import models
 import msgspec
 import numpy as np
@@ -36,7 +37,7 @@ from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import ExecutorHandle, WorkerState, WorkerTable
-from inferd.worker.executor import Executor, Overlap, is_out_of_memory, is_sticky_cuda_error
+from inferd.worker.executor import Executor, Overlap, arena_tensor, is_out_of_memory, is_sticky_cuda_error
 from inferd.worker.exits import WorkerExit
 from inferd.worker.runner import ModelRunner
 
@@ -434,6 +435,22 @@ def batch(executor: Executor, rows: list[list[float]], deadlines: tuple[float, .
     executor.arena.buf[: x.nbytes] = x.tobytes()
     return messages.RunBatch(7, "oom", "v1", 0, 1 << 19, (messages.TensorRef("float32", x.shape, 0),),
                              tuple(1 for _ in rows), deadlines)
+
+
+def test_a_bfloat16_arena_tensor_is_a_view_of_the_arena_not_a_copy():
+    arena = Arena.create(arena_name(new_instance(), 0), 1 << 16)
+    try:
+        x = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32).astype(ml_dtypes.bfloat16)
+        arena.buf[128:128 + x.nbytes] = x.tobytes()
+        tensor = arena_tensor(arena, "bfloat16", (2, 2), 128)
+        assert tensor.dtype == torch.bfloat16 and tensor.data_ptr() == arena.address() + 128
+        assert tensor.tolist() == [[1.5, -2.0], [0.25, 3.0]]
+        tensor[1, 1] = -8.0
+        assert np.frombuffer(arena.buf, ml_dtypes.bfloat16, 4, 128)[3] == -8.0, "a write lands in the arena"
+        del tensor
+    finally:
+        arena.close()
+        arena.unlink()
 
 
 def test_out_of_memory_fails_only_its_batch_with_a_sentence(executor):
