@@ -75,6 +75,13 @@ class Bfloat16Mix(torch.nn.Module):
         return y, x.float().abs().amax(-1, keepdim=True)
 
 
+class ToBfloat16(torch.nn.Module):
+    """float32 [2] -> bfloat16 [2]: x * 3 rounded to bfloat16, an output Tensor.numpy() refuses."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).to(torch.bfloat16)
+
+
 class Failing(torch.nn.Module):
     """float32 [2] -> [2]; raises for any batch whose first value is negative."""
 
