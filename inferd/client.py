@@ -61,7 +61,11 @@ class RetryPolicy:
 
 def _as_numpy(value: Array) -> np.ndarray:
     if type(value).__module__.startswith("torch"):
-        value = value.detach().cpu().numpy()
+        # Imported here, not above: a client whose caller has no torch never loads it, and one
+        # handed a tensor has it loaded already.
+        from inferd.arrays import to_numpy
+
+        value = to_numpy(value.detach().cpu())
     return protocol.wire_array(np.asarray(value))
 
 

@@ -144,6 +144,8 @@ NAMED_PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4], "name": "a"},
 # `variable` with one sample at a time: BLOCKER keeps its one executor busy for ~3 s.
 ONE_AT_A_TIME = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
 FAILING = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
+BF16 = {"inputs": [{"dtype": "bfloat16", "shape": [models.BF16_FEATURES]}], "max_batch_size": 8,
+        "warmup_batch_sizes": [1, 8]}
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import torch
 
 MLP_IN, MLP_OUT = 16, 4
 SLOW_FEATURES = 64
+BF16_FEATURES = 8
 
 
 class Mlp(torch.nn.Module):
@@ -52,6 +53,33 @@ class Slow(torch.nn.Module):
         for _ in range(self.steps):
             y = torch.tanh(y @ self.weight)
         return y
+
+
+class Bfloat16Mix(torch.nn.Module):
+    """bfloat16 [8] -> (bfloat16 [8], float32 [1]): x * weight + 1 in bfloat16 (bfloat16 weights), and
+    each sample's largest magnitude in float32. Elementwise ops and a max are exact whatever the batch,
+    so the daemon's answers equal the model's in-process ones bit for bit. `steps` tiny additions on
+    the way (Sleepy's busy loop) make a batch take milliseconds, so that requests queue and batch."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.steps = steps
+        self.weight = torch.nn.Parameter(torch.randn(BF16_FEATURES).to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        acc = torch.zeros((), device=x.device)
+        for _ in range(self.steps):
+            acc = acc + 1.0
+        # A 0-dim float32 tensor does not promote a bfloat16 one: y stays bfloat16.
+        y = x * self.weight + 1.0 + acc * 0.0
+        return y, x.float().abs().amax(-1, keepdim=True)
+
+
+class ToBfloat16(torch.nn.Module):
+    """float32 [2] -> bfloat16 [2]: x * 3 rounded to bfloat16, an output Tensor.numpy() refuses."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 3).to(torch.bfloat16)
 
 
 class Failing(torch.nn.Module):
@@ -128,6 +156,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["leaky/v1"] = save_script(lambda: Leaky(150), root, "leaky", "v1", 10)
     files["variable/v1"] = save_script(Variable, root, "variable", "v1", 11)
     files["bigtemp/v1"] = save_script(BigTemporary, root, "bigtemp", "v1", 12)
+    files["bf16/v1"] = save_script(lambda: Bfloat16Mix(1_000), root, "bf16", "v1", 15)  # ~5 ms a batch
     return files
 
 

@@ -74,7 +74,9 @@ def test_without_xdg_the_runtime_dir_is_per_uid_under_tmp(monkeypatch):
         ({"models": {}}, "models: no model is configured"),
         ({"models": {"m": {}}}, "models.m.inputs: required, and missing"),
         ({"models": {"a/b": MINIMAL["models"]["m"]}}, "models.a/b: a model name is"),
-        ({"models": {"m": {"inputs": [{"dtype": "f32", "shape": [4]}]}}}, "models.m.inputs: unknown dtype 'f32'"),
+        ({"models": {"m": {"inputs": [{"dtype": "f32", "shape": [4]}]}}},
+         "models.m.inputs: unknown dtype 'f32'; known: bool, uint8, int8, int16, int32, int64, float16, float32, "
+         "float64, bfloat16"),
         ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4, 0]}]}}},
          "models.m.inputs[0].shape[1]: Expected `int` >= 1, got 0"),
         ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4], "colour": "x"}]}}},
@@ -106,6 +108,13 @@ def test_load_reports_a_toml_syntax_error_and_a_missing_file(tmp_path: Path):
         config.load(bad)
     with pytest.raises(config.ConfigError, match="cannot read"):
         config.load(tmp_path / "missing.toml")
+
+
+def test_a_bfloat16_input_is_accepted_in_any_precision():
+    for precision in ("fp32", "fp16", "bf16"):
+        model = {"inputs": [{"dtype": "bfloat16", "shape": [4]}], "precision": precision}
+        c = config.parse({"models": {"m": model}})
+        assert c.models["m"].inputs[0].dtype == "bfloat16" and c.models["m"].precision == precision
 
 
 def test_config_survives_the_trip_to_a_worker():

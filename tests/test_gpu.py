@@ -6,12 +6,15 @@ what a GPU changes. They skip where CUDA is not available.
 
 from __future__ import annotations
 
+import ml_dtypes
 import models
 import numpy as np
 import pytest
 import torch
-from conftest import MLP, PAIR, wait_for
+from conftest import BF16, MLP, PAIR, wait_for
 from wire import RawPeer
+
+from inferd.arrays import from_numpy, to_numpy
 
 pytestmark = pytest.mark.gpu
 
@@ -64,6 +67,26 @@ def test_a_reduced_precision_model_answers_float32_close_to_the_model_in_that_pr
     assert y.dtype == np.float32, "outputs come back in float32"
     expected = mlp(torch.from_numpy(x).to("cuda:0").to(dtype)).float().cpu().detach().numpy()
     np.testing.assert_allclose(y, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_bfloat16_model_answers_like_the_model_in_process_in_either_precision(start_daemon, repo, precision):
+    daemon = start_daemon({"bf16": {**BF16, "precision": precision}}, workers={"devices": ["cuda:0"]})
+    module = torch.jit.load(str(repo / "bf16" / "v1" / "model.pt"), map_location="cuda:0")
+    x = np.random.default_rng(2).standard_normal((5, models.BF16_FEATURES), dtype=np.float32)
+    x = x.astype(ml_dtypes.bfloat16)
+    with daemon.client() as client:
+        got = client.infer("bf16", x)
+    with torch.inference_mode():
+        outputs = module(from_numpy(x).to("cuda:0"))
+    # fp32 passes bfloat16 inputs and outputs as they are; bf16 answers its floating outputs in float32.
+    expected = [to_numpy((y.float() if precision == "bf16" else y).cpu()) for y in outputs]
+    first = np.float32 if precision == "bf16" else ml_dtypes.bfloat16
+    assert [y.dtype for y in got] == [y.dtype for y in expected] == [first, np.float32]
+    # On CUDA, TorchScript fuses elementwise ops once a module has run a few times (the daemon's has,
+    # in its warm-up): a fused kernel may round the intermediate once less, one bfloat16 step apart.
+    np.testing.assert_allclose(got[0].astype(np.float32), expected[0].astype(np.float32), rtol=2**-7)
+    np.testing.assert_array_equal(got[1], expected[1])
 
 
 def test_out_of_memory_on_the_device_fails_the_batch_and_the_worker_serves_on(start_daemon):

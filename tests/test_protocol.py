@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import msgspec
 import numpy as np
 import pytest
@@ -38,6 +39,34 @@ def test_big_endian_and_strided_arrays_travel_little_endian_and_contiguous():
 def test_a_dtype_the_wire_cannot_carry_is_refused_by_the_encoder():
     with pytest.raises(InvalidRequest, match="cannot travel"):
         protocol.encode_request(1, "m", [np.zeros(2, dtype=np.complex64)])
+
+
+def test_the_refusal_lists_every_known_dtype_bfloat16_among_them():
+    with pytest.raises(InvalidRequest) as info:
+        protocol.encode_request(1, "m", [np.zeros(2, dtype=ml_dtypes.float8_e4m3fn)])
+    assert info.value.message == ("dtype float8_e4m3fn cannot travel; use one of bool, uint8, int8, int16, int32, "
+                                  "int64, float16, float32, float64, bfloat16")
+
+
+def test_a_bfloat16_array_travels_as_its_raw_two_bytes_a_value_contiguous():
+    a = np.array([[1.5, -2.0, 3.0], [0.1, 7.0, -0.0]], dtype=np.float32).astype(ml_dtypes.bfloat16)[:, ::2]
+    frames = protocol.encode_request(2, "m", [a])
+    request = protocol.decode_request([bytes(f) for f in frames], LIMIT)
+    assert request.header.inputs == (protocol.TensorMeta("bfloat16", (2, 2)),)
+    assert protocol.DTYPES["bfloat16"].itemsize == 2
+    # bfloat16 is the top half of a float32: 1.5 is 0x3fc0, -2.0 is 0xc000, 0.1 rounds to 0x3dcd, -0.0 is 0x8000.
+    assert np.frombuffer(request.buffers[0], dtype="<u2").tolist() == [0x3FC0, 0x4040, 0x3DCD, 0x8000]
+    ready = np.ascontiguousarray(a)
+    assert protocol.wire_array(ready) is ready, "a wire-ready array is not copied"
+
+
+def test_a_bfloat16_reply_decodes_to_an_ml_dtypes_view_of_its_frame():
+    header = protocol.ReplyHeader(id=1, status="ok", outputs=(protocol.TensorMeta("bfloat16", (1, 2)),))
+    data = bytearray(np.array([0x3FC0, 0xC000], dtype="<u2").tobytes())
+    _, (output,) = protocol.decode_reply([protocol.encode_reply(header), memoryview(data)])
+    assert output.dtype == ml_dtypes.bfloat16 and output.astype(np.float32).tolist() == [[1.5, -2.0]]
+    data[:2] = np.array([0x4000], dtype="<u2").tobytes()
+    assert float(output[0, 0]) == 2.0, "the output should be a view, not a copy"
 
 
 def test_reply_round_trip_gives_views_of_the_frames():

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import models
 import msgspec
 import numpy as np
@@ -36,9 +37,9 @@ from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import ExecutorHandle, WorkerState, WorkerTable
-from inferd.worker.executor import Executor, Overlap, is_out_of_memory, is_sticky_cuda_error
+from inferd.worker.executor import Executor, Overlap, arena_tensor, is_out_of_memory, is_sticky_cuda_error
 from inferd.worker.exits import WorkerExit
-from inferd.worker.runner import ModelRunner
+from inferd.worker.runner import ModelError, ModelRunner
 
 SIGNATURE = (messages.TensorSpec("float32", (models.MLP_OUT,)),)
 
@@ -434,6 +435,40 @@ def batch(executor: Executor, rows: list[list[float]], deadlines: tuple[float, .
     executor.arena.buf[: x.nbytes] = x.tobytes()
     return messages.RunBatch(7, "oom", "v1", 0, 1 << 19, (messages.TensorRef("float32", x.shape, 0),),
                              tuple(1 for _ in rows), deadlines)
+
+
+def test_a_bfloat16_arena_tensor_is_a_view_of_the_arena_not_a_copy():
+    arena = Arena.create(arena_name(new_instance(), 0), 1 << 16)
+    try:
+        x = np.array([[1.5, -2.0], [0.25, 3.0]], dtype=np.float32).astype(ml_dtypes.bfloat16)
+        arena.buf[128:128 + x.nbytes] = x.tobytes()
+        tensor = arena_tensor(arena, "bfloat16", (2, 2), 128)
+        assert tensor.dtype == torch.bfloat16 and tensor.data_ptr() == arena.address() + 128
+        assert tensor.tolist() == [[1.5, -2.0], [0.25, 3.0]]
+        tensor[1, 1] = -8.0
+        assert np.frombuffer(arena.buf, ml_dtypes.bfloat16, 4, 128)[3] == -8.0, "a write lands in the arena"
+        del tensor
+    finally:
+        arena.close()
+        arena.unlink()
+
+
+@pytest.mark.parametrize("offset, refused", [(0.0, False), (0.5, True)])
+def test_a_canary_compares_a_bfloat16_output_with_its_float32_expectation(tmp_path, offset, refused):
+    models.save_script(models.ToBfloat16, tmp_path, "half", "v1", 0)
+    x = np.array([[1.0, -2.5], [0.5, 4.0]], dtype=np.float32)  # x * 3 is exact in bfloat16
+    np.save(tmp_path / "half" / "v1" / "example_input.npy", x)
+    np.save(tmp_path / "half" / "v1" / "expected_output.npy", x * 3 + offset)
+    model = config_module.parse({"models": {"half": {"repository": str(tmp_path / "half"), "max_batch_size": 2,
+                                                     "inputs": [{"dtype": "float32", "shape": [2]}],
+                                                     "warmup_batch_sizes": [1]}}}).models["half"]
+    runner = ModelRunner(torch.device("cpu"))
+    if refused:
+        with pytest.raises(ModelError, match="does not reproduce expected_output.npy: its output differs by up to 0.5"):
+            runner.load("half", model, "v1")
+    else:
+        loaded, _, _ = runner.load("half", model, "v1")
+        assert loaded.outputs == (messages.TensorSpec("bfloat16", (2,)),)
 
 
 def test_out_of_memory_fails_only_its_batch_with_a_sentence(executor):

@@ -1,6 +1,6 @@
 """An executor: one thread of a worker that runs one batch at a time.
 
-It reads the batch in place from the arena (`torch.from_numpy` over the shared
+It reads the batch in place from the arena (`arrays.from_numpy` over the shared
 buffer, no copy), skips the requests whose deadline has passed, runs the model,
 writes the outputs back into the same slot (as ipc/slots.py lays them out) and
 answers with a small descriptor. On a GPU each executor owns a CUDA stream, so
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import zmq
 
+from inferd.arrays import from_numpy
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena
 from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RunBatch, TensorRef
@@ -41,7 +42,7 @@ STICKY_CUDA_ERRORS = (
 
 def arena_tensor(arena: Arena, dtype: str, shape: tuple[int, ...], offset: int) -> torch.Tensor:
     """A CPU tensor that is a view of the arena at `offset` (no copy)."""
-    return torch.from_numpy(np.ndarray(shape, dtype=DTYPES[dtype], buffer=arena.buf, offset=offset))
+    return from_numpy(np.ndarray(shape, dtype=DTYPES[dtype], buffer=arena.buf, offset=offset))
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

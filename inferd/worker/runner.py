@@ -17,6 +17,7 @@ import numpy as np
 import psutil
 import torch
 
+from inferd.arrays import to_numpy
 from inferd.config import ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.protocol import DTYPES
@@ -246,7 +247,9 @@ class ModelRunner:
             want = np.load(expected, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise ModelError(f"cannot read the canary of {name} {version}: {exc}") from None
-        got = model([torch.from_numpy(x).to(self.device)])[0].cpu().numpy()
+        # .npy files hold no bfloat16 (np.save writes it as raw V2), so the input is never one;
+        # an output may be, and compares with a float expected output as any float does.
+        got = to_numpy(model([torch.from_numpy(x).to(self.device)])[0].cpu())
         if got.shape != want.shape or not np.allclose(got, want, rtol=CANARY_RTOL, atol=CANARY_ATOL):
             raise ModelError(
                 f"{name} {version} does not reproduce {CANARY_OUTPUT}: its output differs by up to "
