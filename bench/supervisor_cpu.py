@@ -3,7 +3,8 @@
     python -m bench.supervisor_cpu [--runs 3] [--seconds 5]
 
 One daemon (one CPU worker, 2 streams) serves the benchmark MLP; the load
-generator keeps 64 requests in flight on one connection. Each run prints the
+generator keeps 64 requests in flight on one connection (with --front-ends, the
+HTTP and gRPC gateways run beside it, idle). Each run prints the
 CPU time the supervisor's main thread (the loop) and its ZeroMQ I/O threads
 spent per request answered. Narrower than the matrix, and so steadier: it is the
 number to compare two versions of the supervisor by, run alternately on each.
@@ -21,6 +22,7 @@ import psutil
 from bench import models
 from bench.common import run_loadgen, start_daemon
 from bench.run import model_configs
+from inferd.harness import free_port
 
 
 def thread_seconds(process: psutil.Process) -> dict[tuple[int, str], float]:
@@ -36,11 +38,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--front-ends", action="store_true",
+                        help="with the HTTP and gRPC front ends on (idle), as make bench runs the daemon")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="inferd-cpu-"))
     models.build(root / "repo")
+    sections = {"server": {name: f"127.0.0.1:{free_port()}" for name in ("http", "grpc")}} if args.front_ends else {}
     daemon = start_daemon(root / "daemon", {"mlp": model_configs(root / "repo")["mlp"]},
-                          workers={"devices": ["cpu"], "streams": 2})
+                          workers={"devices": ["cpu"], "streams": 2}, **sections)
     try:
         supervisor = psutil.Process(daemon.process.pid)
         run_loadgen(daemon.endpoint, "mlp", models.MLP_SHAPE, 64, 2.0)  # warm

@@ -21,6 +21,7 @@ import models
 from wire import ScriptedServer
 
 from inferd import paths
+from inferd.arrays import from_numpy, to_numpy
 from inferd.harness import DaemonProcess, local_config
 from inferd.ipc.arena import SHM_DIR
 
@@ -179,12 +180,13 @@ def shared_daemon(repo: Path) -> Iterator[Daemon]:
 
 @pytest.fixture(scope="module")
 def oip_daemon(repo: Path) -> Iterator[Daemon]:
-    """One daemon for a whole module serving mlp, pair (with named tensors) and failing over ZeroMQ and
+    """One daemon for a whole module serving mlp, pair (with named tensors), failing and bf16 over ZeroMQ and
     the Open Inference Protocol over HTTP and gRPC."""
     from inferd.harness import free_port
 
     path = Path(tempfile.mkdtemp(prefix="inferd-o"))
-    config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR, "failing": FAILING},
+    config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR, "failing": FAILING,
+                                      "bf16": {**BF16, "precision": "fp32"}},
                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
     daemon = Daemon(path, config)
     daemon.start()
@@ -199,8 +201,8 @@ def reference(repo: Path, name: str, version: str) -> Callable[..., Any]:
 
     def run(*arrays: np.ndarray) -> Any:
         with torch.inference_mode():
-            out = module(*(torch.from_numpy(a) for a in arrays))
-        return tuple(o.numpy() for o in out) if isinstance(out, tuple) else out.numpy()
+            out = module(*(from_numpy(a) for a in arrays))
+        return tuple(to_numpy(o) for o in out) if isinstance(out, tuple) else to_numpy(out)
 
     return run
 

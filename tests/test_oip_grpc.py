@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import grpc
+import ml_dtypes
 import models
 import numpy as np
 import psutil
@@ -93,6 +94,19 @@ def test_infer_answers_like_the_model_in_process_with_the_outputs_asked_for(oip,
     only = client(oip).infer("pair", inputs, outputs=[grpcclient.InferRequestedOutput("doubled")])
     assert only.as_numpy("scaled") is None
     np.testing.assert_array_equal(only.as_numpy("doubled"), e1)
+
+
+def test_bf16_in_and_out_in_raw_contents(oip, repo):
+    x = np.random.default_rng(4).standard_normal((3, models.BF16_FEATURES), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    given = grpcclient.InferInput("INPUT__0", list(x.shape), "BF16")
+    given.set_data_from_numpy(x)
+    result = client(oip).infer("bf16", [given])
+    e0, e1 = reference(repo, "bf16", "v1")(x)
+    assert result.as_numpy("OUTPUT__0").dtype == ml_dtypes.bfloat16
+    assert result.as_numpy("OUTPUT__0").tobytes() == e0.tobytes()
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), e1)
+    config = client(oip).get_model_config("bf16").config
+    assert config.input[0].data_type == grpcclient.model_config_pb2.TYPE_BF16
 
 
 def test_a_pinned_version_compression_and_a_deadline_that_is_met(oip, repo):

@@ -10,6 +10,7 @@ import signal
 import urllib.error
 import urllib.request
 
+import ml_dtypes
 import models
 import numpy as np
 import pytest
@@ -70,6 +71,24 @@ def test_infer_with_binary_or_json_data_answers_like_the_model_in_process(oip, r
     np.testing.assert_array_equal(result.as_numpy("doubled"), e1)
     response = result.get_response()
     assert response["id"] == "r-7" and response["model_version"] == "v1"
+
+
+def test_bf16_travels_as_binary_and_comes_back_as_json_numbers_too(oip, repo):
+    x = np.random.default_rng(4).standard_normal((3, models.BF16_FEATURES), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    given = httpclient.InferInput("INPUT__0", list(x.shape), "BF16")
+    given.set_data_from_numpy(x, binary_data=True)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT__0", binary_data=True),
+               httpclient.InferRequestedOutput("OUTPUT__1", binary_data=False)]
+    result = client(oip).infer("bf16", [given], outputs=outputs)
+    e0, e1 = reference(repo, "bf16", "v1")(x)
+    assert result.as_numpy("OUTPUT__0").dtype == ml_dtypes.bfloat16
+    assert result.as_numpy("OUTPUT__0").tobytes() == e0.tobytes()
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT__1"), e1)
+    json_out = client(oip).infer("bf16", [given], outputs=[httpclient.InferRequestedOutput("OUTPUT__0",
+                                                                                           binary_data=False)])
+    np.testing.assert_array_equal(np.asarray(json_out.get_response()["outputs"][0]["data"], dtype=np.float32),
+                                  e0.astype(np.float32).ravel())
+    assert client(oip).get_model_config("bf16")["input"][0]["data_type"] == "TYPE_BF16"
 
 
 def test_a_pinned_version_gzip_bodies_and_a_deadline(oip, repo):

@@ -18,10 +18,6 @@ from inferd.protocol import Buffer
 # What server metadata says is served, in both protocols.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
-TRITON_TYPES = {"bool": "TYPE_BOOL", "uint8": "TYPE_UINT8", "int8": "TYPE_INT8", "int16": "TYPE_INT16",
-                "int32": "TYPE_INT32", "int64": "TYPE_INT64", "float16": "TYPE_FP16", "float32": "TYPE_FP32",
-                "float64": "TYPE_FP64"}
-
 
 class NotFound(Exception):
     """No such model, or not that version of it; the message says which."""
@@ -91,9 +87,9 @@ class ModelView:
         return {
             "name": self.name, "platform": "pytorch_libtorch", "backend": "pytorch",
             "max_batch_size": self.config.max_batch_size,
-            "input": [{"name": n, "data_type": TRITON_TYPES[s.dtype], "dims": list(s.shape)}
+            "input": [{"name": n, "data_type": tensors.TRITON_TYPES[s.dtype], "dims": list(s.shape)}
                       for n, s in zip(self.inputs, self.config.inputs)],
-            "output": [{"name": name, "data_type": TRITON_TYPES[dtype], "dims": shape}
+            "output": [{"name": name, "data_type": tensors.TRITON_TYPES[dtype], "dims": shape}
                        for name, (dtype, shape) in zip(self.output_names, self.outputs)],
             "dynamic_batching": {"max_queue_delay_microseconds": int(self.config.max_wait_ms * 1000)},
             "instance_group": [{"kind": "KIND_GPU", "count": self._streams, "gpus": gpus}] if gpus

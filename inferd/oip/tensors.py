@@ -14,9 +14,11 @@ from inferd.protocol import DTYPES, Buffer
 # The protocol's datatype names and inferd's wire dtypes, one to one.
 DATATYPES: dict[str, str] = {
     "BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
-    "FP16": "float16", "FP32": "float32", "FP64": "float64",
+    "FP16": "float16", "BF16": "bfloat16", "FP32": "float32", "FP64": "float64",
 }
 WIRE_TO_DATATYPE: dict[str, str] = {wire: name for name, wire in DATATYPES.items()}
+# Triton's model configuration names each datatype TYPE_<its name in the protocol>.
+TRITON_TYPES: dict[str, str] = {wire: f"TYPE_{name}" for name, wire in DATATYPES.items()}
 MAX_ELEMENTS = 1 << 31  # no tensor of the protocol may claim more, whatever its bytes say
 
 
@@ -63,7 +65,8 @@ def from_values(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> byt
         raise InvalidRequest(f"{what} has nested data whose lists differ in length") from None
     target = DTYPES[dtype]
     # JSON numbers come as bool, int or float: only those the datatype holds exactly are taken.
-    accepted = {"b": "b", "i": "biu", "u": "biu", "f": "biuf"}[target.kind]
+    # (ml_dtypes' bfloat16 is numpy kind "V": a float all the same.)
+    accepted = {"b": "b", "i": "biu", "u": "biu", "f": "biuf", "V": "biuf"}[target.kind]
     if raw.size != count:
         raise InvalidRequest(f"{what} has {raw.size} values of data, but shape {list(shape)} holds {count}")
     if raw.size and raw.dtype.kind not in accepted:
