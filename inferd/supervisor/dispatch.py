@@ -284,7 +284,7 @@ class Dispatcher:
         if not computed:
             return []
         trackers = self.frontend.reply_ok(replies, by_reference)
-        if self.frontend.protocols:  # some came through the gateway: count them by protocol
+        if self.frontend.protocols:  # some came through a gateway: count them by protocol
             for request in computed:
                 gateway = self.frontend.protocols.get(request.reply_to.socket)
                 if gateway is not None:

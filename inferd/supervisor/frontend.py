@@ -120,7 +120,7 @@ class Frontend:
         self.stats = stats
         self.live = live
         self.sockets: list[zmq.Socket] = []
-        self.protocols: dict[zmq.Socket, str] = {}  # the gateway's sockets -> the protocol they carry
+        self.protocols: dict[zmq.Socket, str] = {}  # the gateways' sockets -> the protocol each carries
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
@@ -140,7 +140,7 @@ class Frontend:
 
     def bind(self, internal: dict[str, str]) -> None:
         """Bind a ROUTER on every `server.listen` endpoint (tcp ones with CURVE when it is configured),
-        and on each of `internal` (protocol -> ipc:// endpoint), where the gateway sends its requests."""
+        and on each of `internal` (protocol -> ipc:// endpoint), where each gateway sends its requests."""
         for protocol_name, endpoint in internal.items():
             socket = self._router()
             socket.setsockopt(zmq.RCVHWM, MAX_RECV_HWM)  # one connection carries a whole protocol
