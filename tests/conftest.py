@@ -181,13 +181,14 @@ def shared_daemon(repo: Path) -> Iterator[Daemon]:
 @pytest.fixture(scope="module")
 def oip_daemon(repo: Path) -> Iterator[Daemon]:
     """One daemon for a whole module serving mlp, pair (with named tensors), failing and bf16 over ZeroMQ and
-    the Open Inference Protocol over HTTP and gRPC."""
+    the Open Inference Protocol over HTTP and gRPC, with metrics."""
     from inferd.harness import free_port
 
     path = Path(tempfile.mkdtemp(prefix="inferd-o"))
     config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR, "failing": FAILING,
                                       "bf16": {**BF16, "precision": "fp32"}},
-                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
+                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+                                 "metrics": f"127.0.0.1:{free_port()}"})
     daemon = Daemon(path, config)
     daemon.start()
     yield daemon

@@ -179,6 +179,11 @@ def test_a_model_error_is_500_and_statistics_count_what_was_served(oip):
     assert stats["version"] == "v2" and stats["execution_count"] >= 1 and stats["inference_stats"]["queue"]["ns"] > 0
     by_protocol = oip.call("stats")["models"]["mlp"]["requests_by_protocol"]
     assert by_protocol["http"]["ok"] >= 1
+    with urllib.request.urlopen(f"http://{oip.config['server']['metrics']}/metrics", timeout=10) as answer:
+        metrics = answer.read().decode()
+    ok = float(by_protocol["http"]["ok"])
+    counted = f'inferd_requests_by_protocol_total{{model="mlp",protocol="http",status="ok"}} {ok}'
+    assert counted in metrics, [line for line in metrics.splitlines() if "by_protocol" in line]
 
 
 def test_the_asyncio_client_and_zeromq_clients_are_batched_together(oip, repo):
@@ -227,12 +232,18 @@ def test_overloaded_is_429_with_retry_after(start_daemon):
         assert [peer.recv()[0]["status"] for _ in range(3)] == ["ok"] * 3
 
 
-def test_a_draining_daemon_answers_503(start_daemon):
+def test_a_deadline_that_passes_is_504_and_a_draining_daemon_answers_503(start_daemon):
     daemon = start_daemon({"variable": ONE_AT_A_TIME}, server={"http": f"127.0.0.1:{free_port()}"},
                           workers={"streams": 1})
+    late = json.dumps({**json.loads(SMALL), "parameters": {"timeout": 100_000}}).encode()  # 100 ms
     with RawPeer(daemon.endpoint) as peer:
         peer.send("blocker", "variable", [BLOCKER], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+        status, answer = post(daemon, "/v2/models/variable/infer", late)
+        assert status == 504 and "deadline" in answer["error"], answer
+        assert peer.recv()[0]["status"] == "ok"
+        peer.send("blocker2", "variable", [BLOCKER], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy again")
         daemon.signal(signal.SIGTERM)
         wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
         status, answer = post(daemon, "/v2/models/variable/infer", SMALL)
