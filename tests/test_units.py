@@ -512,3 +512,30 @@ def test_a_batch_counts_its_memory_growth_only_when_it_ran_alone():
     fourth_started_during = overlap.begin()
     assert not overlap.end(third)
     assert not overlap.end(fourth_started_during)
+
+
+def test_a_gateway_request_the_supervisor_never_answers_still_gets_one_answer(tmp_path):
+    """Upstream, on a real socket whose peer reads the request and never replies."""
+    import asyncio
+
+    from inferd.oip.upstream import Upstream
+
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    silent.bind(f"ipc://{tmp_path}/silent")
+    upstream = Upstream(context, f"ipc://{tmp_path}/silent", default_timeout_ms=50, slack_s=0.05)
+
+    async def ask() -> protocol.ReplyHeader:
+        upstream.start()
+        reply, outputs = await upstream.infer("mlp", None, [("float32", (1, 2), bytes(8))], None)
+        assert outputs == []
+        return reply
+
+    started = time.monotonic()
+    reply = asyncio.run(ask())
+    assert reply.status == protocol.INTERNAL and "did not answer within" in reply.error
+    assert 0.1 <= time.monotonic() - started < 5
+    assert silent.poll(1000) and protocol.decode_request(silent.recv_multipart()[1:], 1 << 20).header.model == "mlp"
+    upstream.close()
+    silent.close()
+    context.term()

@@ -32,6 +32,9 @@ from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.gateway")
 
+# How long past a request's deadline and the hung-batch timeout the gateway waits for its answer.
+ANSWER_SLACK_S = 30.0
+
 
 class FrontEnd(Protocol):
     """A protocol's server: HttpServer or GrpcServer."""
@@ -58,7 +61,8 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
     context = zmq.asyncio.Context()
     data_context = zmq.Context()
     control = Control(context, spec.control)
-    upstream = Upstream(data_context, spec.upstream)
+    upstream = Upstream(data_context, spec.upstream, config.queue.default_timeout_ms,
+                        config.workers.batch_timeout_s + ANSWER_SLACK_S)
     upstream.start()
     catalog = Catalog(config, spec.devices, control)
     server = config.server

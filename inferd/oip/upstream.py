@@ -31,7 +31,9 @@ class Upstream:
     high-water mark); ZeroMQ's descriptor is edge-triggered, so every reply waiting is read whenever
     it signals, and after each send (which can take the readable edge for itself)."""
 
-    def __init__(self, context: zmq.Context, endpoint: str) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, default_timeout_ms: int, slack_s: float) -> None:
+        self._default_timeout_ms = default_timeout_ms
+        self._slack_s = slack_s
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.RCVHWM, 0)
@@ -63,7 +65,15 @@ class Upstream:
             if not self._read_soon:
                 self._read_soon = True
                 self._loop.call_soon(self._read)
-            return await future
+            # The daemon answers every request by its deadline, or once its batch is found hung; should
+            # that answer never come, the client still gets one.
+            limit_s = (timeout_ms or self._default_timeout_ms) / 1000 + self._slack_s
+            try:
+                return await asyncio.wait_for(future, limit_s)
+            except TimeoutError:
+                log.error("request %d of %s: no answer from the supervisor within %.0f s", request_id, model, limit_s)
+                return protocol.ReplyHeader(id=request_id, status=protocol.INTERNAL, model=model, error=(
+                    f"the daemon did not answer within {limit_s:.0f} s (a bug; the daemon's log has more)")), []
         finally:
             self._waiting.pop(request_id, None)
 

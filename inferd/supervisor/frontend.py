@@ -144,6 +144,9 @@ class Frontend:
         for protocol_name, endpoint in internal.items():
             socket = self._router()
             socket.setsockopt(zmq.RCVHWM, MAX_RECV_HWM)  # one connection carries a whole protocol
+            # Nor may its replies be dropped at a high-water mark: each is some HTTP or gRPC client's only
+            # answer, and what can queue is bounded by what admission let in.
+            socket.setsockopt(zmq.SNDHWM, 0)
             self.sockets.append(socket)
             self.protocols[socket] = protocol_name
             socket.bind(endpoint)
