@@ -21,7 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from inferd.harness import free_port
 
-HEAD_TIMEOUT_S = 10.0  # inferd/oip/http_server.py, and the gRPC handshake timeout in rpc.py
+HEAD_TIMEOUT_S = 10.0  # inferd/oip/http_server.py (BODY_IDLE_S too), and the gRPC handshake timeout in rpc.py
 ONE = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, models.MLP_IN],
                               "data": [0.5] * models.MLP_IN}]}).encode()
 
@@ -59,11 +59,14 @@ def test_connections_that_never_finish_a_request_are_closed_and_others_are_serve
     server = oip_daemon.config["server"]
     started = time.monotonic()
     with socket.create_connection(address(server["http"])) as http_loris, \
+            socket.create_connection(address(server["http"])) as body_loris, \
             socket.create_connection(address(server["grpc"])) as grpc_loris:
         http_loris.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        body_loris.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
         assert http_infer(f"http://{server['http']}") == 200
         assert grpc_infer(server["grpc"]).shape == (1, models.MLP_OUT)
         assert closed_by_server(http_loris, HEAD_TIMEOUT_S + 10)
+        assert closed_by_server(body_loris, HEAD_TIMEOUT_S + 10)
         assert closed_by_server(grpc_loris, HEAD_TIMEOUT_S + 10)
     assert time.monotonic() - started >= HEAD_TIMEOUT_S - 1, "closed for its slowness, not at once"
 

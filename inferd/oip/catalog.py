@@ -3,6 +3,7 @@ a request of the protocol becomes inferd's request, and inferd's reply the proto
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -133,27 +134,33 @@ class ModelView:
 
 
 class Catalog:
-    """The models, from the gateway's config and the supervisor's word on their state (refreshed each second)."""
+    """The models, from the gateway's config and the supervisor's word on their state (read again once it
+    is over FRESH_S old)."""
 
     def __init__(self, config: Config, devices: list[str], control: Control) -> None:
         self.config = config
         self._devices = devices
         self._control = control
-        self._state: dict[str, Any] = {}
+        self._views: dict[str, ModelView] = {}
         self._read_at = -math.inf
+        self._reading = asyncio.Lock()  # one read at a time, and those who waited take its answer
 
     async def model(self, name: str, version: str | None) -> ModelView:
         """The model `name`, at `version` if one is named: NotFound unless it is the live one."""
         if name not in self.config.models:
             raise NotFound(f"unknown model {name!r}; this daemon serves {', '.join(sorted(self.config.models))}")
         if time.monotonic() - self._read_at > FRESH_S:
-            self._state = await self._control.call("models")
-            self._read_at = time.monotonic()
-        state = self._state[name]
-        if version is not None and version != state["live_version"]:
-            raise NotFound(f"version {version!r} of {name} is not served; the live version is "
-                           f"{state['live_version']!r}")
-        return ModelView(name, self.config.models[name], state, self.config.workers.streams, self._devices)
+            async with self._reading:
+                if time.monotonic() - self._read_at > FRESH_S:
+                    state = await self._control.call("models")
+                    self._views = {model: ModelView(model, self.config.models[model], state[model],
+                                                    self.config.workers.streams, self._devices)
+                                   for model in state if model in self.config.models}
+                    self._read_at = time.monotonic()
+        view = self._views[name]
+        if version is not None and version != view.version:
+            raise NotFound(f"version {version!r} of {name} is not served; the live version is {view.version!r}")
+        return view
 
     async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         """The statistics extension's answer for model `name` (every model if None), from the numbers

@@ -2,9 +2,9 @@
 without finishing a request, or send more header than any request of the protocol needs.
 
 uvicorn closes a connection that idles between requests (keep-alive), but not one that never
-finishes its request head, and it keeps every header it is sent. The guard adds a deadline for each
-request head and bounds on its headers and target, so a slow-loris client costs one socket for at
-most HEAD_TIMEOUT_S.
+finishes its request head or body, and it keeps every header it is sent. The guard adds a deadline
+for each request head and one for its body, and bounds on its headers and target, so a slow-loris
+client costs one socket for at most HEAD_TIMEOUT_S, or BODY_IDLE_S after the last byte of its body.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ log = logging.getLogger("inferd.oip.http")
 
 KEEP_ALIVE_S = 5  # an idle connection is closed after this long
 HEAD_TIMEOUT_S = 10.0  # from a connection's first byte, or a request's, until its headers are complete
+BODY_IDLE_S = 10.0  # then, the longest its body may go without a byte
 MAX_HEADERS = 100
 MAX_HEAD_BYTES = 64 << 10  # request line and headers together
 
@@ -33,23 +34,23 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._head_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._refusal: str | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._start_head_timer()
+        self._set_timer(HEAD_TIMEOUT_S, "no complete request head")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_head_timer()
+        self._set_timer(None)
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
-        if self._head_timer is None:
-            self._start_head_timer()
+        if self._timer is None:
+            self._set_timer(HEAD_TIMEOUT_S, "no complete request head")
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -62,8 +63,16 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._stop_head_timer()
+        self._set_timer(BODY_IDLE_S, "no byte of the request body")
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._set_timer(BODY_IDLE_S, "no byte of the request body")
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._set_timer(None)
+        super().on_message_complete()
 
     def _count(self, size: int) -> None:
         self._head_bytes += size
@@ -79,19 +88,16 @@ class GuardedProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         super().send_400_response(self._refusal or msg)
 
-    def _start_head_timer(self) -> None:
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+    def _set_timer(self, seconds: float | None, what: str = "") -> None:
+        """Close the connection in `seconds` unless the next step of the request comes first (None: none)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None if seconds is None else self.loop.call_later(seconds, self._timed_out, seconds, what)
 
-    def _stop_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_timed_out(self) -> None:
-        self._head_timer = None
+    def _timed_out(self, seconds: float, what: str) -> None:
+        self._timer = None
         if not self.transport.is_closing():
-            log.warning("closing a connection from %s: no complete request head within %g s", self.client,
-                        HEAD_TIMEOUT_S)
+            log.warning("closing a connection from %s: %s within %g s", self.client, what, seconds)
             self.transport.close()
 
 

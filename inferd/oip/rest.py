@@ -13,10 +13,8 @@ protocol gives it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import time
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple
@@ -41,7 +39,6 @@ HTTP_STATUS = {
     protocol.UNAVAILABLE: 503, protocol.INTERNAL: 500,
 }
 MAX_HEADER_JSON = 1 << 20  # the JSON part of a binary request: names, shapes and parameters, never data
-BODY_TIMEOUT_S = 30.0  # a body that trickles in slower than this is cut off
 _ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$")
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
@@ -58,16 +55,13 @@ class HttpError(Exception):
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
+    # How long a body may take to arrive is the server's to bound (http_server.BODY_IDLE_S): it closes
+    # the connection, and receive() then says so.
     chunks = []
     size = 0
     more = True
-    deadline = time.monotonic() + BODY_TIMEOUT_S
     while more:
-        left = deadline - time.monotonic()
-        try:
-            message = await asyncio.wait_for(receive(), max(0.001, left))
-        except TimeoutError:
-            raise HttpError(408, f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionAbortedError
         chunk = message.get("body", b"")
@@ -76,7 +70,7 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             raise HttpError(413, f"the request body is over {limit} bytes (server.max_message_mb)")
         chunks.append(chunk)
         more = message.get("more_body", False)
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
