@@ -188,7 +188,7 @@ def health(ctx: click.Context) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
-    """The daemon's state, its workers and the live version of each model."""
+    """The daemon's state, its workers, its gateways and the live version of each model."""
     result = _call(ctx, "status")
     if as_json:
         click.echo(json.dumps(result, indent=2))
@@ -206,6 +206,10 @@ def status(ctx: click.Context, as_json: bool) -> None:
         if w["last_error"]:
             line += f"  last error: {w['last_error']}"
         click.echo(line)
+    if result["gateways"]:
+        click.echo("gateways:")
+    for g in result["gateways"]:
+        click.echo(f"  {g['protocol']:<8} pid {g['pid']!s:<8} {g['address']:<22} restarts {g['restarts']}")
 
 
 def _mib(value: float | None) -> str:

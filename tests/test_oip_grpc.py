@@ -283,6 +283,8 @@ def test_a_dead_grpc_gateway_is_restarted_and_serves_again(start_daemon):
 
     wait_for(served_again, timeout=30, what="the new gateway serving")
     assert "gateway grpc died (killed by signal 9" in daemon.log()
+    [front] = daemon.status()["gateways"]
+    assert front["protocol"] == "grpc" and front["restarts"] == 1 and front["pid"] not in (None, gateway.pid)
 
 
 def test_a_grpc_port_in_use_is_one_sentence_naming_the_key(start_daemon):
@@ -338,3 +340,15 @@ def test_the_checked_in_messages_are_what_protoc_makes_of_the_proto(tmp_path):
     for name in ("inference_pb2.py", "inference_pb2.pyi"):
         assert (tmp_path / name).read_text() == (folder / name).read_text(), f"{name} is stale: run `make proto`"
 
+
+
+def test_inferctl_status_lists_both_gateways(oip):
+    inferctl = Path(sys.executable).parent / "inferctl"
+    shown = subprocess.run([str(inferctl), "--control", oip.control, "status"], capture_output=True, text=True,
+                           timeout=60, check=True).stdout
+    server = oip.config["server"]
+    gateways = {g["protocol"]: g for g in oip.status()["gateways"]}
+    assert set(gateways) == {"http", "grpc"} and all(g["pid"] for g in gateways.values())
+    for name in ("http", "grpc"):
+        line = next(line for line in shown.splitlines() if line.strip().startswith(name))
+        assert f"pid {gateways[name]['pid']}" in line and server[name] in line and "restarts 0" in line

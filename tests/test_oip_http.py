@@ -272,6 +272,8 @@ def test_a_dead_gateway_is_restarted_and_serves_again(start_daemon):
 
     wait_for(served_again, timeout=30, what="the new gateway serving")
     assert "gateway http died (killed by signal 9" in daemon.log()
+    [front] = daemon.status()["gateways"]
+    assert front["protocol"] == "http" and front["restarts"] == 1 and front["pid"] not in (None, gateway.pid)
 
 
 def test_a_port_in_use_is_one_sentence_naming_the_key(start_daemon):

@@ -110,7 +110,7 @@ class Commands:
         return result
 
     def command_status(self) -> dict[str, Any]:
-        """The daemon's state, its workers and the live version of each model."""
+        """The daemon's state, its workers, its gateways and the live version of each model."""
         return {
             "pid": os.getpid(),
             "version": __version__,
@@ -136,6 +136,11 @@ class Commands:
                     "last_error": w.last_error or None,
                 }
                 for w in self.daemon.workers.workers
+            ],
+            "gateways": [
+                {"protocol": g.protocol, "address": g.address, "pid": g.process.pid if g.process else None,
+                 "restarts": g.restarts}
+                for g in self.daemon.gateways
             ],
             "replies": dict(self.daemon.stats.replies),
             "undelivered_replies": self.daemon.stats.undelivered,

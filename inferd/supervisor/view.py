@@ -11,6 +11,7 @@ from typing import Protocol
 
 from inferd.config import Config
 from inferd.supervisor.batcher import BatchQueue
+from inferd.supervisor.gateway import Gateway
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.probes import Probes
 from inferd.supervisor.reload import ReloadManager
@@ -49,6 +50,10 @@ class DaemonView(Protocol):
     @property
     def workers(self) -> WorkerTable:
         """The workers."""
+
+    @property
+    def gateways(self) -> list[Gateway]:
+        """The Open Inference Protocol's gateway processes."""
 
     @property
     def reloads(self) -> ReloadManager:
