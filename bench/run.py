@@ -163,7 +163,7 @@ def main() -> int:
     print()
     print(render(echo, model_references, [r for r in rows if r["kind"] == "inferd"]))
     idle = [r["cpu_percent_of_one_core"] for r in rows if r["kind"] == "idle"]
-    print(f"\nidle daemon (supervisor and workers, {IDLE_S:g} s): {max(idle):.2f} % of one core at most")
+    print(f"\nidle daemon (supervisor, gateways and workers, {IDLE_S:g} s): {max(idle):.2f} % of one core at most")
     return 0
 
 

@@ -4,6 +4,8 @@ without finishing a request or send more header than a request needs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -16,7 +18,7 @@ import models
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from conftest import MLP, Daemon
+from conftest import MLP, Daemon, wait_for
 from tritonclient.utils import InferenceServerException
 
 from inferd.harness import free_port
@@ -114,3 +116,59 @@ def test_tls_on_both_front_ends(start_daemon, certificate):
     assert "without TLS" not in daemon.log()
     assert "Open Inference Protocol at https://" in daemon.log()
     assert "Open Inference Protocol at grpcs://" in daemon.log()
+
+
+def test_a_supervisor_that_does_not_answer_makes_the_probes_fail_with_503_and_unavailable(oip_daemon):
+    """The liveness probes' reason to exist: a stopped supervisor is not alive, and the answer says so."""
+    server = oip_daemon.config["server"]
+    os.kill(oip_daemon.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"http://{server['http']}/v2/health/live", timeout=30)
+        assert refused.value.code == 503 and "did not answer status" in json.loads(refused.value.read())["error"]
+        with pytest.raises(InferenceServerException) as unavailable:
+            grpcclient.InferenceServerClient(server["grpc"]).is_server_live()
+        assert unavailable.value.status() == "StatusCode.UNAVAILABLE"
+    finally:
+        os.kill(oip_daemon.process.pid, signal.SIGCONT)
+    assert http_infer(f"http://{server['http']}") == 200
+
+
+def served(protocol_name: str, target: str) -> bool:
+    """One inference over `protocol_name` at `target` answered; False while nothing serves there."""
+    try:
+        return http_infer(f"http://{target}") == 200 if protocol_name == "http" else grpc_infer(target) is not None
+    except (OSError, InferenceServerException):  # refused, or reset by a gateway that died
+        return False
+
+
+@pytest.mark.parametrize("protocol_name", ["http", "grpc"])
+def test_a_dead_gateway_is_restarted_and_serves_again(start_daemon, protocol_name):
+    daemon = start_daemon({"mlp": MLP}, server={protocol_name: f"127.0.0.1:{free_port()}"})
+    target = daemon.config["server"][protocol_name]
+    assert served(protocol_name, target)
+    [before] = daemon.status()["gateways"]
+    os.kill(before["pid"], signal.SIGKILL)
+    wait_for(lambda: served(protocol_name, target), timeout=30, what="the new gateway serving")
+    assert f"gateway {protocol_name} died (killed by signal 9" in daemon.log()
+    [after] = daemon.status()["gateways"]
+    assert after["protocol"] == protocol_name and after["restarts"] == 1 and after["pid"] not in (None, before["pid"])
+
+
+@pytest.mark.parametrize("protocol_name", ["http", "grpc"])
+def test_a_port_in_use_is_one_sentence_naming_the_key(start_daemon, protocol_name):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = start_daemon({"mlp": MLP}, server={protocol_name: f"127.0.0.1:{port}"}, wait=False)
+        assert daemon.wait(60) == 1
+    assert (f"cannot listen at 127.0.0.1:{port} (Address already in use); change server.{protocol_name}"
+            in daemon.log())
+
+
+def test_beyond_loopback_without_tls_is_a_warning_for_each_front_end(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, server={"http": f"0.0.0.0:{free_port()}", "grpc": f"0.0.0.0:{free_port()}"})
+    for name in ("http", "grpc"):
+        assert f"the {name} front end at {daemon.config['server'][name]} is reachable from the network without TLS" \
+            in daemon.log()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import queue
 import signal
 import subprocess
@@ -20,12 +19,11 @@ import grpc
 import ml_dtypes
 import models
 import numpy as np
-import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
-from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
@@ -266,37 +264,6 @@ def test_deadline_overloaded_and_draining_have_their_status(start_daemon):
         assert got == "StatusCode.UNAVAILABLE" and "shutting down" in text
         assert peer.recv()[0]["status"] == "ok", "what was running finishes"
     assert daemon.wait(30) == 0
-
-
-def test_a_dead_grpc_gateway_is_restarted_and_serves_again(start_daemon):
-    daemon = start_daemon({"mlp": MLP}, server={"grpc": f"127.0.0.1:{free_port()}"})
-    assert client(daemon).infer("mlp", [mlp_input(ONE)]).as_numpy("OUTPUT__0") is not None
-    gateway = next(p for p in psutil.Process(daemon.process.pid).children()
-                   if p.cmdline()[0].startswith("inferd: gateway grpc"))
-    os.kill(gateway.pid, signal.SIGKILL)
-
-    def served_again() -> bool:
-        try:
-            return client(daemon).infer("mlp", [mlp_input(ONE)]).as_numpy("OUTPUT__0") is not None
-        except InferenceServerException:
-            return False
-
-    wait_for(served_again, timeout=30, what="the new gateway serving")
-    assert "gateway grpc died (killed by signal 9" in daemon.log()
-    [front] = daemon.status()["gateways"]
-    assert front["protocol"] == "grpc" and front["restarts"] == 1 and front["pid"] not in (None, gateway.pid)
-
-
-def test_a_grpc_port_in_use_is_one_sentence_naming_the_key(start_daemon):
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        daemon = start_daemon({"mlp": MLP}, server={"grpc": f"127.0.0.1:{port}"}, wait=False)
-        assert daemon.wait(60) == 1
-    assert f"cannot listen at 127.0.0.1:{port} (Address already in use); change server.grpc" in daemon.log()
 
 
 def test_inferds_messages_have_tritons_field_numbers():

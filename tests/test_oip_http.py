@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
-from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -250,44 +250,3 @@ def test_a_deadline_that_passes_is_504_and_a_draining_daemon_answers_503(start_d
         assert status == 503 and "shutting down" in answer["error"]
         assert peer.recv()[0]["status"] == "ok", "what was running finishes"
     assert daemon.wait(30) == 0
-
-
-def test_a_dead_gateway_is_restarted_and_serves_again(start_daemon):
-    import os
-
-    import psutil
-
-    daemon = start_daemon({"mlp": MLP}, server={"http": f"127.0.0.1:{free_port()}"})
-    one = json.dumps({"inputs": [ONE]}).encode()
-    assert post(daemon, "/v2/models/mlp/infer", one)[0] == 200
-    supervisor = psutil.Process(daemon.process.pid)
-    gateway = next(p for p in supervisor.children() if p.cmdline()[0].startswith("inferd: gateway"))
-    os.kill(gateway.pid, signal.SIGKILL)
-
-    def served_again() -> bool:
-        try:
-            return post(daemon, "/v2/models/mlp/infer", one)[0] == 200
-        except OSError:  # refused, or reset by the gateway that died
-            return False
-
-    wait_for(served_again, timeout=30, what="the new gateway serving")
-    assert "gateway http died (killed by signal 9" in daemon.log()
-    [front] = daemon.status()["gateways"]
-    assert front["protocol"] == "http" and front["restarts"] == 1 and front["pid"] not in (None, gateway.pid)
-
-
-def test_a_port_in_use_is_one_sentence_naming_the_key(start_daemon):
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        daemon = start_daemon({"mlp": MLP}, server={"http": f"127.0.0.1:{port}"}, wait=False)
-        assert daemon.wait(60) == 1
-    assert f"cannot listen at 127.0.0.1:{port} (Address already in use); change server.http" in daemon.log()
-
-
-def test_beyond_loopback_without_tls_is_a_warning(start_daemon):
-    daemon = start_daemon({"mlp": MLP}, server={"http": f"0.0.0.0:{free_port()}"})
-    assert "reachable from the network without TLS" in daemon.log()

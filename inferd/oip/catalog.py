@@ -18,6 +18,8 @@ from inferd.protocol import Buffer
 
 # What server metadata says is served, in both protocols.
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+# What either protocol answers when the gateway itself raised.
+GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
 
 class NotFound(Exception):

@@ -12,23 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import signal
-import threading
 from typing import Protocol
 
 import msgspec
-import setproctitle
 import zmq
 import zmq.asyncio
 
 from inferd import config as config_module
-from inferd.logs import setup_logging
+from inferd.child import begin_child
 from inferd.oip.catalog import Catalog
 from inferd.oip.spec import GatewaySpec
 from inferd.oip.upstream import Control, Upstream
+from inferd.worker.exits import WorkerExit
 
 log = logging.getLogger("inferd.oip.gateway")
 
@@ -42,19 +39,6 @@ class FrontEnd(Protocol):
     async def serve(self) -> None: ...
 
     def stop(self) -> None: ...
-
-
-def _exit_with_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        log.error("the supervisor is gone; exiting")
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
@@ -94,11 +78,9 @@ def gateway_main(encoded_spec: bytes) -> None:
     """Entry point of a spawned gateway process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=GatewaySpec)
     config = config_module.decode(spec.config)
-    setproctitle.setproctitle(f"inferd: gateway {spec.protocol}")
-    setup_logging(f"gateway-{spec.protocol}", config.server.log_level)
-    # The supervisor decides when a gateway stops (after the drain); a Ctrl-C reaches the whole group.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    # It stops after the drain, once the last reply it carries has gone.
+    begin_child(f"inferd: gateway {spec.protocol}", f"gateway-{spec.protocol}", config.server.log_level,
+                WorkerExit.PARENT_GONE)
     asyncio.run(_serve(spec, config))
     log.info("stopped")
     logging.shutdown()

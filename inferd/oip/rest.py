@@ -24,7 +24,7 @@ import msgspec
 from inferd import __version__, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
-from inferd.oip.catalog import EXTENSIONS, Catalog, GivenInput, ModelView, NotFound, Requested
+from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, Requested
 from inferd.oip.upstream import Control, Upstream
 from inferd.protocol import ReplyHeader
 
@@ -106,10 +106,11 @@ class RestApp:
             status, body, headers = exc.status, _encode({"error": exc.message}), exc.headers
         except ConnectionAbortedError:
             return
+        except ConnectionError as exc:  # the supervisor did not answer a control command in time
+            status, body, headers = 503, _encode({"error": str(exc)}), []
         except Exception:
             log.exception("handling %s %s raised", scope.get("method"), scope.get("path"))
-            status, body, headers = 500, _encode({"error": "the gateway failed on this request (a bug; "
-                                                           "its traceback is in the daemon's log)"}), []
+            status, body, headers = 500, _encode({"error": GATEWAY_BUG}), []
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 *headers]})
@@ -185,7 +186,7 @@ class RestApp:
         encoded = _encode(json_part)
         if not binary:
             return 200, encoded, []
-        return 200, encoded + b"".join(binary), [(b"inference-header-content-length", str(len(encoded)).encode())]
+        return 200, b"".join([encoded, *binary]), [(b"inference-header-content-length", str(len(encoded)).encode())]
 
 
 def _parameters(entry: dict[str, Any], what: str) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from inferd.config import ServerConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
-from inferd.oip.catalog import EXTENSIONS, Catalog, GivenInput, ModelView, NotFound
+from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound
 from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.grpc")
@@ -178,8 +178,7 @@ def _answering(name: str, method: Callable[[Any], Awaitable[Message]],
             raise
         except Exception:
             log.exception("handling %s raised", name)
-            code, message = grpc.StatusCode.INTERNAL, "the gateway failed on this request (a bug; its traceback " \
-                                                      "is in the daemon's log)"
+            code, message = grpc.StatusCode.INTERNAL, GATEWAY_BUG
         await context.abort(code, message)
         raise AssertionError("abort returns only by raising")
 

@@ -11,20 +11,18 @@ from __future__ import annotations
 import faulthandler
 import gc
 import logging
-import multiprocessing
-import multiprocessing.connection
 import os
 import signal
 import sys
 import threading
 
 import msgspec
-import setproctitle
 import zmq
 
 from inferd import config as config_module
+from inferd.child import begin_child
 from inferd.ipc import messages
-from inferd.logs import set_level, setup_logging
+from inferd.logs import set_level
 from inferd.worker.exits import WorkerExit
 
 log = logging.getLogger("inferd.worker")
@@ -44,20 +42,6 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     config: bytes
     versions: dict[str, str]
     stacks: str  # file the worker's thread stacks are written to on SIGUSR1 (inferctl stacks)
-
-
-def _exit_with_parent() -> None:
-    """Exit at once when the supervisor dies, so no orphan holds device memory."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        log.error("the supervisor is gone; exiting")
-        os._exit(WorkerExit.PARENT_GONE)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _device(name: str):
@@ -95,12 +79,8 @@ def worker_main(encoded_spec: bytes) -> None:
     """Entry point of a spawned worker process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
     config = config_module.decode(spec.config)
-    setproctitle.setproctitle(f"inferd: worker{spec.worker} gen{spec.generation} {spec.device}")
-    setup_logging(f"worker{spec.worker}", config.server.log_level)
-    # The supervisor decides when workers stop; a Ctrl-C in the terminal reaches
-    # the whole process group, and must not kill batches the drain still needs.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _exit_with_parent()
+    begin_child(f"inferd: worker{spec.worker} gen{spec.generation} {spec.device}", f"worker{spec.worker}",
+                config.server.log_level, WorkerExit.PARENT_GONE)
     # Written from the signal handler itself, so a worker hung inside a model still answers.
     stacks = open(spec.stacks, "a")  # noqa: SIM115 - open for the life of the process
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
