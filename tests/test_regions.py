@@ -1,0 +1,114 @@
+"""Clients' shared-memory regions in the supervisor (inferd/supervisor/regions.py), on real files in
+/dev/shm: what may be registered, and that a region is read and written only through its descriptor,
+only by the connection that registered it."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from inferd.errors import InvalidRequest
+from inferd.ipc.arena import SHM_DIR
+from inferd.supervisor.regions import Regions
+
+PREFIX = "inferd-client-"
+
+
+@pytest.fixture
+def shm() -> Iterator[Callable[[int], str]]:
+    """Make a region file of n bytes (0, 1, 2, ... mod 256) in /dev/shm; all are removed afterwards."""
+    made: list[Path] = []
+
+    def make(size: int, name: str | None = None) -> str:
+        key = name or f"{PREFIX}test-{uuid.uuid4().hex[:12]}"
+        path = SHM_DIR / key
+        path.write_bytes(bytes(i % 256 for i in range(size)))
+        made.append(path)
+        return key
+
+    yield make
+    for path in made:
+        path.unlink(missing_ok=True)
+
+
+def test_a_region_is_read_into_and_written_from_through_its_descriptor(shm):
+    key = shm(4096)
+    regions = Regions(PREFIX)
+    region = regions.register("conn-a", "in", f"/{key}", offset=1024, size=1024)  # POSIX names start with /
+    target = bytearray(16)
+    region.read_into(memoryview(target), 8)
+    assert bytes(target) == bytes((1024 + 8 + i) % 256 for i in range(16))
+    region.write_from([memoryview(b"ab"), memoryview(b"cd")], 100)
+    assert (SHM_DIR / key).read_bytes()[1124:1128] == b"abcd"
+    assert regions.status() == [{"name": "in", "key": key, "offset": 1024, "byte_size": 1024, "owner": "conn-a",
+                                 "requests": 1}]
+    with pytest.raises(InvalidRequest, match="bytes 1020 to 1036 of region 'in', which is 1024 bytes"):
+        region.read_into(memoryview(target), 1020)
+    with pytest.raises(InvalidRequest, match="bytes -1 to 15"):
+        region.read_into(memoryview(target), -1)
+    regions.close()
+
+
+@pytest.mark.parametrize("key, sentence", [
+    ("other-name", "does not start with 'inferd-client-'"),
+    ("inferd-4242-abcdef-w0", "one of the daemon's own arenas"),
+    ("../etc/passwd", "is not a shared-memory name"),
+    ("inferd-client-a/b", "is not a shared-memory name"),
+    ("inferd-client-missing", "no shared memory named"),
+])
+def test_names_outside_the_rules_are_refused(key, sentence):
+    with pytest.raises(InvalidRequest, match=sentence):
+        Regions("inferd-" if "4242" in key else PREFIX).register("c", "r", key, 0, 16)
+
+
+def test_a_symlink_is_refused_not_followed(shm, tmp_path):
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 64)
+    link = SHM_DIR / f"{PREFIX}link-{uuid.uuid4().hex[:8]}"
+    link.symlink_to(target)
+    try:
+        with pytest.raises(InvalidRequest, match="it is a symbolic link"):
+            Regions(PREFIX).register("c", "r", link.name, 0, 16)
+    finally:
+        link.unlink()
+
+
+def test_a_window_past_the_files_end_is_refused_at_registration(shm):
+    key = shm(100)
+    with pytest.raises(InvalidRequest, match="is 100 bytes, too small for byte_size 64 at offset 50"):
+        Regions(PREFIX).register("c", "r", key, 50, 64)
+
+
+def test_a_region_truncated_under_the_daemon_is_an_error_not_a_crash(shm):
+    key = shm(4096)
+    regions = Regions(PREFIX)
+    region = regions.register("c", "r", key, 0, 4096)
+    os.truncate(SHM_DIR / key, 100)  # what a hostile or careless client may do at any moment
+    with pytest.raises(InvalidRequest, match="region 'r' was truncated: 0 of the 64 bytes"):
+        region.read_into(memoryview(bytearray(64)), 1000)
+    with pytest.raises(InvalidRequest, match="region 'r' was truncated"):
+        region.write_from([memoryview(b"x" * 64)], 1000)
+    assert os.stat(SHM_DIR / key).st_size == 100, "a write never grows the client's file"
+    regions.close()
+
+
+def test_a_region_is_its_connections_only_and_closed_with_it(shm):
+    regions = Regions(PREFIX)
+    region = regions.register("conn-a", "r", shm(64), 0, 64)
+    with pytest.raises(InvalidRequest, match="no region 'r' is registered on this connection"):
+        regions.get("conn-b", "r")
+    assert regions.get("conn-a", "r") is region
+    with pytest.raises(InvalidRequest, match="already registered on this connection"):
+        regions.register("conn-a", "r", shm(64), 0, 64)
+    second = regions.register("conn-a", "s", shm(64), 0, 64)
+    assert regions.unregister("conn-a", "r") == 1
+    with pytest.raises(OSError):
+        os.fstat(region.fd)
+    assert regions.unregister("conn-a") == 1, "a connection gone: every region it had"
+    with pytest.raises(OSError):
+        os.fstat(second.fd)
+    assert regions.status() == []
