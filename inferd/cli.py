@@ -249,6 +249,10 @@ def _stats_table(stats: dict[str, Any]) -> str:
         lines.append(f"{'worker' + str(w['worker']):<8}{w['pid']!s:>8}  {w['device']:<8}{w['state']:<10}"
                      f"{w['executors_busy']:>5}{w['batches']:>9}{w['restarts']:>9}{_mib(w.get('rss_bytes')):>9}"
                      f"{w.get('cpu_percent', 0):>7.0f}{_mib(w['memory_growth_bytes']):>11}  {gpu}{warn}")
+    if stats.get("regions"):
+        lines += ["", f"{'region':<16}{'shared memory':<28}{'bytes':>12}{'requests':>10}  owner"]
+        lines += [f"{r['name']:<16}{r['key']:<28}{r['byte_size']:>12}{r['requests']:>10}  {r['owner']}"
+                  for r in stats["regions"]]
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import heapq
 import itertools
 import logging
@@ -22,7 +23,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from inferd import curve, protocol
 from inferd.curve import KeyFile
 from inferd.endpoints import Endpoint, EndpointPool, Resolver
 from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
+from inferd.shared_memory import DEFAULT_PREFIX, SharedMemoryRegion
 
 Array = Any  # a numpy array, or a torch tensor on any device
 Outputs = np.ndarray | tuple[np.ndarray, ...]
@@ -80,18 +82,25 @@ class _Retry:
     delay: float
 
 
+Encode = Callable[[int], list[protocol.Buffer]]  # the time left in ms -> the message of an attempt
+Result = Callable[[protocol.ReplyHeader, list[np.ndarray]], Any]  # an `ok` reply -> what the caller gets
+
+
+def _outputs(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Outputs:
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
 class _Call:
     """One logical request across its attempts: what to send, and what each answer means."""
 
-    def __init__(self, request_id: int, model: str, arrays: list[np.ndarray], version: str | None,
-                 timeout: float, policy: RetryPolicy) -> None:
+    def __init__(self, request_id: int, encode: Encode, timeout: float, policy: RetryPolicy,
+                 result: Result = _outputs) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.endpoint: Endpoint | None = None  # where the current attempt is in flight
         self.avoid: Endpoint | None = None  # where the last attempt failed: elsewhere first
         self.id = request_id
-        self.model = model
-        self.arrays = arrays
-        self.version = version
+        self.encode = encode
+        self.result = result
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
         self.policy = policy
@@ -100,13 +109,12 @@ class _Call:
     def frames(self) -> list[protocol.Buffer]:
         """The next attempt's message, carrying the time left as its timeout."""
         self.attempts += 1
-        left_ms = max(1, int((self.deadline - time.monotonic()) * 1000))
-        return protocol.encode_request(self.id, self.model, self.arrays, self.version, left_ms)
+        return self.encode(max(1, int((self.deadline - time.monotonic()) * 1000)))
 
-    def settle(self, header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Outputs | InferdError | _Retry:
+    def settle(self, header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Any:
         """The call's result, its error, or a retry after a delay."""
         if header.status == protocol.OK:
-            return outputs[0] if len(outputs) == 1 else tuple(outputs)
+            return self.result(header, outputs)
         if header.status in RETRY_STATUSES:
             retry = self._retry()
             if retry is not None:
@@ -138,8 +146,7 @@ class _Call:
         return _Retry(delay)
 
 
-def _decode(frames: list[zmq.Frame]) -> tuple[protocol.ReplyHeader, list[np.ndarray]]:
-    return protocol.decode_reply([frame.buffer for frame in frames])
+FromRegion = Callable[[protocol.TensorMeta], np.ndarray]  # an output written to a region -> a view of it
 
 
 def _curve(server_key: KeyFile | None, client_key: KeyFile | None) -> Callable[[zmq.Socket], None]:
@@ -224,7 +231,9 @@ class Client:
             self._resolver = Resolver(self._pool.names, resolve_interval, self._resolved)
             self._resolver.start()
         self._closed = False
-        self._thread = threading.Thread(target=_IOLoop(self._pool, self._mailbox).run,
+        self._regions: dict[str, SharedMemoryRegion] = {}  # registered, by name; re-registered on reconnect
+        self._thread = threading.Thread(target=_IOLoop(self._pool, self._mailbox, self._regions,
+                                                       self._from_region, self._ids).run,
                                         name="inferd-client", daemon=True)
         self._thread.start()
 
@@ -239,15 +248,118 @@ class Client:
         self.close()
 
     def infer(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-              version: str | None = None) -> Outputs:
-        """Run `model` on `inputs` (batch dim first; a list for several inputs) and wait for its outputs."""
-        return self.submit(model, inputs, timeout=timeout, version=version).result()
+              version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None) -> Outputs:
+        """Run `model` on `inputs` (batch dim first; a list for several inputs) and wait for its outputs
+        (`out`: see `submit`)."""
+        return self.submit(model, inputs, timeout=timeout, version=version, out=out).result()
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-               version: str | None = None) -> concurrent.futures.Future:
-        """Send a request and return a future of its outputs; do not change `inputs` until it is done."""
-        call = _Call(next(self._ids), model, _as_inputs(inputs), version,
-                     self.timeout if timeout is None else timeout, self.retry)
+               version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+               ) -> concurrent.futures.Future:
+        """Send a request and return a future of its outputs; do not change `inputs` until it is done.
+
+        An input that lies in a region registered by this client travels as a reference to it, not as
+        bytes; `out` (one array, or one per output, None for those sent back in the reply) asks outputs
+        written into views of registered regions, and those views are what the future gives.
+        """
+        call_id = next(self._ids)
+        arrays = [self._in_region(array) for array in _as_inputs(inputs)]
+        places = self._places(out)
+
+        def encode(left_ms: int) -> list[protocol.Buffer]:
+            return protocol.encode_request(call_id, model, arrays, version, left_ms, places)
+
+        return self._post(_Call(call_id, encode, self.timeout if timeout is None else timeout, self.retry))
+
+    def shared_memory(self, byte_size: int, name: str | None = None,
+                      prefix: str = DEFAULT_PREFIX) -> contextlib.AbstractContextManager[SharedMemoryRegion]:
+        """A context manager: a new shared-memory region of `byte_size` bytes, registered with the daemon
+        as `name`; on exit it is unregistered, unmapped and unlinked. Fill inputs and read outputs
+        through its `array` views."""
+
+        @contextlib.contextmanager
+        def region_context() -> Iterator[SharedMemoryRegion]:
+            region = SharedMemoryRegion.create(byte_size, name, prefix)
+            try:
+                self._register(region)
+                yield region
+            finally:
+                if self._regions.pop(region.name, None) is not None and not self._closed:
+                    self._region_call(protocol.UnregisterRegion(id=next(self._ids), name=region.name))
+                region.close()
+
+        return region_context()
+
+    def register_region(self, name: str, key: str, byte_size: int, offset: int = 0) -> SharedMemoryRegion:
+        """Register `byte_size` bytes from `offset` on of the existing shared memory `key` as region `name`,
+        and map it here: its `array` views read and write what the daemon sees."""
+        region = SharedMemoryRegion(name, key, byte_size, offset)
+        try:
+            self._register(region)
+        except BaseException:
+            region.close()
+            raise
+        return region
+
+    def unregister_region(self, name: str | None = None) -> None:
+        """Unregister region `name` (None: every region of this client) and unmap it here."""
+        self._region_call(protocol.UnregisterRegion(id=next(self._ids), name=name))
+        for each in [name] if name is not None else list(self._regions):
+            region = self._regions.pop(each, None) if each is not None else None
+            if region is not None:
+                region.close()
+
+    def regions(self) -> list[protocol.RegionInfo]:
+        """The regions the daemon has registered for this client's connection."""
+        return list(self._region_call(protocol.RegionStatus(id=next(self._ids))))
+
+    def _register(self, region: SharedMemoryRegion) -> None:
+        if len(self._pool.endpoints) != 1 or self._pool.names:
+            raise ValueError("shared memory needs a client of one daemon on this machine (one ipc:// or loopback "
+                             "endpoint)")
+        if region.name in self._regions:
+            raise ValueError(f"this client has a region named {region.name!r} already")
+        self._region_call(protocol.RegisterRegion(id=next(self._ids), name=region.name, key=region.key,
+                                                  byte_size=region.byte_size, offset=region.offset))
+        self._regions[region.name] = region
+
+    def _region_call(self, op: protocol.RegionOp) -> tuple[protocol.RegionInfo, ...]:
+        """Send a region message and wait for its answer: never retried (a register is not idempotent)."""
+        message: list[protocol.Buffer] = [protocol.encode_region_op(op)]
+        call = _Call(int(op.id), lambda left_ms: message, self.timeout, RetryPolicy(max_attempts=1),
+                     lambda header, outputs: header.regions or ())
+        return self._post(call).result()
+
+    def _in_region(self, array: np.ndarray) -> np.ndarray | protocol.TensorMeta:
+        """`array`, or its place in a registered region if it lies in one."""
+        for region in self._regions.values():
+            meta = region.describe(array)
+            if meta is not None:
+                return meta
+        return array
+
+    def _places(self, out: np.ndarray | Sequence[np.ndarray | None] | None) -> list[protocol.OutputPlace | None]:
+        if out is None:
+            return []
+        places: list[protocol.OutputPlace | None] = []
+        for index, array in enumerate([out] if isinstance(out, np.ndarray) else out):
+            if array is None:
+                places.append(None)
+                continue
+            place = next(((r.name, offset) for r in self._regions.values()
+                          if (offset := r.locate(array)) is not None), None)
+            if place is None:
+                raise ValueError(f"out[{index}] does not lie in a region this client registered")
+            places.append(protocol.OutputPlace(*place))
+        return places
+
+    def _from_region(self, meta: protocol.TensorMeta) -> np.ndarray:
+        region = self._regions.get(meta.region or "")
+        if region is None:
+            raise ValueError(f"the reply places an output in region {meta.region!r}, which this client has not")
+        return region.array(meta.dtype, meta.shape, meta.offset)
+
+    def _post(self, call: _Call) -> concurrent.futures.Future:
         if self._closed or not self._mailbox.post(call):
             raise Unavailable("the client is closed")
         return call.future
@@ -263,14 +375,21 @@ class Client:
         self._thread.join()
         self._mailbox.close()
         self._context.term()
+        for region in self._regions.values():  # the daemon forgets them with the connection
+            region.close()
+        self._regions.clear()
 
 
 class _IOLoop:
     """The client's I/O thread: sends calls, reads replies and connection events, keeps deadlines."""
 
-    def __init__(self, pool: EndpointPool, mailbox: _Mailbox) -> None:
+    def __init__(self, pool: EndpointPool, mailbox: _Mailbox, regions: dict[str, SharedMemoryRegion],
+                 from_region: FromRegion, ids: Iterator[int]) -> None:
         self.pool = pool
         self.mailbox = mailbox
+        self.regions = regions
+        self.from_region = from_region
+        self.ids = ids
         self.wake = mailbox.wake_r
         self.pending: dict[int, _Call] = {}
         self.waiting: dict[int, None] = {}  # calls with no connected endpoint to go to, oldest first
@@ -388,7 +507,8 @@ class _IOLoop:
     def _read_replies(self, endpoint: Endpoint) -> None:
         while endpoint.socket.poll(0):
             try:
-                header, outputs = _decode(endpoint.socket.recv_multipart(copy=False))
+                frames = endpoint.socket.recv_multipart(copy=False)
+                header, outputs = protocol.decode_reply([frame.buffer for frame in frames], self.from_region)
             except Exception as exc:  # noqa: BLE001 - whatever a reply not of the protocol raises; no call to give it to
                 log.warning("dropped a malformed reply from %s: %s", endpoint.address, exc)
                 continue
@@ -403,6 +523,7 @@ class _IOLoop:
             event = parse_monitor_message(endpoint.monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 endpoint.connected, endpoint.refused = True, False
+                self._register_again(endpoint)
                 waiting, self.waiting = self.waiting, {}
                 for call_id in waiting:
                     self._send(self.pending[call_id])
@@ -419,6 +540,17 @@ class _IOLoop:
                 self._forget_if_done(endpoint)
                 if endpoint.retired:
                     return  # closed: its monitor is gone
+
+    def _register_again(self, endpoint: Endpoint) -> None:
+        """A new connection has none of the regions the last one registered: register them again, before
+        any request that names them. The answers are not waited for (no call has their ids)."""
+        for region in list(self.regions.values()):
+            op = protocol.RegisterRegion(id=next(self.ids), name=region.name, key=region.key,
+                                         byte_size=region.byte_size, offset=region.offset)
+            try:
+                endpoint.socket.send(protocol.encode_region_op(op), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("could not register region %r again on %s", region.name, endpoint.address)
 
     def _fire_timers(self) -> None:
         if len(self.timers) > 4 * len(self.pending) + 1024:
@@ -461,14 +593,21 @@ class AsyncClient:
         await self.close()
 
     async def infer(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-                    version: str | None = None) -> Outputs:
-        """Run `model` on `inputs` and return its outputs."""
-        return await self.submit(model, inputs, timeout=timeout, version=version)
+                    version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+                    ) -> Outputs:
+        """Run `model` on `inputs` and return its outputs (`out`: see Client.submit)."""
+        return await self.submit(model, inputs, timeout=timeout, version=version, out=out)
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-               version: str | None = None) -> asyncio.Future:
+               version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+               ) -> asyncio.Future:
         """Send a request and return the future of its outputs."""
-        return asyncio.wrap_future(self._client.submit(model, inputs, timeout=timeout, version=version))
+        return asyncio.wrap_future(self._client.submit(model, inputs, timeout=timeout, version=version, out=out))
+
+    @property
+    def client(self) -> Client:
+        """The Client underneath, for what is set up once and blocks briefly: its shared-memory regions."""
+        return self._client
 
     async def close(self) -> None:
         """Close the client; calls still in flight fail with Unavailable."""

@@ -62,6 +62,15 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         str, _doc('TLS for the HTTP and gRPC front ends: the certificate chain file (PEM); "" turns TLS off.')
     ] = ""
     tls_key: Annotated[str, _doc("With tls_cert: its private key file (PEM).")] = ""
+    allow_client_shm: Annotated[
+        bool | tuple[str, ...],
+        _doc("Local clients may hand tensors over in shared-memory regions they register: true (every "
+             'protocol), false, or a list of "zmq", "http", "grpc". Only ever over ipc:// or a loopback '
+             "address; elsewhere it is refused."),
+    ] = False
+    client_shm_prefix: Annotated[
+        str, _doc("Every client region's shared-memory name starts with this (so it can name no other file).")
+    ] = "inferd-client-"
     state_dir: Annotated[
         str | None,
         _doc(
@@ -261,6 +270,12 @@ class ConfigError(Exception):
         self.problems = problems
 
 
+def loopback(address: str) -> bool:
+    """Whether a tcp:// endpoint or a HOST:PORT address is reachable only from this machine."""
+    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
 def _check_endpoint(value: str) -> str | None:
     if value.startswith("ipc://") and len(value) > len("ipc://"):
         return None
@@ -323,6 +338,29 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SHM_PROTOCOLS = ("zmq", "http", "grpc")
+SHM_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+
+
+def _check_shm_protocols(value: bool | tuple[str, ...]) -> str | None:
+    bad = [name for name in value if name not in SHM_PROTOCOLS] if isinstance(value, tuple) else []
+    return f"{bad[0]!r} is not a protocol; use true, false, or a list of {', '.join(SHM_PROTOCOLS)}" if bad else None
+
+
+def _check_shm_prefix(value: str) -> str | None:
+    if not SHM_PREFIX.match(value):
+        return f"{value!r} is not a shared-memory name prefix: letters, digits, '_', '.', '-' (1 to 100)"
+    if re.match(r"^inferd-\d", value):
+        return f"{value!r} would let clients name the daemon's own arenas (inferd-PID-...)"
+    return None
+
+
+def client_shm_protocols(config: Config) -> frozenset[str]:
+    """The protocols whose local clients may register shared-memory regions."""
+    allowed = config.server.allow_client_shm
+    if isinstance(allowed, bool):
+        return frozenset(SHM_PROTOCOLS) if allowed else frozenset()
+    return frozenset(allowed)
 
 CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ServerConfig, "log_level"): lambda v: None if v in LOG_LEVELS else f"{v!r}: use one of {', '.join(LOG_LEVELS)}",
@@ -331,6 +369,8 @@ CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ServerConfig, "metrics"): _check_address,
     (ServerConfig, "http"): _check_address,
     (ServerConfig, "grpc"): _check_address,
+    (ServerConfig, "allow_client_shm"): _check_shm_protocols,
+    (ServerConfig, "client_shm_prefix"): _check_shm_prefix,
     (ServerConfig, "tls_cert"): _check_file,
     (ServerConfig, "tls_key"): _check_file,
     (ServerConfig, "curve_secret_key"): _check_file,

@@ -6,6 +6,12 @@ a REQ client's empty delimiter frame before the header is accepted and echoed
 The header is UTF-8 JSON; buffer i holds input i, C-contiguous, little-endian,
 exactly ``prod(shape) * itemsize`` bytes. A reply is ``[header, output_0, ...]``.
 
+A local client may instead keep a tensor in a shared-memory region it registered
+(`RegisterRegion`): an input that names a `region` has no buffer, and an output
+the request places in a region (`OutputPlace`) has no frame in the reply, whose
+header says where it was written. Region messages share the data socket with
+requests and are told apart by their `op` field.
+
 Decoding never allocates by a header field: every declared size is checked
 against the frames that actually arrived before anything else looks at them.
 """
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, NamedTuple
 
 import ml_dtypes
@@ -57,14 +63,28 @@ MAX_TENSORS = 64
 RequestId = int | str
 
 
-class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The dtype name and full shape (batch dim first) of one tensor on the wire."""
+RegionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")]
+Offset = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """The dtype name and full shape (batch dim first) of one tensor on the wire, and the region
+    (of the client's connection) and byte offset in it where its bytes lie instead of in a frame."""
 
     dtype: str
     shape: Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=MAX_DIMS)]
+    region: RegionName | None = None
+    offset: Offset = 0
 
 
-class RequestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class OutputPlace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where a request asks one of its outputs written: a region of its connection, from `offset` on."""
+
+    region: RegionName
+    offset: Offset = 0
+
+
+class RequestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The JSON header of a request."""
 
     id: RequestId
@@ -72,6 +92,51 @@ class RequestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     inputs: Annotated[tuple[TensorMeta, ...], msgspec.Meta(max_length=MAX_TENSORS)]
     version: str | None = None
     timeout_ms: int | None = None
+    outputs: Annotated[tuple[OutputPlace | None, ...], msgspec.Meta(max_length=MAX_TENSORS)] = ()
+    peer: str | None = None  # from a gateway only: its client's connection, whose regions these are
+
+
+class RegisterRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op",
+                     tag="register_region"):
+    """Register `byte_size` bytes from `offset` on of the shared memory `key` (a POSIX name, in
+    /dev/shm) as this connection's region `name`."""
+
+    id: RequestId
+    name: RegionName
+    key: str
+    byte_size: Annotated[int, msgspec.Meta(gt=0)]
+    offset: Offset = 0
+    peer: str | None = None
+
+
+class UnregisterRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op",
+                       tag="unregister_region"):
+    """Unregister this connection's region `name`, or (None) every region it has."""
+
+    id: RequestId
+    name: RegionName | None = None
+    peer: str | None = None
+
+
+class RegionStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op",
+                   tag="region_status"):
+    """List this connection's region `name`, or (None) every region it has."""
+
+    id: RequestId
+    name: RegionName | None = None
+    peer: str | None = None
+
+
+RegionOp = RegisterRegion | UnregisterRegion | RegionStatus
+
+
+class RegionInfo(msgspec.Struct, frozen=True):
+    """A registered region, as a region message's reply lists it."""
+
+    name: str
+    key: str
+    offset: int
+    byte_size: int
 
 
 class Timing(msgspec.Struct, frozen=True):
@@ -92,13 +157,15 @@ class ReplyHeader(msgspec.Struct, frozen=True, omit_defaults=True):
     outputs: tuple[TensorMeta, ...] = ()
     timing_us: Timing | None = None
     error: str | None = None
+    regions: tuple[RegionInfo, ...] | None = None  # the answer to a region message
 
 
 class Request(NamedTuple):
-    """A decoded request: its header, one buffer per input in order, and the bytes of the whole message."""
+    """A decoded request: its header, one entry per input in order (its buffer, or None for an input
+    that lies in a region), and the bytes of the whole message."""
 
     header: RequestHeader
-    buffers: list[Buffer]
+    buffers: list[Buffer | None]
     nbytes: int
 
 
@@ -106,7 +173,13 @@ class _IdOnly(msgspec.Struct):
     id: RequestId | None = None
 
 
+class _OpOnly(msgspec.Struct):
+    op: str | None = None
+
+
 _request_decoder = msgspec.json.Decoder(RequestHeader)
+_op_decoder = msgspec.json.Decoder(_OpOnly)
+_region_op_decoder = msgspec.json.Decoder(RegionOp)
 _id_decoder = msgspec.json.Decoder(_IdOnly)
 _reply_decoder = msgspec.json.Decoder(ReplyHeader)
 _encoder = msgspec.json.Encoder()
@@ -141,8 +214,39 @@ def _input_sizes(inputs: tuple[TensorMeta, ...]) -> tuple[int, ...] | str:
     return tuple(sizes)
 
 
-def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
-    """Decode and structurally check a request body (envelope removed).
+def input_sizes(inputs: tuple[TensorMeta, ...], request_id: RequestId | None = None) -> tuple[int, ...]:
+    """The bytes each declared input has; InvalidRequest if a dtype or shape cannot be."""
+    sizes = _input_sizes(inputs)
+    if isinstance(sizes, str):
+        raise InvalidRequest(sizes, request_id)
+    return sizes
+
+
+def _decode_header(frame: Buffer) -> RequestHeader | RegionOp:
+    try:
+        return _request_decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        error = exc
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"the header is not a JSON object: {exc}") from None
+    except RecursionError:
+        raise InvalidRequest("the header nests deeper than any request does") from None
+    # Not a request: a region message, or a request with a mistake in it (whose error to report).
+    try:
+        is_op = _op_decoder.decode(frame).op is not None
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        is_op = False
+    if not is_op:
+        raise InvalidRequest(f"the header is not a valid request: {error}", request_id_of(frame))
+    try:
+        return _region_op_decoder.decode(frame)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"the header is not a valid region message: {exc}", request_id_of(frame)) from None
+
+
+def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | RegionOp:
+    """Decode and structurally check a message on a data socket (envelope removed): a request, or a
+    region message (which has no buffers).
 
     Raises `InvalidRequest` with a sentence saying what is wrong. What the model
     accepts (dtype, per-sample shape, batch size) is the frontend's to check.
@@ -156,33 +260,44 @@ def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
             "(server.max_message_mb)",
             request_id_of(body[0]),
         )
-    try:
-        header = _request_decoder.decode(body[0])
-    except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"the header is not a valid request: {exc}", request_id_of(body[0])) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"the header is not a JSON object: {exc}") from None
-    except RecursionError:
-        raise InvalidRequest("the header nests deeper than any request does") from None
+    header = _decode_header(body[0])
+    if not isinstance(header, RequestHeader):
+        if len(body) > 1:
+            raise InvalidRequest(f"a region message has no buffers, but {len(body) - 1} follow it", header.id)
+        return header
     if header.timeout_ms is not None and header.timeout_ms <= 0:
         raise InvalidRequest(f"timeout_ms must be positive, got {header.timeout_ms}", header.id)
-    buffers = body[1:]
-    if len(buffers) != len(header.inputs):
+    inputs = header.inputs
+    inline = range(len(inputs))
+    if any(meta.region is not None for meta in inputs):
+        inline = [index for index, meta in enumerate(inputs) if meta.region is None]  # type: ignore[assignment]
+    if len(body) - 1 != len(inline):
+        in_regions = f" ({len(inputs) - len(inline)} in regions)" if len(inline) < len(inputs) else ""
         raise InvalidRequest(
-            f"the header declares {len(header.inputs)} input(s) but {len(buffers)} buffer(s) follow it",
+            f"the header declares {len(inputs)} input(s){in_regions} but {len(body) - 1} buffer(s) "
+            "follow it",
             header.id,
         )
-    sizes = _input_sizes(header.inputs)
-    if isinstance(sizes, str):
-        raise InvalidRequest(sizes, header.id)
-    for index, (meta, buffer, expected) in enumerate(zip(header.inputs, buffers, sizes)):
+    sizes = input_sizes(inputs, header.id)
+    buffers: list[Buffer | None] = [None] * len(inputs)
+    for index, buffer in zip(inline, body[1:]):
+        meta, expected = inputs[index], sizes[index]
         if len(buffer) != expected:
             raise InvalidRequest(
                 f"input {index} is {len(buffer)} bytes, but {meta.dtype} {list(meta.shape)} "
                 f"needs {expected} bytes",
                 header.id,
             )
-    return Request(header, buffers if isinstance(buffers, list) else list(buffers), size)
+        buffers[index] = buffer
+    return Request(header, buffers, size)
+
+
+def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
+    """Decode a message that must be a request (see `decode_message`)."""
+    message = decode_message(body, max_message_bytes)
+    if not isinstance(message, Request):
+        raise InvalidRequest("expected a request, got a region message", message.id)
+    return message
 
 
 def encode_header(header: RequestHeader) -> bytes:
@@ -213,20 +328,33 @@ def wire_array(array: np.ndarray) -> np.ndarray:
 def encode_request(
     request_id: RequestId,
     model: str,
-    arrays: Sequence[np.ndarray],
+    inputs: Sequence[np.ndarray | TensorMeta],
     version: str | None = None,
     timeout_ms: int | None = None,
+    outputs: Sequence[OutputPlace | None] = (),
 ) -> list[Buffer]:
-    """Encode a request: its JSON header, then each array's bytes (no copy of wire-ready arrays)."""
-    ready = [wire_array(array) for array in arrays]
-    header = RequestHeader(
-        id=request_id,
-        model=model,
-        inputs=tuple(TensorMeta(a.dtype.name, tuple(a.shape)) for a in ready),
-        version=version,
-        timeout_ms=timeout_ms,
-    )
-    return [_encoder.encode(header), *(_frame(a) for a in ready)]
+    """Encode a request: its JSON header, then each array's bytes (no copy of wire-ready arrays).
+
+    An input given as a TensorMeta that names a region lies there and has no buffer; `outputs`
+    places outputs in regions (None: in the reply).
+    """
+    metas = []
+    frames: list[Buffer] = []
+    for value in inputs:
+        if isinstance(value, TensorMeta):
+            metas.append(value)
+            continue
+        ready = wire_array(value)
+        metas.append(TensorMeta(ready.dtype.name, tuple(ready.shape)))
+        frames.append(_frame(ready))
+    header = RequestHeader(id=request_id, model=model, inputs=tuple(metas), version=version,
+                           timeout_ms=timeout_ms, outputs=tuple(outputs))
+    return [_encoder.encode(header), *frames]
+
+
+def encode_region_op(op: RegionOp) -> bytes:
+    """Encode a region message (it has no buffers)."""
+    return _encoder.encode(op)
 
 
 def _frame(array: np.ndarray) -> Buffer:
@@ -240,18 +368,29 @@ def decode_reply_header(frame: Buffer) -> ReplyHeader:
     return _reply_decoder.decode(frame)
 
 
-def decode_reply(body: Sequence[Buffer]) -> tuple[ReplyHeader, list[np.ndarray]]:
+def decode_reply(
+    body: Sequence[Buffer], from_region: Callable[[TensorMeta], np.ndarray] | None = None,
+) -> tuple[ReplyHeader, list[np.ndarray]]:
     """Decode a reply body (envelope removed) into its header and its output arrays.
 
-    The arrays are views over the received frames, not copies.
+    The arrays are views over the received frames, not copies; an output written to a region
+    is what `from_region` makes of its description (a ValueError without it).
     """
     header = decode_reply_header(body[0])
     if header.status != OK:
         return header, []
-    if len(body) - 1 != len(header.outputs):
+    frames = iter(body[1:])
+    arrays = []
+    for meta in header.outputs:
+        if meta.region is not None:
+            if from_region is None:
+                raise ValueError(f"reply places an output in region {meta.region!r}, which this caller has not")
+            arrays.append(from_region(meta))
+            continue
+        buffer = next(frames, None)
+        if buffer is None:
+            raise ValueError(f"reply declares {len(header.outputs)} outputs but carries {len(body) - 1}")
+        arrays.append(np.frombuffer(buffer, dtype=DTYPES[meta.dtype]).reshape(meta.shape))
+    if next(frames, None) is not None:
         raise ValueError(f"reply declares {len(header.outputs)} outputs but carries {len(body) - 1}")
-    arrays = [
-        np.frombuffer(buffer, dtype=DTYPES[meta.dtype]).reshape(meta.shape)
-        for meta, buffer in zip(header.outputs, body[1:])
-    ]
     return header, arrays

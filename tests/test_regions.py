@@ -38,19 +38,20 @@ def shm() -> Iterator[Callable[[int], str]]:
 def test_a_region_is_read_into_and_written_from_through_its_descriptor(shm):
     key = shm(4096)
     regions = Regions(PREFIX)
-    region = regions.register("conn-a", "in", f"/{key}", offset=1024, size=1024)  # POSIX names start with /
+    region = regions.register("conn-a", "in", f"/{key}", offset=1024, size=1024,  # POSIX names start with /
+                              describe="connection a")
     target = bytearray(16)
     region.read_into(memoryview(target), 8)
     assert bytes(target) == bytes((1024 + 8 + i) % 256 for i in range(16))
     region.write_from([memoryview(b"ab"), memoryview(b"cd")], 100)
     assert (SHM_DIR / key).read_bytes()[1124:1128] == b"abcd"
-    assert regions.status() == [{"name": "in", "key": key, "offset": 1024, "byte_size": 1024, "owner": "conn-a",
-                                 "requests": 1}]
+    assert regions.status() == [{"name": "in", "key": key, "offset": 1024, "byte_size": 1024,
+                                 "owner": "connection a", "requests": 0}]
     with pytest.raises(InvalidRequest, match="bytes 1020 to 1036 of region 'in', which is 1024 bytes"):
         region.read_into(memoryview(target), 1020)
-    with pytest.raises(InvalidRequest, match="bytes -1 to 15"):
-        region.read_into(memoryview(target), -1)
     regions.close()
+    with pytest.raises(InvalidRequest, match="region 'in' was unregistered while the request waited"):
+        region.read_into(memoryview(target), 0)
 
 
 @pytest.mark.parametrize("key, sentence", [
@@ -112,3 +113,13 @@ def test_a_region_is_its_connections_only_and_closed_with_it(shm):
     with pytest.raises(OSError):
         os.fstat(second.fd)
     assert regions.status() == []
+
+
+def test_every_region_registered_over_a_connection_goes_when_it_drops(shm):
+    regions = Regions(PREFIX)
+    over_one = [regions.register(("gateway", peer), "r", shm(64), 0, 64, link="link-1") for peer in ("p", "q")]
+    other = regions.register("conn-b", "r", shm(64), 0, 64, link="link-2")
+    assert regions.drop_link("link-1") == 2
+    assert all(region.closed for region in over_one) and not other.closed
+    assert [r["owner"] for r in regions.status()] == ["conn-b"]
+    regions.close()

@@ -35,7 +35,7 @@ def _receive(socket: zmq.Socket) -> tuple[list[bytes], list]:
     assert socket.poll(2000)
     message = recv_routed(socket)
     assert message is not None
-    return message
+    return message.envelope, message.body
 
 
 def test_a_dealer_envelope_is_its_identity_and_the_body_keeps_every_frame(router):

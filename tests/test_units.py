@@ -34,6 +34,7 @@ from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.frontend import Frontend, ReplyTo
 from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.regions import Regions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import ExecutorHandle, WorkerState, WorkerTable
@@ -259,7 +260,7 @@ def wired(table: Table) -> Iterator[tuple[FakeWorker, Clients, Dispatcher]]:
     clients = Clients(table.context)
     stats = Stats(0.0)
     frontend = Frontend(table.context, table.table.config, None,  # type: ignore[arg-type] - no queue needed
-                        stats, table.live, CurveServer(table.context, "", ""))
+                        stats, table.live, CurveServer(table.context, "", ""), Regions("inferd-client-"))
     yield fake, clients, Dispatcher(table.table.config, table.table, frontend, table.live, stats)
     frontend.close()
     clients.close()

@@ -10,7 +10,7 @@ nothing is waiting from one zmq.Again per burst.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 from zmq.backend import Socket as _BackendSocket
@@ -35,7 +35,16 @@ def recv_parts(socket: zmq.Socket) -> list[zmq.Frame] | None:
     return parts
 
 
-def recv_routed(socket: zmq.Socket) -> tuple[list[bytes], list[memoryview]] | None:
+class Routed(NamedTuple):
+    """A message received on a ROUTER: routing envelope, body, and its first frame (whose
+    zmq.SRCFD names the connection it came on)."""
+
+    envelope: list[bytes]
+    body: list[memoryview]
+    first: zmq.Frame
+
+
+def recv_routed(socket: zmq.Socket) -> Routed | None:
     """The next message on a ROUTER: its routing envelope and its body; None when none is waiting.
 
     The envelope is the peer identity (as bytes: it is hashed and sent back), plus the
@@ -46,15 +55,15 @@ def recv_routed(socket: zmq.Socket) -> tuple[list[bytes], list[memoryview]] | No
     except zmq.Again:
         return None
     envelope = [identity]
-    frame = _recv(socket, 0, copy=False)  # a ROUTER puts the identity before at least one frame
+    first = frame = _recv(socket, 0, copy=False)  # a ROUTER puts the identity before at least one frame
     if frame.more and not len(frame):
         envelope.append(b"")
-        frame = _recv(socket, 0, copy=False)
+        first = frame = _recv(socket, 0, copy=False)
     body = [frame.buffer]
     while frame.more:
         frame = _recv(socket, 0, copy=False)
         body.append(frame.buffer)
-    return envelope, body
+    return Routed(envelope, body, first)
 
 
 def send_parts(socket: zmq.Socket, parts: Sequence[Any]) -> None:

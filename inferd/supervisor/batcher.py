@@ -26,6 +26,7 @@ from typing import Any
 
 from inferd.config import Config
 from inferd.protocol import Buffer, RequestHeader
+from inferd.supervisor.regions import Region, RegionSlice
 
 # A request's life in the queue; a request leaves exactly once.
 WAITING, TAKEN, EXPIRED = range(3)
@@ -45,7 +46,7 @@ class QueuedRequest:
     """A validated request, where its reply goes, and its clock (monotonic seconds)."""
 
     header: RequestHeader
-    buffers: list[Buffer]
+    buffers: list[Buffer | RegionSlice]  # each input: its bytes, or where in a client's region they lie
     reply_to: Any  # the frontend's routing of the reply; opaque here
     client: Hashable  # the connection it came on, for the per-client cap
     samples: int
@@ -53,6 +54,7 @@ class QueuedRequest:
     received: float
     deadline: float
     state: int = WAITING
+    places: tuple[tuple[Region, int] | None, ...] = ()  # per output: the region and offset to write it at
 
 
 @dataclass

@@ -21,12 +21,14 @@ import zmq
 
 from inferd import protocol
 from inferd.config import Config
+from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place, row_bytes
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.regions import Region, RegionSlice
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
 
@@ -57,6 +59,15 @@ class Batch:
 
 class SlotOverflow(Exception):
     """A batch's inputs would run past the end of its slot."""
+
+
+class UnreadableInput(Exception):
+    """An input of one request of the batch could not be read from its client's region."""
+
+    def __init__(self, request: QueuedRequest, error: InvalidRequest) -> None:
+        super().__init__(error.message)
+        self.request = request
+        self.error = error
 
 
 class Dispatcher:
@@ -106,12 +117,20 @@ class Dispatcher:
             return
         now = time.monotonic()
         batch = Batch(next(self._ids), model, version, requests, executor, slot, now)
-        try:
-            message = self._stack(batch, worker)
-        except SlotOverflow:  # the load-time slot checks make this unreachable; never write past a slot
-            worker.slots.release(slot)
-            self._fail(batch, "the batch does not fit an arena slot")
-            return
+        while True:
+            try:
+                message = self._stack(batch, worker)
+                break
+            except SlotOverflow:  # the load-time slot checks make this unreachable; never write past a slot
+                worker.slots.release(slot)
+                self._fail(batch, "the batch does not fit an arena slot")
+                return
+            except UnreadableInput as exc:  # that request alone is answered; the rest are stacked again
+                self.frontend.reply_error(exc.request, protocol.INVALID, exc.error.message)
+                requests.remove(exc.request)
+                if not requests:
+                    worker.slots.release(slot)
+                    return
         if not self.workers.send(executor.identity, message):
             worker.slots.release(slot)
             self._fail(batch, f"worker{worker.index} cannot be reached")
@@ -232,9 +251,16 @@ class Dispatcher:
             refs.append(TensorRef(input_spec.dtype, (samples, *input_spec.shape), start))
             offset = start
             for request in batch.requests:
-                data = request.buffers[index]
-                buf[offset : offset + len(data)] = data
-                offset += len(data)
+                value = request.buffers[index]
+                end = offset + len(value)
+                if isinstance(value, RegionSlice):
+                    try:
+                        value.read_into(buf[offset:end])
+                    except InvalidRequest as exc:
+                        raise UnreadableInput(request, exc) from None
+                else:
+                    buf[offset:end] = value
+                offset = end
         return RunBatch(
             batch_id=batch.id,
             model=batch.model,
@@ -271,6 +297,13 @@ class Dispatcher:
                 buf[ref.offset + row * size : ref.offset + (row + samples) * size]
                 for ref, size in zip(done.outputs, sizes)
             ]
+            if request.places:
+                try:
+                    outputs, frames = _write_placed(request.places, outputs, frames)
+                except InvalidRequest as exc:
+                    self.frontend.reply_error(request, protocol.INVALID, exc.message, batch.version)
+                    row += samples
+                    continue
             timing = Timing(queue=int((batch.started - request.received) * 1e6), compute=done.compute_us,
                             total=int((now - request.received) * 1e6))
             header = ReplyHeader(id=request.header.id, status=protocol.OK, model=batch.model,
@@ -297,3 +330,22 @@ class Dispatcher:
         log.error("%s (%d requests) failed: %s", batch.describe(), len(batch.requests), reason)
         for request in batch.requests:
             self.frontend.reply_error(request, status, reason, batch.version)
+
+
+def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[TensorMeta, ...],
+                  frames: list[memoryview]) -> tuple[tuple[TensorMeta, ...], list[memoryview]]:
+    """Write the outputs a request placed in its regions there: the reply's output metadata (saying
+    where each was written) and the frames left to send."""
+    if len(places) > len(metas):
+        raise InvalidRequest(f"the request places {len(places)} outputs, but the model has {len(metas)}")
+    described, left = [], []
+    for index, (meta, frame) in enumerate(zip(metas, frames)):
+        place = places[index] if index < len(places) else None
+        if place is None:
+            described.append(meta)
+            left.append(frame)
+            continue
+        region, offset = place
+        region.write_from([frame], offset)
+        described.append(TensorMeta(meta.dtype, meta.shape, region.name, offset))
+    return tuple(described), left

@@ -20,7 +20,7 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from inferd import config as config_module
-from inferd.config import Config
+from inferd.config import Config, loopback
 from inferd.oip.spec import PROTOCOLS, GatewaySpec
 from inferd.supervisor.state import StartupError
 from inferd.worker.exits import describe_exit
@@ -38,10 +38,6 @@ def _run(encoded_spec: bytes) -> None:
     from inferd.oip.gateway import gateway_main
 
     gateway_main(encoded_spec)
-
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def check_port(address: str, key: str) -> None:
@@ -80,7 +76,7 @@ class Gateway:
     def check(self) -> None:
         """At start: the port is free, and a warning if it is reachable beyond loopback without TLS."""
         check_port(self.address, f"server.{self.protocol}")
-        if not self.config.server.tls_cert and not _loopback(self.address.rpartition(":")[0].strip("[]")):
+        if not self.config.server.tls_cert and not loopback(self.address):
             log.warning("the %s front end at %s is reachable from the network without TLS; "
                         "set server.tls_cert and server.tls_key", self.protocol, self.address)
 

@@ -51,6 +51,7 @@ from inferd.supervisor.metrics import MetricsServer
 from inferd.supervisor.probes import Probes
 from inferd.supervisor.reaper import Reaper
 from inferd.supervisor.reconfigure import Reconfigurer
+from inferd.supervisor.regions import Regions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DaemonState, StartupError
 from inferd.supervisor.stats import Stats
@@ -104,7 +105,8 @@ class Supervisor:
         self.probes = Probes()
         self.queue = BatchQueue(*queue_settings(config))
         self.curve = CurveServer(self.context, config.server.curve_secret_key, config.server.curve_authorized_keys)
-        self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.curve)
+        self.regions = Regions(config.server.client_shm_prefix)
+        self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.curve, self.regions)
         self.workers = WorkerTable(config, self.context, devices, self.files, self.live)
         self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live, self.stats)
         self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, saved,
@@ -161,7 +163,7 @@ class Supervisor:
         self.files.pid.write_text(f"{os.getpid()}\n")
         self.metrics.start(self.config.server.metrics)
         self.wakeup.install(SIGNALS)
-        for sock in [*self.frontend.sockets, self.control.socket, self.workers.backend]:
+        for sock in [*self.frontend.sockets, *self.frontend.monitors, self.control.socket, self.workers.backend]:
             self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.wakeup.fileno(), zmq.POLLIN)
         # What exists now lives as long as the daemon; keep it out of every later collection.
@@ -237,6 +239,8 @@ class Supervisor:
             self._on_wakeup()
         elif target in self._sentinels:
             self._on_worker_exit(self._sentinels[target])
+        elif target in self.frontend.monitors:
+            self.frontend.on_monitor(target)
         elif target in self._gateway_sentinels:
             self.poller.unregister(target)
             self._gateway_sentinels.pop(target).reaped(time.monotonic())

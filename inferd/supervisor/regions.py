@@ -24,12 +24,12 @@ from typing import Any
 from inferd.errors import InvalidRequest
 from inferd.ipc.arena import SHM_DIR
 
-NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 ARENA = re.compile(r"^inferd-\d+-")  # the daemon's own arenas (ipc.arena.arena_name)
 MAX_REGIONS_PER_CONNECTION = 64
 
 
-@dataclass
+@dataclass(eq=False)
 class Region:
     """One registered region: the client's name for it, its file, and the window of it registered."""
 
@@ -38,49 +38,71 @@ class Region:
     offset: int
     size: int
     fd: int
+    owner: str  # the connection that registered it, as a person reads it
     requests: int = 0
+    closed: bool = False
 
-    def _check_window(self, offset: int, length: int, what: str) -> None:
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise InvalidRequest(f"{what} asks for bytes {offset} to {offset + length} of region {self.name!r}, "
+    def check(self, offset: int, length: int, what: str) -> None:
+        """InvalidRequest unless `length` bytes from `offset` on lie in the registered window."""
+        if self.closed:
+            raise InvalidRequest(f"region {self.name!r} was unregistered while the request waited")
+        if offset + length > self.size:
+            raise InvalidRequest(f"{what} needs bytes {offset} to {offset + length} of region {self.name!r}, "
                                  f"which is {self.size} bytes")
 
     def read_into(self, target: memoryview, offset: int) -> None:
         """Fill `target` with the region's bytes from `offset` on (InvalidRequest if the file is shorter now)."""
-        self._check_window(offset, len(target), "an input")
+        self.check(offset, len(target), "an input")
         done = os.preadv(self.fd, [target], self.offset + offset)
         if done != len(target):
             raise InvalidRequest(f"region {self.name!r} was truncated: {done} of the {len(target)} bytes asked for "
                                  f"at offset {offset} are there")
-        self.requests += 1
 
     def write_from(self, parts: Sequence[memoryview], offset: int) -> None:
         """Write `parts` one after the other into the region from `offset` on, never past the file's end
         (a region truncated since registration is InvalidRequest, not grown)."""
         length = sum(len(part) for part in parts)
-        self._check_window(offset, length, "an output")
+        self.check(offset, length, "an output")
         if os.fstat(self.fd).st_size < self.offset + offset + length:
             raise InvalidRequest(f"region {self.name!r} was truncated: it no longer holds bytes {offset} to "
                                  f"{offset + length}")
         os.pwritev(self.fd, parts, self.offset + offset)
 
     def close(self) -> None:
-        """Close its file descriptor."""
-        os.close(self.fd)
+        """Close its file descriptor; a request that still names it is answered `invalid`."""
+        if not self.closed:
+            self.closed = True
+            os.close(self.fd)
+
+
+class RegionSlice:
+    """An input of a queued request that lies in a region: where, and how many bytes."""
+
+    __slots__ = ("nbytes", "offset", "region")
+
+    def __init__(self, region: Region, offset: int, nbytes: int) -> None:
+        self.region = region
+        self.offset = offset
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def read_into(self, target: memoryview) -> None:
+        """Copy the input's bytes into `target` (InvalidRequest if the region no longer has them)."""
+        self.region.read_into(target, self.offset)
 
 
 def _open(key: str, offset: int, size: int, prefix: str, folder: Path) -> int:
-    if not NAME.match(key) or key in (".", ".."):
+    if not KEY.match(key) or key in (".", ".."):
         raise InvalidRequest(f"{key!r} is not a shared-memory name: letters, digits, '_', '.', '-', at most 200")
     if ARENA.match(key):
         raise InvalidRequest(f"{key!r} is one of the daemon's own arenas, not a client's region")
     if not key.startswith(prefix):
         raise InvalidRequest(f"the region's shared-memory name {key!r} does not start with {prefix!r} "
                              "(server.client_shm_prefix)")
-    if offset < 0 or size <= 0:
-        raise InvalidRequest(f"a region needs offset >= 0 and byte_size > 0, got {offset} and {size}")
     try:
-        fd = os.open(folder / key, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(folder / key, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
         raise InvalidRequest(f"no shared memory named {key!r} in {folder}") from None
     except OSError as exc:
@@ -100,26 +122,33 @@ def _open(key: str, offset: int, size: int, prefix: str, folder: Path) -> int:
 
 
 class Regions:
-    """Every connection's registered regions, by connection and the client's name for each."""
+    """Every connection's registered regions, by connection and the client's name for each.
+
+    An owner is whatever identifies a client connection (hashable); each is also filed under its
+    transport connection (`link`), so that all of a connection's regions go when it drops.
+    """
 
     def __init__(self, prefix: str, folder: Path = SHM_DIR) -> None:
         self.prefix = prefix
         self._folder = folder
         self._by_owner: dict[Hashable, dict[str, Region]] = {}
+        self._by_link: dict[Hashable, set[Hashable]] = {}
 
-    def register(self, owner: Hashable, name: str, key: str, offset: int, size: int) -> Region:
+    def register(self, owner: Hashable, name: str, key: str, offset: int, size: int, *,
+                 describe: str = "", link: Hashable = None) -> Region:
         """Open shared memory `key` (a POSIX name: a leading '/' is allowed) and register `size` bytes of
         it from `offset` on as `owner`'s region `name`; InvalidRequest with a sentence if any rule forbids."""
-        if not NAME.match(name):
-            raise InvalidRequest(f"{name!r} is not a region name: letters, digits, '_', '.', '-', at most 200")
-        owned = self._by_owner.setdefault(owner, {})
+        owned = self._by_owner.get(owner, {})
         if name in owned:
             raise InvalidRequest(f"region {name!r} is already registered on this connection; unregister it first")
         if len(owned) >= MAX_REGIONS_PER_CONNECTION:
             raise InvalidRequest(f"this connection has {MAX_REGIONS_PER_CONNECTION} regions registered, "
                                  "the most one may have")
-        fd = _open(key.removeprefix("/"), offset, size, self.prefix, self._folder)
-        region = owned[name] = Region(name, key.removeprefix("/"), offset, size, fd)
+        key = key.removeprefix("/")
+        fd = _open(key, offset, size, self.prefix, self._folder)
+        region = Region(name, key, offset, size, fd, describe or str(owner))
+        self._by_owner.setdefault(owner, {})[name] = region
+        self._by_link.setdefault(link, set()).add(owner)
         return region
 
     def get(self, owner: Hashable, name: str) -> Region:
@@ -128,6 +157,12 @@ class Regions:
         if region is None:
             raise InvalidRequest(f"no region {name!r} is registered on this connection")
         return region
+
+    def of(self, owner: Hashable, name: str | None = None) -> list[Region]:
+        """`owner`'s region `name` (InvalidRequest if it has none by that name), or all of its regions."""
+        if name is not None:
+            return [self.get(owner, name)]
+        return list(self._by_owner.get(owner, {}).values())
 
     def unregister(self, owner: Hashable, name: str | None = None) -> int:
         """Close `owner`'s region `name`, or all of them: how many were closed."""
@@ -139,13 +174,21 @@ class Regions:
             self._by_owner.pop(owner, None)
         return len(names)
 
+    def drop_link(self, link: Hashable) -> int:
+        """A transport connection went away: close every region registered over it; how many were."""
+        return sum(self.unregister(owner) for owner in self._by_link.pop(link, ()))
+
     def close(self) -> None:
         """At stop: close every region of every connection."""
         for owner in list(self._by_owner):
             self.unregister(owner)
+        self._by_link.clear()
+
+    def __len__(self) -> int:
+        return sum(len(owned) for owned in self._by_owner.values())
 
     def status(self) -> list[dict[str, Any]]:
         """Each registered region: name, shared memory, window, owner and requests served."""
-        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.size, "owner": str(owner),
+        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.size, "owner": r.owner,
                  "requests": r.requests}
-                for owner, owned in self._by_owner.items() for r in owned.values()]
+                for owned in self._by_owner.values() for r in owned.values()]

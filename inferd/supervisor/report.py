@@ -120,4 +120,5 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
         "models": models,
         "workers": worker_report(daemon),
         "undelivered_replies": daemon.stats.undelivered,
+        "regions": daemon.regions.status(),
     }

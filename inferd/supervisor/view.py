@@ -14,6 +14,7 @@ from inferd.supervisor.batcher import BatchQueue
 from inferd.supervisor.gateway import Gateway
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.probes import Probes
+from inferd.supervisor.regions import Regions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DaemonState
 from inferd.supervisor.stats import Stats
@@ -54,6 +55,10 @@ class DaemonView(Protocol):
     @property
     def gateways(self) -> list[Gateway]:
         """The Open Inference Protocol's gateway processes."""
+
+    @property
+    def regions(self) -> Regions:
+        """Clients' registered shared-memory regions."""
 
     @property
     def reloads(self) -> ReloadManager:
