@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Annotated, NamedTuple
 
@@ -63,7 +64,8 @@ MAX_TENSORS = 64
 RequestId = int | str
 
 
-RegionName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_.-]{1,200}$")]
+REGION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+RegionName = Annotated[str, msgspec.Meta(pattern=REGION_NAME.pattern)]
 Offset = Annotated[int, msgspec.Meta(ge=0)]
 
 

@@ -528,7 +528,7 @@ def test_a_gateway_request_the_supervisor_never_answers_still_gets_one_answer(tm
 
     async def ask() -> protocol.ReplyHeader:
         upstream.start()
-        reply, outputs = await upstream.infer("mlp", None, [("float32", (1, 2), bytes(8))], None)
+        reply, outputs = await upstream.infer("mlp", None, [(protocol.TensorMeta("float32", (1, 2)), bytes(8))], None)
         assert outputs == []
         return reply
 

@@ -13,11 +13,12 @@ from inferd import protocol
 from inferd.config import Config, ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
+from inferd.oip.shm import EXTENSION, InRegion
 from inferd.oip.upstream import Control
 from inferd.protocol import Buffer
 
 # What server metadata says is served, in both protocols.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters", EXTENSION]
 # What either protocol answers when the gateway itself raised.
 GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
@@ -37,20 +38,28 @@ def output_name(model: ModelConfig, index: int) -> str:
 
 
 class GivenInput(NamedTuple):
-    """One input of a request as its protocol gave it: raw little-endian bytes, or a list of values."""
+    """One input of a request as its protocol gave it: raw little-endian bytes, a list of values, or
+    where in the client's shared-memory region it lies."""
 
     name: Any
     datatype: Any
     shape: Any
     raw: Buffer | None
     values: Any = None
+    region: InRegion | None = None
 
 
 class Requested(NamedTuple):
-    """A checked request: its inputs in the model's order as (dtype, full shape, bytes), its deadline."""
+    """A checked request: its inputs in the model's order as (metadata, bytes or None for one in a region),
+    its deadline."""
 
-    inputs: list[tuple[str, tuple[int, ...], Buffer]]
+    inputs: list[tuple[protocol.TensorMeta, Buffer | None]]
     timeout_ms: int | None
+
+    @property
+    def samples(self) -> int:
+        """The request's batch dim."""
+        return self.inputs[0][0].shape[0]
 
 
 def timeout_ms(timeout: Any) -> int:
@@ -103,7 +112,7 @@ class ModelView:
         """Check a request's inputs against the model and take each one's bytes (InvalidRequest if wrong)."""
         if not given:
             raise InvalidRequest(f"the request has no inputs; {self.name} takes {', '.join(self.inputs)}")
-        by_name: dict[str, tuple[str, tuple[int, ...], Buffer]] = {}
+        by_name: dict[str, tuple[protocol.TensorMeta, Buffer | None]] = {}
         for entry in given:
             if not isinstance(entry.name, str):
                 raise InvalidRequest("each input is an object with a name")
@@ -118,13 +127,27 @@ class ModelView:
                 raise InvalidRequest(f"{what} is {tensors.WIRE_TO_DATATYPE[dtype]}, but {self.name} takes "
                                      f"{tensors.WIRE_TO_DATATYPE[spec.dtype]}")
             shape = tensors.check_shape(entry.shape, what)
+            if entry.region is not None:
+                tensors.check_size(entry.region.byte_size, dtype, shape, what, "bytes in shared_memory_byte_size")
+                by_name[entry.name] = (protocol.TensorMeta(dtype, shape, entry.region.region, entry.region.offset),
+                                       None)
+                continue
             data = tensors.from_bytes(entry.raw, dtype, shape, what) if entry.raw is not None \
                 else tensors.from_values(entry.values, dtype, shape, what)
-            by_name[entry.name] = (dtype, shape, data)
+            by_name[entry.name] = (protocol.TensorMeta(dtype, shape), data)
         missing = [n for n in self.inputs if n not in by_name]
         if missing:
             raise InvalidRequest(f"the request lacks input {missing[0]!r}; {self.name} takes {', '.join(self.inputs)}")
         return Requested([by_name[n] for n in self.inputs], None if timeout is None else timeout_ms(timeout))
+
+    def place(self, name: str, region: InRegion, samples: int) -> protocol.OutputPlace:
+        """Where output `name` of a request of `samples` samples goes: InvalidRequest if it does not fit."""
+        dtype, shape = self.outputs[self.output_names.index(name)]
+        needed = samples * math.prod(shape) * protocol.DTYPES[dtype].itemsize
+        if region.byte_size < needed:
+            raise InvalidRequest(f"output {name!r} is {needed} bytes, but its shared_memory_byte_size is "
+                                 f"{region.byte_size}")
+        return protocol.OutputPlace(region.region, region.offset)
 
     def check_output(self, name: Any) -> str:
         """A requested output's name, if the model has it."""

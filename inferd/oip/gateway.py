@@ -23,6 +23,7 @@ import zmq.asyncio
 from inferd import config as config_module
 from inferd.child import begin_child
 from inferd.oip.catalog import Catalog
+from inferd.oip.shm import SharedMemory
 from inferd.oip.spec import GatewaySpec
 from inferd.oip.upstream import Control, Upstream
 from inferd.worker.exits import WorkerExit
@@ -51,18 +52,20 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
     catalog = Catalog(config, spec.devices, control)
     server = config.server
     max_message_bytes = int(server.max_message_mb * (1 << 20))
+    address = server.http if spec.protocol == "http" else server.grpc
+    shared_memory = SharedMemory(upstream, int(address.rpartition(":")[2]))
     # Each front end imports only its own server.
     if spec.protocol == "http":
         from inferd.oip.http_server import HttpServer
         from inferd.oip.rest import RestApp
 
-        front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes), server)
-        address, scheme = server.http, "https" if server.tls_cert else "http"
+        front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes, shared_memory), server)
+        scheme = "https" if server.tls_cert else "http"
     else:
         from inferd.oip.rpc import GrpcServer, InferenceService
 
-        front = GrpcServer(InferenceService(catalog, upstream, control), server, max_message_bytes)
-        address, scheme = server.grpc, "grpcs" if server.tls_cert else "grpc"
+        front = GrpcServer(InferenceService(catalog, upstream, control, shared_memory), server, max_message_bytes)
+        scheme = "grpcs" if server.tls_cert else "grpc"
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, front.stop)
     log.info("Open Inference Protocol at %s://%s", scheme, address)
     try:

@@ -3,12 +3,15 @@
     GET  /v2/health/live | /v2/health/ready | /v2
     GET  /v2/models/{m}[/versions/{v}] | .../ready | .../config | .../stats
     POST /v2/models/{m}[/versions/{v}]/infer
+    GET  /v2/systemsharedmemory[/region/{r}]/status
+    POST /v2/systemsharedmemory/region/{r}/register | /v2/systemsharedmemory[/region/{r}]/unregister
 
 An inference request is JSON, or JSON followed by raw tensor bytes (Triton's
 binary tensor extension: the JSON's length in `Inference-Header-Content-Length`,
 each binary input's size in its `parameters.binary_data_size`). Bodies may be
-gzip or deflate. Every error is `{"error": SENTENCE}` with the status the
-protocol gives it.
+gzip or deflate. A tensor whose parameters name a `shared_memory_region` lies
+in a region the client registered over the same connection (oip/shm.py).
+Every error is `{"error": SENTENCE}` with the status the protocol gives it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from inferd import __version__, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, Requested
+from inferd.oip.shm import InRegion, SharedMemory, peer_name, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 from inferd.protocol import ReplyHeader
 
@@ -40,6 +44,7 @@ HTTP_STATUS = {
 }
 MAX_HEADER_JSON = 1 << 20  # the JSON part of a binary request: names, shapes and parameters, never data
 _ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$")
+_SHM_ROUTE = re.compile(r"^/v2/systemsharedmemory(?:/region/([^/]+))?/(status|register|unregister)$")
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 
@@ -91,11 +96,13 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
 class RestApp:
     """The ASGI application of the gateway's HTTP server."""
 
-    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control, max_message_bytes: int) -> None:
+    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control, max_message_bytes: int,
+                 shared_memory: SharedMemory) -> None:
         self.catalog = catalog
         self.upstream = upstream
         self.control = control
         self.max_message_bytes = max_message_bytes
+        self.shared_memory = shared_memory
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,6 +135,9 @@ class RestApp:
             return 200, _encode({"name": "inferd", "version": __version__, "extensions": EXTENSIONS}), []
         if path == "/v2/models/stats" and method == "GET":
             return 200, _encode(await self.catalog.statistics(None, None)), []
+        shm = _SHM_ROUTE.match(path)
+        if shm is not None:
+            return await self._shared_memory(scope, receive, *shm.groups())
         match = _ROUTE.match(path)
         if match is None:
             raise HttpError(404, f"no such endpoint: {method} {path}")
@@ -149,6 +159,33 @@ class RestApp:
         if action == "config":
             return 200, _encode(model.triton_config()), []
         return 200, _encode(await self.catalog.statistics(name, version)), []
+
+    async def _shared_memory(self, scope: Scope, receive: Receive, region: str | None,
+                             action: str) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        """The system shared-memory extension: a region's (or every region's) status, register, unregister."""
+        method, peer = scope["method"], _peer(scope)
+        if action == "status":
+            if method != "GET":
+                raise HttpError(405, "status takes GET")
+        elif method != "POST":
+            raise HttpError(405, f"{action} takes POST")
+        try:
+            if action == "status":
+                return 200, _encode(await self.shared_memory.status(peer, region)), []
+            if action == "unregister":
+                await self.shared_memory.unregister(peer, region)
+                return 200, b"", []
+            if region is None:
+                raise HttpError(404, "register names its region: POST /v2/systemsharedmemory/region/{name}/register")
+            body = _json_object(await _read_body(receive, MAX_HEADER_JSON))
+            unknown = sorted(set(body) - {"key", "offset", "byte_size"})
+            if unknown:
+                raise InvalidRequest(f"the register request has unknown field {unknown[0]!r}")
+            await self.shared_memory.register(peer, region, body.get("key"), body.get("offset", 0),
+                                              body.get("byte_size"))
+            return 200, b"", []
+        except InvalidRequest as exc:
+            raise HttpError(400, exc.message) from None
 
     async def _infer(self, scope: Scope, receive: Receive, model: ModelView,
                      version: str | None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
@@ -177,8 +214,11 @@ class RestApp:
             parsed = JsonRequest.parse(request, memoryview(body)[split:], model)
         except InvalidRequest as exc:
             raise HttpError(400, exc.message) from None
+        places = parsed.places(model)
+        uses_regions = bool(places) or any(data is None for _, data in parsed.requested.inputs)
         reply, outputs = await self.upstream.infer(model.name, version, parsed.requested.inputs,
-                                                   parsed.requested.timeout_ms)
+                                                   parsed.requested.timeout_ms, places,
+                                                   _peer(scope) if uses_regions else None)
         if reply.status != protocol.OK:
             extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
             raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
@@ -187,6 +227,21 @@ class RestApp:
         if not binary:
             return 200, encoded, []
         return 200, b"".join([encoded, *binary]), [(b"inference-header-content-length", str(len(encoded)).encode())]
+
+
+def _peer(scope: Scope) -> str:
+    client = scope.get("client")
+    return peer_name(*client) if client else ""
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    try:
+        value = _json.decode(body)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise InvalidRequest(f"the request is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("the request is not a JSON object")
+    return value
 
 
 def _parameters(entry: dict[str, Any], what: str) -> dict[str, Any]:
@@ -203,6 +258,15 @@ class JsonRequest(NamedTuple):
     request_id: str | None
     outputs: dict[str, bool] | None  # requested output name -> as binary; None: all, as `binary`
     binary: bool
+    regions: dict[str, InRegion]  # requested output name -> the region to write it in
+
+    def places(self, model: ModelView) -> list[protocol.OutputPlace | None]:
+        """Where each of the model's outputs goes: a region, or (None) the response."""
+        if not self.regions:
+            return []
+        samples = self.requested.samples
+        return [model.place(name, self.regions[name], samples) if name in self.regions else None
+                for name in model.output_names]
 
     @classmethod
     def parse(cls, request: Any, binary: memoryview, model: ModelView) -> JsonRequest:
@@ -225,9 +289,14 @@ class JsonRequest(NamedTuple):
             if not isinstance(entry, dict):
                 raise InvalidRequest("each input is an object with a name")
             what = f"input {entry.get('name')!r}"
-            size = _parameters(entry, what).get("binary_data_size")
+            parameters = _parameters(entry, what)
+            size = parameters.get("binary_data_size")
+            region = region_parameters(parameters, what)
             raw = None
-            if size is not None:
+            if region is not None:
+                if "data" in entry or size is not None:
+                    raise InvalidRequest(f"{what} is in a shared-memory region and also has data")
+            elif size is not None:
                 if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
                     raise InvalidRequest(f"{what} has binary_data_size {size!r}, but {len(binary) - offset} "
                                          "bytes of binary data are left")
@@ -238,25 +307,30 @@ class JsonRequest(NamedTuple):
             elif "data" not in entry:
                 raise InvalidRequest(f"{what} has neither data nor parameters.binary_data_size")
             inputs.append(GivenInput(entry.get("name"), entry.get("datatype"), entry.get("shape"), raw,
-                                     entry.get("data")))
+                                     entry.get("data"), region))
         requested = model.request(inputs, parameters.get("timeout"))
         if offset != len(binary):
             raise InvalidRequest(f"{len(binary) - offset} bytes of binary data follow that no input claims")
         binary_default = parameters.get("binary_data_output", False) is True
-        return cls(requested, request_id, _wanted(request.get("outputs"), model, binary_default), binary_default)
+        wanted, regions = _wanted(request.get("outputs"), model, binary_default)
+        return cls(requested, request_id, wanted, binary_default, regions)
 
     def response(self, model: ModelView, reply: ReplyHeader,
                  outputs: list[memoryview]) -> tuple[dict[str, Any], list[memoryview]]:
         """The response's JSON and the binary parts that follow it, in order."""
         entries = []
         binary: list[memoryview] = []
-        for name, meta, data in zip(model.output_names, reply.outputs, outputs):
+        frames = iter(outputs)
+        for name, meta in zip(model.output_names, reply.outputs):
+            data = next(frames) if meta.region is None else None
             as_binary = self.binary if self.outputs is None else self.outputs.get(name)
             if as_binary is None:
                 continue
             entry: dict[str, Any] = {"name": name, "datatype": tensors.WIRE_TO_DATATYPE[meta.dtype],
                                      "shape": list(meta.shape)}
-            if as_binary:
+            if data is None:
+                entry["parameters"] = region_response(meta)
+            elif as_binary:
                 entry["parameters"] = {"binary_data_size": len(data)}
                 binary.append(data)
             else:
@@ -268,13 +342,19 @@ class JsonRequest(NamedTuple):
         return response, binary
 
 
-def _wanted(outputs: Any, model: ModelView, binary_default: bool) -> dict[str, bool] | None:
+def _wanted(outputs: Any, model: ModelView,
+            binary_default: bool) -> tuple[dict[str, bool] | None, dict[str, InRegion]]:
     if outputs is None:
-        return None
+        return None, {}
     if not isinstance(outputs, list):
         raise InvalidRequest("the request's outputs are not a list")
     wanted: dict[str, bool] = {}
+    regions: dict[str, InRegion] = {}
     for entry in outputs:
         name = model.check_output(entry.get("name") if isinstance(entry, dict) else None)
-        wanted[name] = _parameters(entry, f"output {name!r}").get("binary_data", binary_default) is True
-    return wanted
+        parameters = _parameters(entry, f"output {name!r}")
+        wanted[name] = parameters.get("binary_data", binary_default) is True
+        region = region_parameters(parameters, f"output {name!r}")
+        if region is not None:
+            regions[name] = region
+    return wanted, regions

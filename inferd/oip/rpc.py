@@ -1,9 +1,11 @@
 """The Open Inference Protocol over gRPC: inference.GRPCInferenceService (KServe v2 with Triton's
 model configuration and statistics extensions), served by grpc.aio.
 
-Tensors travel in `raw_input_contents` / `raw_output_contents` (what Triton's clients send), or as
-typed `contents` lists. Every error is a status with one sentence in its details. Requests are parsed
-here, not by grpc, so that one which is not a valid message is INVALID_ARGUMENT with a sentence.
+Tensors travel in `raw_input_contents` / `raw_output_contents` (what Triton's clients send), as
+typed `contents` lists, or in a shared-memory region the client registered over the same connection
+(the tensor's shared_memory_* parameters; oip/shm.py). Every error is a status with one sentence in
+its details. Requests are parsed here, not by grpc, so that one which is not a valid message is
+INVALID_ARGUMENT with a sentence.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
 from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound
+from inferd.oip.shm import SharedMemory, grpc_peer, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.grpc")
@@ -57,16 +60,26 @@ def _parameter(value: pb.InferParameter) -> Any:
     return None if choice is None else getattr(value, choice)
 
 
+def _parameters(parameters: Any) -> dict[str, Any]:
+    return {key: _parameter(value) for key, value in parameters.items()}
+
+
 def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidRequest(f"the request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents")
+    regions = [region_parameters(_parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
+    raw = list(request.raw_input_contents)
+    inline = sum(region is None for region in regions)
+    if raw and len(raw) != inline:
+        raise InvalidRequest(f"the request has {inline} inputs outside shared memory but {len(raw)} "
+                             "raw_input_contents")
     given = []
-    for index, tensor in enumerate(request.inputs):
+    for tensor, region in zip(request.inputs, regions):
+        if region is not None:
+            given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), None, None, region))
+            continue
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidRequest(f"input {tensor.name!r} has contents, but the request has raw_input_contents")
-            given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), raw[index]))
+            given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), raw.pop(0)))
             continue
         field = CONTENTS.get(tensor.datatype)
         if not tensor.HasField("contents"):
@@ -79,56 +92,98 @@ def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
     return given
 
 
+def _set_parameters(target: Any, parameters: dict[str, Any]) -> None:
+    for key, value in parameters.items():
+        if isinstance(value, str):
+            target[key].string_param = value
+        else:
+            target[key].int64_param = value
+
+
 class InferenceService:
     """The service's methods, each answering one request or raising RpcError."""
 
-    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control) -> None:
+    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control, shared_memory: SharedMemory) -> None:
         self.catalog = catalog
         self.upstream = upstream
         self.control = control
+        self.shared_memory = shared_memory
 
-    async def server_live(self, request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
+    async def server_live(self, request: pb.ServerLiveRequest, peer: str) -> pb.ServerLiveResponse:
         await self.control.call("status")
         return pb.ServerLiveResponse(live=True)
 
-    async def server_ready(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
+    async def server_ready(self, request: pb.ServerReadyRequest, peer: str) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=(await self.control.call("health"))["healthy"])
 
-    async def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
+    async def server_metadata(self, request: pb.ServerMetadataRequest, peer: str) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="inferd", version=__version__, extensions=EXTENSIONS)
 
-    async def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
+    async def model_ready(self, request: pb.ModelReadyRequest, peer: str) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=(await self._model(request.name, request.version)).ready)
 
-    async def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
+    async def model_metadata(self, request: pb.ModelMetadataRequest, peer: str) -> pb.ModelMetadataResponse:
         model = await self._model(request.name, request.version)
         return json_format.ParseDict(model.metadata(), pb.ModelMetadataResponse())
 
-    async def model_config(self, request: pb.ModelConfigRequest) -> pb.ModelConfigResponse:
+    async def model_config(self, request: pb.ModelConfigRequest, peer: str) -> pb.ModelConfigResponse:
         model = await self._model(request.name, request.version)
         return pb.ModelConfigResponse(config=json_format.ParseDict(model.triton_config(), pb.ModelConfig()))
 
-    async def model_statistics(self, request: pb.ModelStatisticsRequest) -> pb.ModelStatisticsResponse:
+    async def model_statistics(self, request: pb.ModelStatisticsRequest, peer: str) -> pb.ModelStatisticsResponse:
         if request.name:
             await self._model(request.name, request.version)
         statistics = await self.catalog.statistics(request.name or None, request.version or None)
         return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
 
-    async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def model_infer(self, request: pb.ModelInferRequest, peer: str) -> pb.ModelInferResponse:
         version = request.model_version or None
         model = await self._model(request.model_name, request.model_version)
         timeout = request.parameters.get("timeout")
         requested = model.request(_given(request), None if timeout is None else _parameter(timeout))
         wanted = {model.check_output(output.name) for output in request.outputs} or None
-        reply, outputs = await self.upstream.infer(model.name, version, requested.inputs, requested.timeout_ms)
+        regions = {output.name: region for output in request.outputs
+                   if (region := region_parameters(_parameters(output.parameters), f"output {output.name!r}"))}
+        places = [model.place(name, regions[name], requested.samples) if name in regions else None
+                  for name in model.output_names] if regions else []
+        uses_regions = bool(regions) or any(data is None for _, data in requested.inputs)
+        reply, outputs = await self.upstream.infer(model.name, version, requested.inputs, requested.timeout_ms,
+                                                   places, peer if uses_regions else None)
         if reply.status != protocol.OK:
             raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)
-        for name, meta, data in zip(model.output_names, reply.outputs, outputs):
-            if wanted is None or name in wanted:
-                response.outputs.add(name=name, datatype=tensors.WIRE_TO_DATATYPE[meta.dtype], shape=meta.shape)
-                response.raw_output_contents.append(bytes(data))
+        frames = iter(outputs)
+        raw: list[bytes] = []
+        for name, meta in zip(model.output_names, reply.outputs):
+            data = next(frames) if meta.region is None else None
+            if wanted is not None and name not in wanted:
+                continue
+            output = response.outputs.add(name=name, datatype=tensors.WIRE_TO_DATATYPE[meta.dtype], shape=meta.shape)
+            if data is None:
+                _set_parameters(output.parameters, region_response(meta))
+            # tritonclient finds an output's bytes at its position: one in a region keeps its place empty
+            raw.append(b"" if data is None else bytes(data))
+        while raw and not raw[-1] and response.outputs[len(raw) - 1].parameters:
+            raw.pop()  # none needed after the last output that has bytes
+        response.raw_output_contents.extend(raw)
         return response
+
+    async def system_shared_memory_status(self, request: pb.SystemSharedMemoryStatusRequest,
+                                          peer: str) -> pb.SystemSharedMemoryStatusResponse:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in await self.shared_memory.status(peer, request.name or None):
+            response.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return response
+
+    async def system_shared_memory_register(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                            peer: str) -> pb.SystemSharedMemoryRegisterResponse:
+        await self.shared_memory.register(peer, request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def system_shared_memory_unregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                              peer: str) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self.shared_memory.unregister(peer, request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
 
     async def _model(self, name: str, version: str) -> ModelView:
         if not name:
@@ -140,7 +195,7 @@ class InferenceService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler that serves every method of the service."""
-        methods: dict[str, tuple[Callable[[Any], Awaitable[Message]], type[Message]]] = {
+        methods: dict[str, tuple[Callable[[Any, str], Awaitable[Message]], type[Message]]] = {
             "ServerLive": (self.server_live, pb.ServerLiveRequest),
             "ServerReady": (self.server_ready, pb.ServerReadyRequest),
             "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
@@ -149,6 +204,10 @@ class InferenceService:
             "ModelConfig": (self.model_config, pb.ModelConfigRequest),
             "ModelStatistics": (self.model_statistics, pb.ModelStatisticsRequest),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
+            "SystemSharedMemoryStatus": (self.system_shared_memory_status, pb.SystemSharedMemoryStatusRequest),
+            "SystemSharedMemoryRegister": (self.system_shared_memory_register, pb.SystemSharedMemoryRegisterRequest),
+            "SystemSharedMemoryUnregister": (self.system_shared_memory_unregister,
+                                             pb.SystemSharedMemoryUnregisterRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(_answering(name, method, kind),
@@ -157,7 +216,7 @@ class InferenceService:
         })
 
 
-def _answering(name: str, method: Callable[[Any], Awaitable[Message]],
+def _answering(name: str, method: Callable[[Any, str], Awaitable[Message]],
                kind: type[Message]) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
     """`method` as a grpc handler: the request parsed from its bytes, every error a status and a sentence."""
 
@@ -167,7 +226,7 @@ def _answering(name: str, method: Callable[[Any], Awaitable[Message]],
                 request = kind.FromString(data)
             except DecodeError:
                 raise InvalidRequest(f"the request is not a {kind.DESCRIPTOR.full_name} message") from None
-            return await method(request)
+            return await method(request, grpc_peer(context.peer()))
         except RpcError as exc:
             code, message = exc.code, exc.message
         except InvalidRequest as exc:

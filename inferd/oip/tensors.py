@@ -44,12 +44,16 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def check_size(size: int, dtype: str, shape: tuple[int, ...], what: str, field: str = "bytes of data") -> None:
+    """InvalidRequest unless a tensor of `dtype` and `shape` is `size` bytes."""
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    if size != expected:
+        raise InvalidRequest(f"{what} has {size} {field}, but {WIRE_TO_DATATYPE[dtype]} {list(shape)} needs {expected}")
+
+
 def from_bytes(data: Buffer, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
     """Raw little-endian bytes of a tensor, checked against its dtype and shape (no copy)."""
-    expected = math.prod(shape) * DTYPES[dtype].itemsize
-    if len(data) != expected:
-        raise InvalidRequest(f"{what} has {len(data)} bytes of data, but {WIRE_TO_DATATYPE[dtype]} "
-                             f"{list(shape)} needs {expected}")
+    check_size(len(data), dtype, shape, what)
     return memoryview(data).cast("B")
 
 

@@ -49,30 +49,44 @@ class Upstream:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._socket.getsockopt(zmq.FD), self._read)
 
-    async def infer(self, model: str, version: str | None, inputs: Sequence[tuple[str, tuple[int, ...], Buffer]],
-                    timeout_ms: int | None) -> tuple[ReplyHeader, list[memoryview]]:
-        """Send one request (inputs as (dtype, full shape, bytes) in the model's order); its reply."""
-        assert self._loop is not None
+    async def infer(self, model: str, version: str | None,
+                    inputs: Sequence[tuple[protocol.TensorMeta, Buffer | None]], timeout_ms: int | None,
+                    outputs: Sequence[protocol.OutputPlace | None] = (),
+                    peer: str | None = None) -> tuple[ReplyHeader, list[memoryview]]:
+        """Send one request (each input's metadata and its bytes, None for one in a region, in the model's
+        order; `outputs`: where to write them, if in regions; `peer`: whose regions); its reply."""
         request_id = next(self._ids)
-        header = protocol.RequestHeader(
-            id=request_id, model=model, version=version, timeout_ms=timeout_ms,
-            inputs=tuple(protocol.TensorMeta(dtype, shape) for dtype, shape, _ in inputs))
+        header = protocol.RequestHeader(id=request_id, model=model, version=version, timeout_ms=timeout_ms,
+                                        inputs=tuple(meta for meta, _ in inputs), outputs=tuple(outputs), peer=peer)
+        frames = [protocol.encode_header(header), *(data for _, data in inputs if data is not None)]
+        limit_s = (timeout_ms or self._default_timeout_ms) / 1000 + self._slack_s
+        return await self._exchange(request_id, frames, limit_s, model)
+
+    async def region(self, kind: type[protocol.RegionOp], peer: str, **fields: Any) -> ReplyHeader:
+        """Send a region message of `kind` for the client `peer`; the supervisor's answer."""
+        request_id = next(self._ids)
+        message = protocol.encode_region_op(kind(id=request_id, peer=peer, **fields))
+        reply, _ = await self._exchange(request_id, [message], self._default_timeout_ms / 1000 + self._slack_s,
+                                        "a region message")
+        return reply
+
+    async def _exchange(self, request_id: int, frames: list[Any], limit_s: float,
+                        what: str) -> tuple[ReplyHeader, list[memoryview]]:
+        assert self._loop is not None
         future: asyncio.Future[tuple[ReplyHeader, list[memoryview]]] = self._loop.create_future()
         self._waiting[request_id] = future
         try:
-            self._socket.send_multipart([protocol.encode_header(header), *(data for _, _, data in inputs)],
-                                        copy=False)
+            self._socket.send_multipart(frames, copy=False)
             if not self._read_soon:
                 self._read_soon = True
                 self._loop.call_soon(self._read)
             # The daemon answers every request by its deadline, or once its batch is found hung; should
             # that answer never come, the client still gets one.
-            limit_s = (timeout_ms or self._default_timeout_ms) / 1000 + self._slack_s
             try:
                 return await asyncio.wait_for(future, limit_s)
             except TimeoutError:
-                log.error("request %d of %s: no answer from the supervisor within %.0f s", request_id, model, limit_s)
-                return protocol.ReplyHeader(id=request_id, status=protocol.INTERNAL, model=model, error=(
+                log.error("request %d (%s): no answer from the supervisor within %.0f s", request_id, what, limit_s)
+                return protocol.ReplyHeader(id=request_id, status=protocol.INTERNAL, error=(
                     f"the daemon did not answer within {limit_s:.0f} s (a bug; the daemon's log has more)")), []
         finally:
             self._waiting.pop(request_id, None)
