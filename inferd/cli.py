@@ -250,9 +250,12 @@ def _stats_table(stats: dict[str, Any]) -> str:
                      f"{w['executors_busy']:>5}{w['batches']:>9}{w['restarts']:>9}{_mib(w.get('rss_bytes')):>9}"
                      f"{w.get('cpu_percent', 0):>7.0f}{_mib(w['memory_growth_bytes']):>11}  {gpu}{warn}")
     if stats.get("regions"):
-        lines += ["", f"{'region':<16}{'shared memory':<28}{'bytes':>12}{'requests':>10}  owner"]
-        lines += [f"{r['name']:<16}{r['key']:<28}{r['byte_size']:>12}{r['requests']:>10}  {r['owner']}"
-                  for r in stats["regions"]]
+        regions = stats["regions"]
+        name = max(len("region"), *(len(r["name"]) for r in regions)) + 2
+        key = max(len("shared memory"), *(len(r["key"]) for r in regions)) + 2
+        lines += ["", f"{'region':<{name}}{'shared memory':<{key}}{'bytes':>12}{'requests':>10}  owner"]
+        lines += [f"{r['name']:<{name}}{r['key']:<{key}}{r['byte_size']:>12}{r['requests']:>10}  {r['owner']}"
+                  for r in regions]
     return "\n".join(lines)
 
 

@@ -355,9 +355,9 @@ def _check_shm_prefix(value: str) -> str | None:
     return None
 
 
-def client_shm_protocols(config: Config) -> frozenset[str]:
+def client_shm_protocols(server: ServerConfig) -> frozenset[str]:
     """The protocols whose local clients may register shared-memory regions."""
-    allowed = config.server.allow_client_shm
+    allowed = server.allow_client_shm
     if isinstance(allowed, bool):
         return frozenset(SHM_PROTOCOLS) if allowed else frozenset()
     return frozenset(allowed)

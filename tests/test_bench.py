@@ -1,15 +1,17 @@
-"""The benchmark's own tools still work: the load generators against the bare echo, and the daemon."""
+"""The benchmark's own tools still work: the load generators against the bare echo, and the daemon;
+the shared-memory echo benchmark, briefly."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
 import models
 import pytest
 
-from bench import loadgen, oip_loadgen
+from bench import loadgen, oip_loadgen, shm_echo
 from inferd.harness import free_port
 
 
@@ -47,3 +49,14 @@ def test_the_oip_load_generator_gets_answers_and_counts_refusals(oip_daemon, pro
     wrong = asyncio.run(oip_loadgen.run(protocol_name, address, "mlp", (models.MLP_IN + 1,), concurrency=2,
                                         seconds=0.2, warmup=0.0))
     assert set(wrong["statuses"]) == {"400" if protocol_name == "http" else "INVALID_ARGUMENT"}
+
+
+def test_the_shared_memory_echo_benchmark_measures_every_case_at_both_sizes(capsys):
+    assert shm_echo.main(["--seconds", "0.3", "--warmup", "0.2"]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["size_bytes"], r["case"]) for r in rows] == [
+        (size, case) for size in shm_echo.SIZES.values() for case in shm_echo.CASES]
+    assert all(r["bench"] == "shm_echo" and r["requests"] > 0 and r["bytes_per_s"] > 0 for r in rows)
+    assert [r["ratio_to_bare"] for r in rows if r["case"] == "bare_echo"] == [1.0, 1.0]
+    assert out.count("target: ") == len(shm_echo.TARGETS)

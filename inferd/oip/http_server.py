@@ -18,11 +18,14 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from inferd.config import ServerConfig
+from inferd.config import ServerConfig, client_shm_protocols
 
 log = logging.getLogger("inferd.oip.http")
 
 KEEP_ALIVE_S = 5  # an idle connection is closed after this long
+# ... unless its client may register shared memory: its regions go with its connection, so it is kept
+# as long as gRPC keeps one.
+SHM_KEEP_ALIVE_S = 60
 HEAD_TIMEOUT_S = 10.0  # from a connection's first byte, or a request's, until its headers are complete
 BODY_IDLE_S = 10.0  # then, the longest its body may go without a byte
 MAX_HEADERS = 100
@@ -117,7 +120,8 @@ class HttpServer:
         self._server = _Server(uvicorn.Config(
             app, host=host.strip("[]"), port=int(port), lifespan="off", log_level="error", access_log=False,
             proxy_headers=False,
-            http=GuardedProtocol, loop="none", timeout_keep_alive=KEEP_ALIVE_S,
+            http=GuardedProtocol, loop="none",
+            timeout_keep_alive=SHM_KEEP_ALIVE_S if "http" in client_shm_protocols(server) else KEEP_ALIVE_S,
             ssl_certfile=server.tls_cert or None, ssl_keyfile=server.tls_key or None,
         ))
 

@@ -212,9 +212,9 @@ class RestApp:
             raise HttpError(400, f"the request is not JSON: {exc}") from None
         try:
             parsed = JsonRequest.parse(request, memoryview(body)[split:], model)
+            places = parsed.places(model)
         except InvalidRequest as exc:
             raise HttpError(400, exc.message) from None
-        places = parsed.places(model)
         uses_regions = bool(places) or any(data is None for _, data in parsed.requested.inputs)
         reply, outputs = await self.upstream.infer(model.name, version, parsed.requested.inputs,
                                                    parsed.requested.timeout_ms, places,

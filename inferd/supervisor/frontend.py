@@ -125,6 +125,7 @@ class Frontend:
         self.endpoints: dict[zmq.Socket, str] = {}
         self.shm_sockets: set[zmq.Socket] = set()  # where clients may use shared-memory regions
         self.monitors: dict[zmq.Socket, zmq.Socket] = {}  # a monitor -> the socket whose disconnects it reports
+        self._monitor_of: dict[zmq.Socket, zmq.Socket] = {}
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
@@ -145,7 +146,7 @@ class Frontend:
     def bind(self, internal: dict[str, str]) -> None:
         """Bind a ROUTER on every `server.listen` endpoint (tcp ones with CURVE when it is configured),
         and on each of `internal` (protocol -> ipc:// endpoint), where each gateway sends its requests."""
-        shm = client_shm_protocols(self.config)
+        shm = client_shm_protocols(self.config.server)
         for protocol_name, endpoint in internal.items():
             socket = self._router()
             socket.setsockopt(zmq.RCVHWM, MAX_RECV_HWM)  # one connection carries a whole protocol
@@ -183,7 +184,9 @@ class Frontend:
                         self.endpoints[socket], address)
             return
         self.shm_sockets.add(socket)
-        self.monitors[socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)] = socket
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitors[monitor] = socket
+        self._monitor_of[socket] = monitor
         log.info("client shared memory allowed on %s", self.endpoints[socket])
 
     def _router(self) -> zmq.Socket:
@@ -206,7 +209,7 @@ class Frontend:
         for path in self._internal_paths:
             path.unlink(missing_ok=True)
         self.regions.close()
-        self.sockets, self.protocols, self._internal_paths, self.monitors = [], {}, [], {}
+        self.sockets, self.protocols, self._internal_paths, self.monitors, self._monitor_of = [], {}, [], {}, {}
         self.endpoints, self.shm_sockets = {}, set()
 
     def admit(self, state: DaemonState, workers: WorkerTable) -> None:
@@ -309,7 +312,7 @@ class Frontend:
         """Whose regions a message may use: its connection's (and, from a gateway, its client's)."""
         socket = reply_to.socket
         if socket not in self.shm_sockets:
-            where = "" if client_shm_protocols(self.config) else " (server.allow_client_shm is off)"
+            where = "" if client_shm_protocols(self.config.server) else " (server.allow_client_shm is off)"
             raise InvalidRequest(f"client shared memory is not allowed on {self.endpoints[socket]}{where}; "
                                  "it is only ever allowed over ipc:// and loopback endpoints", request_id)
         if (peer is None) != (socket not in self.protocols):
@@ -354,6 +357,10 @@ class Frontend:
         try:
             if isinstance(op, protocol.RegisterRegion):
                 socket = reply_to.socket
+                # A connection is known by its descriptor, which the next connection may reuse; ZeroMQ
+                # reports a disconnect before it closes the descriptor, so before a later connection on
+                # it can send anything: taking the reports first keeps an old drop off the new connection.
+                self.on_monitor(self._monitor_of[socket])
                 link = (id(socket), first.get(zmq.SRCFD)) if first is not None else None
                 who = (f"{self.protocols[socket]} client {op.peer}" if op.peer is not None
                        else f"{self.endpoints[socket]} connection {reply_to.envelope[0].hex()}")
