@@ -270,9 +270,9 @@ def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | 
     if header.timeout_ms is not None and header.timeout_ms <= 0:
         raise InvalidRequest(f"timeout_ms must be positive, got {header.timeout_ms}", header.id)
     inputs = header.inputs
-    inline = range(len(inputs))
+    inline: Sequence[int] = range(len(inputs))
     if any(meta.region is not None for meta in inputs):
-        inline = [index for index, meta in enumerate(inputs) if meta.region is None]  # type: ignore[assignment]
+        inline = [index for index, meta in enumerate(inputs) if meta.region is None]
     if len(body) - 1 != len(inline):
         in_regions = f" ({len(inputs) - len(inline)} in regions)" if len(inline) < len(inputs) else ""
         raise InvalidRequest(
@@ -292,14 +292,6 @@ def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | 
             )
         buffers[index] = buffer
     return Request(header, buffers, size)
-
-
-def decode_request(body: Sequence[Buffer], max_message_bytes: int) -> Request:
-    """Decode a message that must be a request (see `decode_message`)."""
-    message = decode_message(body, max_message_bytes)
-    if not isinstance(message, Request):
-        raise InvalidRequest("expected a request, got a region message", message.id)
-    return message
 
 
 def encode_header(header: RequestHeader) -> bytes:

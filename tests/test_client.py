@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from wire import error, ok
 
-from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable
+from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable, protocol
 from inferd.client import _Call, _Mailbox
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -118,7 +118,8 @@ def test_async_client_retries_and_times_out(server_factory):
 
 
 def test_a_call_with_no_attempts_left_reports_the_dropped_connection():
-    call = _Call(1, "m", [X], None, 5.0, RetryPolicy(max_attempts=1))
+    call = _Call(1, lambda left_ms: protocol.encode_request(1, "m", [X], None, left_ms), 5.0,
+                 RetryPolicy(max_attempts=1))
     call.frames()
     outcome = call.missed()
     assert isinstance(outcome, Unavailable) and "connection" in outcome.message

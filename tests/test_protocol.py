@@ -19,7 +19,7 @@ def test_request_round_trip_keeps_dtype_shape_and_bytes():
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     b = np.array([[1, 2], [3, 4]], dtype=np.int64)
     frames = protocol.encode_request(5, "m", [a, b], version="v1", timeout_ms=250)
-    request = protocol.decode_request([bytes(f) for f in frames], LIMIT)
+    request = protocol.decode_message([bytes(f) for f in frames], LIMIT)
     assert request.header.id == 5 and request.header.model == "m"
     assert request.header.version == "v1" and request.header.timeout_ms == 250
     assert [m.dtype for m in request.header.inputs] == ["float32", "int64"]
@@ -30,7 +30,7 @@ def test_request_round_trip_keeps_dtype_shape_and_bytes():
 def test_big_endian_and_strided_arrays_travel_little_endian_and_contiguous():
     a = np.arange(12, dtype=">f8").reshape(3, 4)[:, ::2]
     frames = protocol.encode_request(1, "m", [a])
-    request = protocol.decode_request([bytes(f) for f in frames], LIMIT)
+    request = protocol.decode_message([bytes(f) for f in frames], LIMIT)
     assert request.header.inputs[0].dtype == "float64"
     decoded = np.frombuffer(request.buffers[0], dtype="<f8").reshape(3, 2)
     np.testing.assert_array_equal(decoded, a)
@@ -51,7 +51,7 @@ def test_the_refusal_lists_every_known_dtype_bfloat16_among_them():
 def test_a_bfloat16_array_travels_as_its_raw_two_bytes_a_value_contiguous():
     a = np.array([[1.5, -2.0, 3.0], [0.1, 7.0, -0.0]], dtype=np.float32).astype(ml_dtypes.bfloat16)[:, ::2]
     frames = protocol.encode_request(2, "m", [a])
-    request = protocol.decode_request([bytes(f) for f in frames], LIMIT)
+    request = protocol.decode_message([bytes(f) for f in frames], LIMIT)
     assert request.header.inputs == (protocol.TensorMeta("bfloat16", (2, 2)),)
     assert protocol.DTYPES["bfloat16"].itemsize == 2
     # bfloat16 is the top half of a float32: 1.5 is 0x3fc0, -2.0 is 0xc000, 0.1 rounds to 0x3dcd, -0.0 is 0x8000.
@@ -112,7 +112,7 @@ GOOD = b"\0" * 24
 )
 def test_every_bad_request_is_an_invalid_request_with_a_sentence(body, message):
     with pytest.raises(InvalidRequest) as info:
-        protocol.decode_request(body, LIMIT)
+        protocol.decode_message(body, LIMIT)
     assert message in info.value.message
     assert info.value.status == "invalid"
 
@@ -120,12 +120,12 @@ def test_every_bad_request_is_an_invalid_request_with_a_sentence(body, message):
 def test_an_oversized_message_is_refused_before_its_header_is_read():
     body = [b"\xff not even json", b"\0" * (LIMIT + 1)]
     with pytest.raises(InvalidRequest, match="over the limit of 1048576 bytes"):
-        protocol.decode_request(body, LIMIT)
+        protocol.decode_message(body, LIMIT)
 
 
 def test_the_error_names_the_request_id_where_the_header_gives_one():
     with pytest.raises(InvalidRequest) as info:
-        protocol.decode_request([b'{"id": "abc", "model": 3, "inputs": []}'], LIMIT)
+        protocol.decode_message([b'{"id": "abc", "model": 3, "inputs": []}'], LIMIT)
     assert info.value.request_id == "abc"
 
 
@@ -160,7 +160,7 @@ headers = st.fixed_dictionaries(
 @given(header=headers, buffers=st.lists(st.binary(max_size=64), max_size=5))
 def test_random_headers_never_raise_anything_but_invalid_request(header, buffers):
     try:
-        request = protocol.decode_request([msgspec.json.encode(header), *buffers], LIMIT)
+        request = protocol.decode_message([msgspec.json.encode(header), *buffers], LIMIT)
     except InvalidRequest as exc:
         assert exc.message
         return
@@ -185,14 +185,14 @@ deep_headers = st.builds(
 @given(header=deep_headers, buffers=st.lists(st.binary(max_size=64), max_size=70))
 def test_headers_nested_any_depth_with_any_frame_count_are_invalid_requests(header, buffers):
     with pytest.raises(InvalidRequest):
-        protocol.decode_request([header, *buffers], LIMIT)
+        protocol.decode_message([header, *buffers], LIMIT)
 
 
 @settings(max_examples=300, deadline=None)
 @given(frames=st.lists(st.binary(max_size=200), max_size=6))
 def test_random_bytes_never_raise_anything_but_invalid_request(frames):
     try:
-        protocol.decode_request(frames, LIMIT)
+        protocol.decode_message(frames, LIMIT)
     except InvalidRequest:
         pass
 
@@ -200,4 +200,42 @@ def test_random_bytes_never_raise_anything_but_invalid_request(frames):
 def test_deeply_nested_json_is_an_invalid_request():
     deep = b'{"id": ' + b"[" * 100_000 + b"]" * 100_000 + b', "model": "m", "inputs": []}'
     with pytest.raises(InvalidRequest):
-        protocol.decode_request([deep], LIMIT)
+        protocol.decode_message([deep], LIMIT)
+
+
+def test_an_input_in_a_region_has_no_buffer_and_outputs_may_be_placed():
+    a = np.arange(6, dtype=np.float32).reshape(1, 6)
+    in_region = protocol.TensorMeta("int64", (1, 2), region="r", offset=64)
+    frames = protocol.encode_request(3, "m", [a, in_region], outputs=[None, protocol.OutputPlace("r", 128)])
+    assert len(frames) == 2, "the input in the region travels as its place, not as a frame"
+    request = protocol.decode_message([bytes(f) for f in frames], LIMIT)
+    assert isinstance(request, protocol.Request)
+    assert request.header.inputs[1] == in_region and request.buffers[1] is None
+    assert bytes(request.buffers[0]) == a.tobytes()
+    assert request.header.outputs == (None, protocol.OutputPlace("r", 128))
+    plain = protocol.encode_request(4, "m", [a])[0]
+    assert b"region" not in bytes(plain) and b"outputs" not in bytes(plain), "a request without regions is as before"
+
+
+@pytest.mark.parametrize("frames, sentence", [
+    ([b'{"id": 1, "model": "m", "inputs": [{"dtype": "int64", "shape": [1, 2], "region": "r"}]}', b"x" * 16],
+     "declares 1 input(s) (1 in regions) but 1 buffer(s) follow it"),
+    ([b'{"id": 1, "model": "m", "inputs": [{"dtype": "int64", "shape": [1, 2], "region": "r", "offset": -1}]}'],
+     "Expected `int` >= 0"),
+    ([b'{"id": 1, "model": "m", "inputs": [{"dtype": "int64", "shape": [1, 2], "region": "a/b"}]}'],
+     "Expected `str` matching regex"),
+    ([b'{"id": 2, "op": "register_region", "name": "r", "key": "k"}'],
+     "not a valid region message: Object missing required field `byte_size`"),
+    ([b'{"id": 2, "op": "register_region", "name": "r", "key": "k", "byte_size": 0}'], "Expected `int` >= 1"),
+    ([b'{"id": 2, "op": "drop_everything"}'], "not a valid region message"),
+    ([b'{"id": 2, "op": "region_status"}', b"x"], "a region message has no buffers, but 1 follow it"),
+])
+def test_bad_region_references_and_messages_are_invalid_with_a_sentence(frames, sentence):
+    with pytest.raises(InvalidRequest, match=sentence.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        protocol.decode_message(frames, LIMIT)
+
+
+def test_a_region_message_round_trips_by_its_op():
+    for op in (protocol.RegisterRegion(id=1, name="r", key="inferd-client-x", byte_size=10, offset=2),
+               protocol.UnregisterRegion(id="u"), protocol.RegionStatus(id=3, name="r")):
+        assert protocol.decode_message([protocol.encode_region_op(op)], LIMIT) == op

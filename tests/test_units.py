@@ -536,7 +536,7 @@ def test_a_gateway_request_the_supervisor_never_answers_still_gets_one_answer(tm
     reply = asyncio.run(ask())
     assert reply.status == protocol.INTERNAL and "did not answer within" in reply.error
     assert 0.1 <= time.monotonic() - started < 5
-    assert silent.poll(1000) and protocol.decode_request(silent.recv_multipart()[1:], 1 << 20).header.model == "mlp"
+    assert silent.poll(1000) and protocol.decode_message(silent.recv_multipart()[1:], 1 << 20).header.model == "mlp"
     upstream.close()
     silent.close()
     context.term()

@@ -289,9 +289,9 @@ class JsonRequest(NamedTuple):
             if not isinstance(entry, dict):
                 raise InvalidRequest("each input is an object with a name")
             what = f"input {entry.get('name')!r}"
-            parameters = _parameters(entry, what)
-            size = parameters.get("binary_data_size")
-            region = region_parameters(parameters, what)
+            given_parameters = _parameters(entry, what)
+            size = given_parameters.get("binary_data_size")
+            region = region_parameters(given_parameters, what)
             raw = None
             if region is not None:
                 if "data" in entry or size is not None:

@@ -5,10 +5,8 @@ at once (`invalid`, `overloaded`, `unavailable`), and sends every reply. It
 never blocks: a reply that cannot be delivered (peer gone, or its high-water
 mark reached) is counted and dropped, so one slow client cannot block the loop.
 Admission is decided here: whether the daemon takes requests at all, which
-models no worker serves yet, and the bounds of the queue. So are clients'
-shared-memory regions: their region messages, the region references of their
-requests (resolved against the connection's own regions), and their removal
-when a connection drops (a socket monitor says which).
+models no worker serves yet, and the bounds of the queue. Region messages and
+requests that name clients' shared-memory regions go to client_regions.py.
 """
 
 from __future__ import annotations
@@ -21,18 +19,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from inferd import protocol
-from inferd.config import Config, ModelConfig, client_shm_protocols, loopback
+from inferd.config import Config, ModelConfig, loopback
 from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
 from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.batcher import BatchQueue, QueuedRequest, Refusal
+from inferd.supervisor.client_regions import ClientRegions, Places
 from inferd.supervisor.guard import failure
 from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.regions import Region, Regions, RegionSlice
+from inferd.supervisor.regions import Regions, RegionSlice
 from inferd.supervisor.state import DaemonState
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import WorkerState, WorkerTable
@@ -119,13 +117,8 @@ class Frontend:
         self.queue = queue
         self.stats = stats
         self.live = live
-        self.regions = regions
         self.sockets: list[zmq.Socket] = []
         self.protocols: dict[zmq.Socket, str] = {}  # the gateways' sockets -> the protocol each carries
-        self.endpoints: dict[zmq.Socket, str] = {}
-        self.shm_sockets: set[zmq.Socket] = set()  # where clients may use shared-memory regions
-        self.monitors: dict[zmq.Socket, zmq.Socket] = {}  # a monitor -> the socket whose disconnects it reports
-        self._monitor_of: dict[zmq.Socket, zmq.Socket] = {}
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
@@ -133,6 +126,7 @@ class Frontend:
         self._context = context
         self._curve = curve
         self.configure(config)
+        self.shm = ClientRegions(regions, config.server)
 
     def configure(self, config: Config) -> None:
         """Take a new config: models and their limits, the default deadline."""
@@ -146,7 +140,6 @@ class Frontend:
     def bind(self, internal: dict[str, str]) -> None:
         """Bind a ROUTER on every `server.listen` endpoint (tcp ones with CURVE when it is configured),
         and on each of `internal` (protocol -> ipc:// endpoint), where each gateway sends its requests."""
-        shm = client_shm_protocols(self.config.server)
         for protocol_name, endpoint in internal.items():
             socket = self._router()
             socket.setsockopt(zmq.RCVHWM, MAX_RECV_HWM)  # one connection carries a whole protocol
@@ -155,39 +148,23 @@ class Frontend:
             socket.setsockopt(zmq.SNDHWM, 0)
             self.sockets.append(socket)
             self.protocols[socket] = protocol_name
-            self.endpoints[socket] = protocol_name
             socket.bind(endpoint)
             self._internal_paths.append(Path(endpoint[len("ipc://"):]))
             os.chmod(self._internal_paths[-1], 0o600)
-            if protocol_name in shm:
-                self._allow_shm(socket, getattr(self.config.server, protocol_name))
+            self.shm.add(socket, protocol_name, getattr(self.config.server, protocol_name), protocol_name,
+                         gateway=True)
         for endpoint in self.config.server.listen:
             socket = self._router()
             tcp = endpoint.startswith("tcp://")
             if tcp and self._curve.enabled:
                 self._curve.secure(socket)
             self.sockets.append(socket)
-            self.endpoints[socket] = endpoint
             socket.bind(endpoint)
             if tcp and not self._curve.enabled and not loopback(endpoint):
                 log.warning("%s is reachable from the network without authentication; "
                             "set server.curve_secret_key and server.curve_authorized_keys", endpoint)
             log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and self._curve.enabled else "")
-            if "zmq" in shm:
-                self._allow_shm(socket, endpoint)
-
-    def _allow_shm(self, socket: zmq.Socket, address: str) -> None:
-        """Let `socket`'s clients register regions if `address` is ipc:// or loopback, and watch its
-        connections drop."""
-        if not (address.startswith("ipc://") or loopback(address)):
-            log.warning("client shared memory stays off on %s %s: it is reachable beyond this machine",
-                        self.endpoints[socket], address)
-            return
-        self.shm_sockets.add(socket)
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.monitors[monitor] = socket
-        self._monitor_of[socket] = monitor
-        log.info("client shared memory allowed on %s", self.endpoints[socket])
+            self.shm.add(socket, endpoint, endpoint, "zmq", gateway=False)
 
     def _router(self) -> zmq.Socket:
         largest, recv_hwm = receive_limits(self.config)
@@ -201,16 +178,12 @@ class Frontend:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every client socket, letting queued replies leave for at most `linger_ms`."""
-        for monitor, socket in self.monitors.items():
-            socket.disable_monitor()
-            monitor.close(linger=0)
+        self.shm.close()
         for socket in self.sockets:
             socket.close(linger=linger_ms)
         for path in self._internal_paths:
             path.unlink(missing_ok=True)
-        self.regions.close()
-        self.sockets, self.protocols, self._internal_paths, self.monitors, self._monitor_of = [], {}, [], {}, {}
-        self.endpoints, self.shm_sockets = {}, set()
+        self.sockets, self.protocols, self._internal_paths = [], {}, []
 
     def admit(self, state: DaemonState, workers: WorkerTable) -> None:
         """Decide what is admitted from now on: nothing while the daemon starts or stops, or while no
@@ -240,17 +213,6 @@ class Frontend:
             except Exception:  # noqa: BLE001 - the last guard: one message never takes the daemon down
                 self.send_error(reply_to, None, protocol.INTERNAL, failure("a request"))
 
-    def on_monitor(self, monitor: zmq.Socket) -> None:
-        """A connection of a socket with client shared memory dropped: close the regions registered over it."""
-        socket = self.monitors[monitor]
-        while monitor.poll(0):
-            event = parse_monitor_message(monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                dropped = self.regions.drop_link((id(socket), event["value"]))
-                if dropped:
-                    log.info("a connection to %s dropped: its %d region(s) unregistered",
-                             self.endpoints[socket], dropped)
-
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer], first: zmq.Frame | None = None) -> None:
         """Admit one request body, or answer it at once; every body gets exactly one reply.
 
@@ -261,7 +223,9 @@ class Frontend:
         try:
             message = protocol.decode_message(body, self.max_message_bytes)
             if not isinstance(message, protocol.Request):
-                self._region_message(reply_to, message, first)
+                listed = self.shm.message(reply_to.socket, reply_to.envelope[0], message, first)
+                self._send(reply_to, [protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK,
+                                                                        regions=listed))])
                 return
             request = message
             header = request.header
@@ -286,9 +250,9 @@ class Frontend:
                     self._checked.clear()
                 self._checked[signature] = samples
             buffers: list[Buffer | RegionSlice] = request.buffers  # type: ignore[assignment] # None only with regions
-            places: tuple[tuple[Region, int] | None, ...] = ()
+            places: Places = ()
             if header.outputs or None in buffers:
-                buffers, places = self._in_regions(reply_to, header, request.buffers)
+                buffers, places = self.shm.resolve(reply_to.socket, reply_to.envelope[0], header, request.buffers)
         except InvalidRequest as exc:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
@@ -306,81 +270,6 @@ class Frontend:
             self.send_error(reply_to, header.id, protocol.OVERLOADED, _refusal_sentence(refused, self.queue), name)
             return
         self._admitted.add(name)
-
-    def _owner(self, reply_to: ReplyTo, peer: str | None,
-               request_id: protocol.RequestId) -> tuple[int, bytes, str | None]:
-        """Whose regions a message may use: its connection's (and, from a gateway, its client's)."""
-        socket = reply_to.socket
-        if socket not in self.shm_sockets:
-            where = "" if client_shm_protocols(self.config.server) else " (server.allow_client_shm is off)"
-            raise InvalidRequest(f"client shared memory is not allowed on {self.endpoints[socket]}{where}; "
-                                 "it is only ever allowed over ipc:// and loopback endpoints", request_id)
-        if (peer is None) != (socket not in self.protocols):
-            raise InvalidRequest("`peer` is for the daemon's own gateways, and they always give it", request_id)
-        return (id(socket), reply_to.envelope[0], peer)
-
-    def _in_regions(self, reply_to: ReplyTo, header: protocol.RequestHeader, buffers: list[Buffer | None],
-                    ) -> tuple[list[Buffer | RegionSlice], tuple[tuple[Region, int] | None, ...]]:
-        """The request's inputs with each one in a region resolved, and where each output goes."""
-        owner = self._owner(reply_to, header.peer, header.id)
-        sizes = protocol.input_sizes(header.inputs, header.id)
-        used: set[Region] = set()
-        resolved: list[Buffer | RegionSlice] = []
-        try:
-            for index, (meta, buffer) in enumerate(zip(header.inputs, buffers)):
-                if buffer is not None:
-                    resolved.append(buffer)
-                    continue
-                assert meta.region is not None  # decode_message leaves None only for inputs in a region
-                region = self.regions.get(owner, meta.region)
-                region.check(meta.offset, sizes[index], f"input {index}")
-                resolved.append(RegionSlice(region, meta.offset, sizes[index]))
-                used.add(region)
-            places: list[tuple[Region, int] | None] = []
-            for place in header.outputs:
-                if place is not None:
-                    region = self.regions.get(owner, place.region)
-                    region.check(place.offset, 0, "an output")
-                    used.add(region)
-                    places.append((region, place.offset))
-                else:
-                    places.append(None)
-        except InvalidRequest as exc:
-            raise InvalidRequest(exc.message, header.id) from None
-        for region in used:
-            region.requests += 1
-        return resolved, tuple(places)
-
-    def _region_message(self, reply_to: ReplyTo, op: protocol.RegionOp, first: zmq.Frame | None) -> None:
-        """Register, unregister or list the connection's regions, and answer with those concerned."""
-        owner = self._owner(reply_to, op.peer, op.id)
-        try:
-            if isinstance(op, protocol.RegisterRegion):
-                socket = reply_to.socket
-                # A connection is known by its descriptor, which the next connection may reuse; ZeroMQ
-                # reports a disconnect before it closes the descriptor, so before a later connection on
-                # it can send anything: taking the reports first keeps an old drop off the new connection.
-                self.on_monitor(self._monitor_of[socket])
-                link = (id(socket), first.get(zmq.SRCFD)) if first is not None else None
-                who = (f"{self.protocols[socket]} client {op.peer}" if op.peer is not None
-                       else f"{self.endpoints[socket]} connection {reply_to.envelope[0].hex()}")
-                regions = [self.regions.register(owner, op.name, op.key, op.offset, op.byte_size, describe=who,
-                                                 link=link)]
-                log.info("region %r (shared memory %s, %d bytes from %d) registered by %s", op.name,
-                         regions[0].key, op.byte_size, op.offset, who)
-            elif isinstance(op, protocol.UnregisterRegion):  # a name not registered is already unregistered
-                regions = [r for r in self.regions.of(owner) if op.name in (None, r.name)]
-                self.regions.unregister(owner, op.name)
-            else:
-                regions = self.regions.of(owner, op.name)
-        except InvalidRequest as exc:
-            raise InvalidRequest(exc.message, op.id) from None
-        listed = tuple(protocol.RegionInfo(r.name, r.key, r.offset, r.size) for r in regions)
-        try:
-            send_parts(reply_to.socket, [*reply_to.envelope, protocol.encode_reply(
-                ReplyHeader(id=op.id, status=protocol.OK, regions=listed))])
-        except zmq.ZMQError as exc:
-            self._undeliverable(exc)
 
     def note_queue_depths(self) -> None:
         """Count the queue depth of each model that took requests since the last call, for its peak:
@@ -424,9 +313,11 @@ class Frontend:
         counted = version or (self.live[model] if model is not None and served else None)
         self.stats.reply(time.monotonic(), model if served else None, counted, status,
                          self.protocols.get(reply_to.socket))
+        self._send(reply_to, [protocol.error_reply(request_id, status, error, model, version)])
+
+    def _send(self, reply_to: ReplyTo, parts: list[Buffer]) -> None:
         try:
-            send_parts(reply_to.socket,
-                       [*reply_to.envelope, protocol.error_reply(request_id, status, error, model, version)])
+            send_parts(reply_to.socket, [*reply_to.envelope, *parts])
         except zmq.ZMQError as exc:
             self._undeliverable(exc)
 

@@ -163,7 +163,7 @@ class Supervisor:
         self.files.pid.write_text(f"{os.getpid()}\n")
         self.metrics.start(self.config.server.metrics)
         self.wakeup.install(SIGNALS)
-        for sock in [*self.frontend.sockets, *self.frontend.monitors, self.control.socket, self.workers.backend]:
+        for sock in [*self.frontend.sockets, *self.frontend.shm.monitors, self.control.socket, self.workers.backend]:
             self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.wakeup.fileno(), zmq.POLLIN)
         # What exists now lives as long as the daemon; keep it out of every later collection.
@@ -239,8 +239,8 @@ class Supervisor:
             self._on_wakeup()
         elif target in self._sentinels:
             self._on_worker_exit(self._sentinels[target])
-        elif target in self.frontend.monitors:
-            self.frontend.on_monitor(target)
+        elif target in self.frontend.shm.monitors:
+            self.frontend.shm.on_monitor(target)
         elif target in self._gateway_sentinels:
             self.poller.unregister(target)
             self._gateway_sentinels.pop(target).reaped(time.monotonic())

@@ -1,0 +1,142 @@
+"""The frontend's side of clients' shared memory: on which sockets it is allowed, whose regions a message
+may use, region messages, a request's references resolved, and regions dropped with their connection.
+
+A region's owner is its connection: a ZeroMQ peer's routing id on its socket, and for a gateway's
+socket also the gateway's client (`peer`). Each registration is also filed under the transport
+connection it came over (its descriptor, zmq.SRCFD), which the socket's monitor names when it drops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from inferd import protocol
+from inferd.config import ServerConfig, client_shm_protocols, loopback
+from inferd.errors import InvalidRequest
+from inferd.protocol import Buffer, RegionInfo
+from inferd.supervisor.regions import Region, Regions, RegionSlice
+
+log = logging.getLogger("inferd.frontend")
+
+Owner = tuple[int, bytes, str | None]  # (socket, routing id, gateway peer)
+Places = tuple[tuple[Region, int] | None, ...]  # per output: the region and offset to write it at
+
+
+class ClientRegions:
+    """Clients' regions as the frontend's sockets see them."""
+
+    def __init__(self, regions: Regions, server: ServerConfig) -> None:
+        self.regions = regions
+        self.monitors: dict[zmq.Socket, zmq.Socket] = {}  # a monitor -> the socket whose disconnects it reports
+        self._monitor_of: dict[zmq.Socket, zmq.Socket] = {}
+        self._names: dict[zmq.Socket, str] = {}
+        self._gateways: dict[zmq.Socket, str] = {}
+        self._protocols = client_shm_protocols(server)
+
+    def add(self, socket: zmq.Socket, name: str, address: str, protocol_name: str, gateway: bool) -> None:
+        """Note a client-facing socket: regions are allowed on it if its protocol's are and `address` (where
+        its clients connect) is ipc:// or loopback; then its monitor reports connections that drop."""
+        self._names[socket] = name
+        if gateway:
+            self._gateways[socket] = protocol_name
+        if protocol_name not in self._protocols:
+            return
+        if not (address.startswith("ipc://") or loopback(address)):
+            log.warning("client shared memory stays off on %s %s: it is reachable beyond this machine", name, address)
+            return
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitors[monitor] = socket
+        self._monitor_of[socket] = monitor
+        log.info("client shared memory allowed on %s", name)
+
+    def on_monitor(self, monitor: zmq.Socket) -> None:
+        """Close the regions of the connections `monitor` says dropped."""
+        socket = self.monitors[monitor]
+        while monitor.poll(0):
+            event = parse_monitor_message(monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                dropped = self.regions.drop_link((id(socket), event["value"]))
+                if dropped:
+                    log.info("a connection to %s dropped: its %d region(s) unregistered", self._names[socket],
+                             dropped)
+
+    def message(self, socket: zmq.Socket, identity: bytes, op: protocol.RegionOp,
+                first: zmq.Frame | None) -> tuple[RegionInfo, ...]:
+        """Register, unregister or list the connection's regions: those concerned, or InvalidRequest."""
+        owner = self._owner(socket, identity, op.peer, op.id)
+        try:
+            if isinstance(op, protocol.RegisterRegion):
+                # A connection is known by its descriptor, which the next connection may reuse; ZeroMQ
+                # reports a disconnect before it closes the descriptor, so before a later connection on
+                # it can send anything: taking the reports first keeps an old drop off the new connection.
+                self.on_monitor(self._monitor_of[socket])
+                link = (id(socket), first.get(zmq.SRCFD)) if first is not None else None
+                who = (f"{self._gateways[socket]} client {op.peer}" if op.peer is not None
+                       else f"{self._names[socket]} connection {identity.hex()}")
+                regions = [self.regions.register(owner, op.name, op.key, op.offset, op.byte_size, describe=who,
+                                                 link=link)]
+                log.info("region %r (shared memory %s, %d bytes from %d) registered by %s", op.name,
+                         regions[0].key, op.byte_size, op.offset, who)
+            elif isinstance(op, protocol.UnregisterRegion):  # a name not registered is already unregistered
+                regions = [r for r in self.regions.of(owner) if op.name in (None, r.name)]
+                self.regions.unregister(owner, op.name)
+            else:
+                regions = self.regions.of(owner, op.name)
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, op.id) from None
+        return tuple(RegionInfo(r.name, r.key, r.offset, r.size) for r in regions)
+
+    def resolve(self, socket: zmq.Socket, identity: bytes, header: protocol.RequestHeader,
+                buffers: Sequence[Buffer | None]) -> tuple[list[Buffer | RegionSlice], Places]:
+        """A request's inputs with each one in a region resolved against its connection's regions, and
+        where each output goes; InvalidRequest if a region is not the connection's or too small."""
+        owner = self._owner(socket, identity, header.peer, header.id)
+        sizes = protocol.input_sizes(header.inputs, header.id)
+        used: set[Region] = set()
+        resolved: list[Buffer | RegionSlice] = []
+        places: list[tuple[Region, int] | None] = []
+        try:
+            for index, (meta, buffer) in enumerate(zip(header.inputs, buffers)):
+                if buffer is not None:
+                    resolved.append(buffer)
+                    continue
+                assert meta.region is not None  # decode_message leaves None only for inputs in a region
+                region = self.regions.get(owner, meta.region)
+                region.check(meta.offset, sizes[index], f"input {index}")
+                resolved.append(RegionSlice(region, meta.offset, sizes[index]))
+                used.add(region)
+            for place in header.outputs:
+                if place is None:
+                    places.append(None)
+                    continue
+                region = self.regions.get(owner, place.region)
+                region.check(place.offset, 0, "an output")
+                used.add(region)
+                places.append((region, place.offset))
+        except InvalidRequest as exc:
+            raise InvalidRequest(exc.message, header.id) from None
+        for region in used:
+            region.requests += 1
+        return resolved, tuple(places)
+
+    def close(self) -> None:
+        """Stop the monitors and close every region."""
+        for monitor, socket in self.monitors.items():
+            socket.disable_monitor()
+            monitor.close(linger=0)
+        self.monitors, self._monitor_of = {}, {}
+        self.regions.close()
+
+    def _owner(self, socket: zmq.Socket, identity: bytes, peer: str | None,
+               request_id: protocol.RequestId) -> Owner:
+        if socket not in self._monitor_of:
+            where = "" if self._protocols else " (server.allow_client_shm is off)"
+            raise InvalidRequest(f"client shared memory is not allowed on {self._names[socket]}{where}; "
+                                 "it is only ever allowed over ipc:// and loopback endpoints", request_id)
+        if (peer is None) != (socket not in self._gateways):
+            raise InvalidRequest("`peer` is for the daemon's own gateways, and they always give it", request_id)
+        return (id(socket), identity, peer)
