@@ -302,3 +302,33 @@ def test_any_shared_memory_call_over_grpc_gets_one_status_and_the_daemon_serves_
     given.set_data_from_numpy(x)
     assert client.infer("mlp", [given]).as_numpy("OUTPUT__0").shape == (1, models.MLP_OUT)
     client.close()
+
+
+def test_a_new_connection_from_an_old_ones_address_has_none_of_its_regions(daemon, regions):
+    """On loopback a closed connection's port comes straight back: a client that takes it gets nothing
+    the old connection registered."""
+    import http.client
+    import socket
+
+    host, port = daemon.config["server"]["http"].rsplit(":", 1)
+    _, key = regions(256)
+    with socket.socket() as probe:  # a local port to come from twice
+        probe.bind(("127.0.0.1", 0))
+        local = probe.getsockname()
+
+    def status(connection: http.client.HTTPConnection, headers: dict[str, str] | None = None) -> list:
+        connection.request("GET", "/v2/systemsharedmemory/status", headers=headers or {})
+        return msgspec.json.decode(connection.getresponse().read())
+
+    old = http.client.HTTPConnection(host, int(port), timeout=20, source_address=local)
+    old.request("POST", "/v2/systemsharedmemory/region/old/register",
+                body=msgspec.json.encode({"key": key, "byte_size": 256}))
+    answer = old.getresponse()
+    # The server closes (so the TIME_WAIT is its side's, and the client's port is free at once).
+    assert answer.status == 200 and answer.read() == b""
+    assert [r["name"] for r in status(old, {"Connection": "close"})] == ["old"]
+    old.close()
+    new = http.client.HTTPConnection(host, int(port), timeout=20, source_address=local)
+    assert status(new) == [], "the new connection sees the old one's region"
+    new.close()
+    wait_for(lambda: not registered(daemon), timeout=15, what="the old connection's region gone")

@@ -53,13 +53,14 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
     server = config.server
     max_message_bytes = int(server.max_message_mb * (1 << 20))
     address = server.http if spec.protocol == "http" else server.grpc
-    shared_memory = SharedMemory(upstream, int(address.rpartition(":")[2]))
+    shared_memory = SharedMemory(upstream, int(address.rpartition(":")[2]), sweep=spec.protocol == "grpc")
     # Each front end imports only its own server.
     if spec.protocol == "http":
         from inferd.oip.http_server import HttpServer
         from inferd.oip.rest import RestApp
 
-        front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes, shared_memory), server)
+        front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes, shared_memory), server,
+                                     shared_memory.closed)
         scheme = "https" if server.tls_cert else "http"
     else:
         from inferd.oip.rpc import GrpcServer, InferenceService

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from inferd.config import ServerConfig, client_shm_protocols
+from inferd.oip.shm import peer_name
 
 log = logging.getLogger("inferd.oip.http")
 
@@ -32,25 +34,38 @@ MAX_HEADERS = 100
 MAX_HEAD_BYTES = 64 << 10  # request line and headers together
 
 
+CONNECTION = "inferd.connection"  # the scope's key for the name of the connection a request came on
+_numbers = itertools.count(1)
+
+
 class GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on each request head and bounds on its size."""
+    """uvicorn's httptools protocol with a deadline on each request head and bounds on its size; it
+    names each connection (the client's address and a number, in each request's scope) and reports its
+    end to `closed`."""
+
+    closed: Callable[[str], None] = staticmethod(lambda name: None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._refusal: str | None = None
+        self._name = ""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        host, port = self.client or ("", 0)
+        self._name = f"{peer_name(host, port)}/{next(_numbers)}"
         self._set_timer(HEAD_TIMEOUT_S, "no complete request head")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_timer(None)
         super().connection_lost(exc)
+        self.closed(self._name)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[CONNECTION] = self._name  # type: ignore[literal-required] # an extension of this server
         self._head_bytes = 0
         if self._timer is None:
             self._set_timer(HEAD_TIMEOUT_S, "no complete request head")
@@ -115,12 +130,14 @@ class _Server(uvicorn.Server):
 class HttpServer:
     """The Open Inference Protocol's HTTP front end: serves `app` at server.http until stopped."""
 
-    def __init__(self, app: Any, server: ServerConfig) -> None:
+    def __init__(self, app: Any, server: ServerConfig, closed: Callable[[str], None]) -> None:
+        """`closed(name)`: the connection `name` (CONNECTION in its requests' scopes) has ended."""
         host, _, port = server.http.rpartition(":")
+        protocol = type("ServerProtocol", (GuardedProtocol,), {"closed": staticmethod(closed)})
         self._server = _Server(uvicorn.Config(
             app, host=host.strip("[]"), port=int(port), lifespan="off", log_level="error", access_log=False,
             proxy_headers=False,
-            http=GuardedProtocol, loop="none",
+            http=protocol, loop="none",
             timeout_keep_alive=SHM_KEEP_ALIVE_S if "http" in client_shm_protocols(server) else KEEP_ALIVE_S,
             ssl_certfile=server.tls_cert or None, ssl_keyfile=server.tls_key or None,
         ))

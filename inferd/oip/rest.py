@@ -28,7 +28,8 @@ from inferd import __version__, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, Requested
-from inferd.oip.shm import InRegion, SharedMemory, peer_name, region_parameters, region_response
+from inferd.oip.http_server import CONNECTION
+from inferd.oip.shm import InRegion, SharedMemory, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 from inferd.protocol import ReplyHeader
 
@@ -230,8 +231,7 @@ class RestApp:
 
 
 def _peer(scope: Scope) -> str:
-    client = scope.get("client")
-    return peer_name(*client) if client else ""
+    return scope.get(CONNECTION, "")  # the server's name for the connection: its client's address and number
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
 from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound
-from inferd.oip.shm import SharedMemory, grpc_peer, region_parameters, region_response
+from inferd.oip.shm import SharedMemory, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.grpc")
@@ -148,7 +148,7 @@ class InferenceService:
                   for name in model.output_names] if regions else []
         uses_regions = bool(regions) or any(data is None for _, data in requested.inputs)
         reply, outputs = await self.upstream.infer(model.name, version, requested.inputs, requested.timeout_ms,
-                                                   places, peer if uses_regions else None)
+                                                   places, self.shared_memory.grpc_peer(peer) if uses_regions else None)
         if reply.status != protocol.OK:
             raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)
@@ -171,18 +171,20 @@ class InferenceService:
     async def system_shared_memory_status(self, request: pb.SystemSharedMemoryStatusRequest,
                                           peer: str) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in await self.shared_memory.status(peer, request.name or None):
+        for region in await self.shared_memory.status(self.shared_memory.grpc_peer(peer), request.name or None):
             response.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
         return response
 
     async def system_shared_memory_register(self, request: pb.SystemSharedMemoryRegisterRequest,
                                             peer: str) -> pb.SystemSharedMemoryRegisterResponse:
-        await self.shared_memory.register(peer, request.name, request.key, request.offset, request.byte_size)
+        # A new connection from an address an old one had: its inode, not the old one's.
+        await self.shared_memory.register(self.shared_memory.grpc_peer(peer, fresh=True), request.name, request.key,
+                                          request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def system_shared_memory_unregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
                                               peer: str) -> pb.SystemSharedMemoryUnregisterResponse:
-        await self.shared_memory.unregister(peer, request.name or None)
+        await self.shared_memory.unregister(self.shared_memory.grpc_peer(peer), request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def _model(self, name: str, version: str) -> ModelView:
@@ -226,7 +228,7 @@ def _answering(name: str, method: Callable[[Any, str], Awaitable[Message]],
                 request = kind.FromString(data)
             except DecodeError:
                 raise InvalidRequest(f"the request is not a {kind.DESCRIPTOR.full_name} message") from None
-            return await method(request, grpc_peer(context.peer()))
+            return await method(request, context.peer())
         except RpcError as exc:
             code, message = exc.code, exc.message
         except InvalidRequest as exc:

@@ -3,10 +3,12 @@ the supervisor on its behalf, the tensors' shared_memory_* parameters, and the r
 the client's connection is gone.
 
 The supervisor keeps the regions and applies every rule (server.allow_client_shm, the name prefix, the
-file checks); the gateway names the client by its connection (`peer`, the address it connects from),
-so a region is its connection's only. Neither HTTP nor gRPC says when a connection closes, so the
-gateway looks at its own established connections every SWEEP_S and unregisters the regions of peers
-no longer among them (a peer's address cannot come back sooner: TCP's TIME_WAIT holds it).
+file checks); the gateway names the client by its connection (`peer`), so a region is its connection's
+only. An address alone would not do: on loopback a port comes back as soon as its connection closes
+(tcp_tw_reuse), so the name is the address and which connection it is. The HTTP server numbers its
+connections and says when each ends. gRPC says neither, so the gateway names a gRPC connection by its
+socket's inode and looks at its own established connections every SWEEP_S, unregistering the regions
+of those gone; a connection's first region call looks its inode up afresh.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -62,42 +65,52 @@ def region_response(meta: protocol.TensorMeta) -> dict[str, Any]:
 
 
 def peer_name(host: str, port: int) -> str:
-    """How the gateway names a client to the supervisor: the address it connects from."""
+    """A client's address as the gateway names it: host:port ([host]:port for IPv6)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def grpc_peer(peer: str) -> str:
+def grpc_address(peer: str) -> str:
     """A gRPC peer ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000") by peer_name."""
     address = urllib.parse.unquote(peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer)
     host, _, port = address.rpartition(":")
     return peer_name(host.strip("[]"), int(port)) if port.isdigit() else peer
 
 
-def _address(peer: str) -> tuple[str, int] | None:
-    host, _, port = peer.rpartition(":")
-    return (host.strip("[]"), int(port)) if port.isdigit() and host else None
-
-
 class SharedMemory:
-    """The region calls of one front end, and the sweep of its clients' connections."""
+    """The region calls of one front end, and the end of its clients' connections."""
 
-    def __init__(self, upstream: Upstream, port: int) -> None:
+    def __init__(self, upstream: Upstream, port: int, sweep: bool) -> None:
+        """`sweep`: the server does not say when a connection ends (gRPC), so look every SWEEP_S."""
         self._upstream = upstream
         self._port = port
-        self._peers: set[tuple[str, int]] = set()  # peers that registered regions
+        self._sweep_connections = sweep
+        self._with_regions: set[str] = set()  # the clients (peers) that registered regions
+        self._inodes: dict[str, int] = {}  # a gRPC client's address -> its connection's socket inode
         self._sweeping: asyncio.Task[None] | None = None
+
+    def grpc_peer(self, peer: str, fresh: bool = False) -> str:
+        """A gRPC client connection's name: its address and its socket's inode (`fresh`: looked up now)."""
+        address = grpc_address(peer)
+        if fresh or address not in self._inodes:
+            self._inodes = self._established()
+        return f"{address}/{self._inodes.get(address, 0)}"
+
+    def closed(self, peer: str) -> None:
+        """The client connection `peer` has ended: unregister its regions (from the loop, soon)."""
+        if peer in self._with_regions:
+            self._with_regions.discard(peer)
+            asyncio.get_running_loop().create_task(self._forget(peer))
 
     async def register(self, peer: str, name: str, key: Any, offset: Any, byte_size: Any) -> None:
         """Register `byte_size` bytes of shared memory `key` from `offset` on as `peer`'s region `name`."""
-        address = self._local(peer)
-        for field, value in (("key", key), ("offset", offset), ("byte_size", byte_size)):
-            if field == "key" and not isinstance(value, str):
-                raise InvalidRequest("the register request's key must be a shared-memory name")
-            if field != "key" and (not isinstance(value, int) or isinstance(value, bool)):
+        if not isinstance(key, str):
+            raise InvalidRequest("the register request's key must be a shared-memory name")
+        for field, value in (("offset", offset), ("byte_size", byte_size)):
+            if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidRequest(f"the register request's {field} must be a number of bytes")
         await self._call(protocol.RegisterRegion, peer, name=name, key=key, offset=offset, byte_size=byte_size)
-        self._peers.add(address)
-        if self._sweeping is None:
+        self._with_regions.add(peer)
+        if self._sweep_connections and self._sweeping is None:
             self._sweeping = asyncio.get_running_loop().create_task(self._sweep())
 
     async def unregister(self, peer: str, name: str | None) -> None:
@@ -109,12 +122,6 @@ class SharedMemory:
         regions = await self._call(protocol.RegionStatus, peer, name=name)
         return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions]
 
-    def _local(self, peer: str) -> tuple[str, int]:
-        address = _address(peer)
-        if address is None:
-            raise InvalidRequest("client shared memory is for clients on this machine; this one's address is unknown")
-        return address
-
     async def _call(self, kind: type[protocol.RegionOp], peer: str, **fields: Any) -> tuple[protocol.RegionInfo, ...]:
         name = fields.get("name")
         if name is not None and not protocol.REGION_NAME.match(name):
@@ -124,18 +131,32 @@ class SharedMemory:
             raise InvalidRequest(reply.error or reply.status)
         return reply.regions or ()
 
+    async def _forget(self, peer: str) -> None:
+        try:
+            await self._call(protocol.UnregisterRegion, peer, name=None)
+            log.info("client %s disconnected: its regions are unregistered", peer)
+        except InvalidRequest as exc:
+            log.warning("unregistering the regions of %s, who disconnected: %s", peer, exc.message)
+
+    def _established(self) -> dict[str, int]:
+        """Each established connection to this front end's port: the client's address -> the socket's inode."""
+        found = {}
+        for connection in psutil.Process().net_connections("tcp"):
+            if connection.status != psutil.CONN_ESTABLISHED or not connection.laddr or not connection.raddr \
+                    or connection.laddr.port != self._port:
+                continue
+            try:
+                found[peer_name(connection.raddr.ip, connection.raddr.port)] = os.fstat(connection.fd).st_ino
+            except OSError:
+                continue  # closed since it was listed
+        return found
+
     async def _sweep(self) -> None:
-        """Every SWEEP_S while some peer has regions: unregister those of peers whose connection is gone."""
-        while self._peers:
+        """Every SWEEP_S while a gRPC client has regions: unregister those of connections that are gone."""
+        while self._with_regions:
             await asyncio.sleep(SWEEP_S)
-            connected = {(c.raddr.ip, c.raddr.port) for c in psutil.Process().net_connections("tcp")
-                         if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == self._port and c.raddr}
-            for host, port in self._peers - connected:
-                self._peers.discard((host, port))
-                peer = peer_name(host, port)
-                try:
-                    await self._call(protocol.UnregisterRegion, peer, name=None)
-                    log.info("client %s disconnected: its regions are unregistered", peer)
-                except InvalidRequest as exc:
-                    log.warning("unregistering the regions of %s, who disconnected: %s", peer, exc.message)
+            self._inodes = self._established()
+            alive = {f"{address}/{inode}" for address, inode in self._inodes.items()}
+            for peer in self._with_regions - alive:
+                self.closed(peer)
         self._sweeping = None
