@@ -305,7 +305,7 @@ class Client:
         """Unregister region `name` (None: every region of this client) and unmap it here."""
         self._region_call(protocol.UnregisterRegion(id=next(self._ids), name=name))
         for each in [name] if name is not None else list(self._regions):
-            region = self._regions.pop(each, None) if each is not None else None
+            region = self._regions.pop(each, None)
             if region is not None:
                 region.close()
 

@@ -71,13 +71,9 @@ class SharedMemoryRegion:
         return start if start >= 0 and start + array.nbytes <= self.byte_size else None
 
     def describe(self, array: np.ndarray) -> protocol.TensorMeta | None:
-        """`array` as an input in this region (wire dtype names), or None if it is not in it."""
+        """A wire-ready `array` (protocol.wire_array) as an input in this region, or None if it is not in it."""
         offset = self.locate(array)
-        if offset is None or array.dtype.name not in protocol.DTYPES:
-            return None
-        if array.dtype != protocol.DTYPES[array.dtype.name]:  # big-endian: it cannot be read in place
-            return None
-        return protocol.TensorMeta(array.dtype.name, tuple(array.shape), self.name, offset)
+        return None if offset is None else protocol.TensorMeta(array.dtype.name, tuple(array.shape), self.name, offset)
 
     def close(self) -> None:
         """Unmap (once no view of it is left) and, if this region created its file, unlink it."""

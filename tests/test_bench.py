@@ -57,6 +57,7 @@ def test_the_shared_memory_echo_benchmark_measures_every_case_at_both_sizes(caps
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["size_bytes"], r["case"]) for r in rows] == [
         (size, case) for size in shm_echo.SIZES.values() for case in shm_echo.CASES]
-    assert all(r["bench"] == "shm_echo" and r["requests"] > 0 and r["bytes_per_s"] > 0 for r in rows)
+    assert all(r["bench"] == "shm_echo" and r["bytes_per_s"] > 0 for r in rows)
+    assert all(r["requests"] > 0 for r in rows if r["case"] != "copy_bound")
     assert [r["ratio_to_bare"] for r in rows if r["case"] == "bare_echo"] == [1.0, 1.0]
     assert out.count("target: ") == len(shm_echo.TARGETS)

@@ -1,6 +1,7 @@
-"""Clients' shared-memory regions in the supervisor (inferd/supervisor/regions.py), on real files in
-/dev/shm: what may be registered, and that a region is read and written only through its descriptor,
-only by the connection that registered it."""
+"""Clients' shared-memory regions in the supervisor's store (inferd/supervisor/regions.py), on real files
+in /dev/shm: a region is read and written only through its descriptor, only by the connection that
+registered it, and closed with it. What may be registered is tried against the real daemon
+(tests/test_client_shm.py, tests/test_oip_shm.py)."""
 
 from __future__ import annotations
 
@@ -52,49 +53,6 @@ def test_a_region_is_read_into_and_written_from_through_its_descriptor(shm):
     regions.close()
     with pytest.raises(InvalidRequest, match="region 'in' was unregistered while the request waited"):
         region.read_into(memoryview(target), 0)
-
-
-@pytest.mark.parametrize("key, sentence", [
-    ("other-name", "does not start with 'inferd-client-'"),
-    ("inferd-4242-abcdef-w0", "one of the daemon's own arenas"),
-    ("../etc/passwd", "is not a shared-memory name"),
-    ("inferd-client-a/b", "is not a shared-memory name"),
-    ("inferd-client-missing", "no shared memory named"),
-])
-def test_names_outside_the_rules_are_refused(key, sentence):
-    with pytest.raises(InvalidRequest, match=sentence):
-        Regions("inferd-" if "4242" in key else PREFIX).register("c", "r", key, 0, 16)
-
-
-def test_a_symlink_is_refused_not_followed(shm, tmp_path):
-    target = tmp_path / "secret"
-    target.write_bytes(b"x" * 64)
-    link = SHM_DIR / f"{PREFIX}link-{uuid.uuid4().hex[:8]}"
-    link.symlink_to(target)
-    try:
-        with pytest.raises(InvalidRequest, match="it is a symbolic link"):
-            Regions(PREFIX).register("c", "r", link.name, 0, 16)
-    finally:
-        link.unlink()
-
-
-def test_a_window_past_the_files_end_is_refused_at_registration(shm):
-    key = shm(100)
-    with pytest.raises(InvalidRequest, match="is 100 bytes, too small for byte_size 64 at offset 50"):
-        Regions(PREFIX).register("c", "r", key, 50, 64)
-
-
-def test_a_region_truncated_under_the_daemon_is_an_error_not_a_crash(shm):
-    key = shm(4096)
-    regions = Regions(PREFIX)
-    region = regions.register("c", "r", key, 0, 4096)
-    os.truncate(SHM_DIR / key, 100)  # what a hostile or careless client may do at any moment
-    with pytest.raises(InvalidRequest, match="region 'r' was truncated: 0 of the 64 bytes"):
-        region.read_into(memoryview(bytearray(64)), 1000)
-    with pytest.raises(InvalidRequest, match="region 'r' was truncated"):
-        region.write_from([memoryview(b"x" * 64)], 1000)
-    assert os.stat(SHM_DIR / key).st_size == 100, "a write never grows the client's file"
-    regions.close()
 
 
 def test_a_region_is_its_connections_only_and_closed_with_it(shm):

@@ -61,6 +61,11 @@ class Requested(NamedTuple):
         """The request's batch dim."""
         return self.inputs[0][0].shape[0]
 
+    @property
+    def in_regions(self) -> bool:
+        """Whether an input lies in a client's shared-memory region."""
+        return any(data is None for _, data in self.inputs)
+
 
 def timeout_ms(timeout: Any) -> int:
     """The protocol's `timeout` parameter (microseconds) as inferd's deadline in milliseconds."""

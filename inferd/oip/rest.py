@@ -216,10 +216,9 @@ class RestApp:
             places = parsed.places(model)
         except InvalidRequest as exc:
             raise HttpError(400, exc.message) from None
-        uses_regions = bool(places) or any(data is None for _, data in parsed.requested.inputs)
         reply, outputs = await self.upstream.infer(model.name, version, parsed.requested.inputs,
                                                    parsed.requested.timeout_ms, places,
-                                                   _peer(scope) if uses_regions else None)
+                                                   _peer(scope) if places or parsed.requested.in_regions else None)
         if reply.status != protocol.OK:
             extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
             raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)

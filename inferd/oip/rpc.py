@@ -146,9 +146,9 @@ class InferenceService:
                    if (region := region_parameters(_parameters(output.parameters), f"output {output.name!r}"))}
         places = [model.place(name, regions[name], requested.samples) if name in regions else None
                   for name in model.output_names] if regions else []
-        uses_regions = bool(regions) or any(data is None for _, data in requested.inputs)
+        peer_if_needed = self.shared_memory.grpc_peer(peer) if places or requested.in_regions else None
         reply, outputs = await self.upstream.infer(model.name, version, requested.inputs, requested.timeout_ms,
-                                                   places, self.shared_memory.grpc_peer(peer) if uses_regions else None)
+                                                   places, peer_if_needed)
         if reply.status != protocol.OK:
             raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)

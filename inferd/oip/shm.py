@@ -87,6 +87,7 @@ class SharedMemory:
         self._with_regions: set[str] = set()  # the clients (peers) that registered regions
         self._inodes: dict[str, int] = {}  # a gRPC client's address -> its connection's socket inode
         self._sweeping: asyncio.Task[None] | None = None
+        self._forgetting: set[asyncio.Task[None]] = set()  # held, or the loop may drop them unfinished
 
     def grpc_peer(self, peer: str, fresh: bool = False) -> str:
         """A gRPC client connection's name: its address and its socket's inode (`fresh`: looked up now)."""
@@ -99,7 +100,9 @@ class SharedMemory:
         """The client connection `peer` has ended: unregister its regions (from the loop, soon)."""
         if peer in self._with_regions:
             self._with_regions.discard(peer)
-            asyncio.get_running_loop().create_task(self._forget(peer))
+            task = asyncio.get_running_loop().create_task(self._forget(peer))
+            self._forgetting.add(task)
+            task.add_done_callback(self._forgetting.discard)
 
     async def register(self, peer: str, name: str, key: Any, offset: Any, byte_size: Any) -> None:
         """Register `byte_size` bytes of shared memory `key` from `offset` on as `peer`'s region `name`."""
@@ -127,16 +130,18 @@ class SharedMemory:
         if name is not None and not protocol.REGION_NAME.match(name):
             raise InvalidRequest(f"{name!r} is not a region name: letters, digits, '_', '.', '-', at most 200")
         reply = await self._upstream.region(kind, peer, **fields)
-        if reply.status != protocol.OK:
+        if reply.status == protocol.INVALID:
             raise InvalidRequest(reply.error or reply.status)
+        if reply.status != protocol.OK:  # the supervisor failed or did not answer: the protocol's 503
+            raise ConnectionError(reply.error or reply.status)
         return reply.regions or ()
 
     async def _forget(self, peer: str) -> None:
         try:
             await self._call(protocol.UnregisterRegion, peer, name=None)
             log.info("client %s disconnected: its regions are unregistered", peer)
-        except InvalidRequest as exc:
-            log.warning("unregistering the regions of %s, who disconnected: %s", peer, exc.message)
+        except (InvalidRequest, ConnectionError) as exc:
+            log.warning("unregistering the regions of %s, who disconnected: %s", peer, exc)
 
     def _established(self) -> dict[str, int]:
         """Each established connection to this front end's port: the client's address -> the socket's inode."""
@@ -155,7 +160,7 @@ class SharedMemory:
         """Every SWEEP_S while a gRPC client has regions: unregister those of connections that are gone."""
         while self._with_regions:
             await asyncio.sleep(SWEEP_S)
-            self._inodes = self._established()
+            self._inodes = await asyncio.to_thread(self._established)  # /proc reads take milliseconds
             alive = {f"{address}/{inode}" for address, inode in self._inodes.items()}
             for peer in self._with_regions - alive:
                 self.closed(peer)

@@ -53,7 +53,10 @@ class Region:
     def read_into(self, target: memoryview, offset: int) -> None:
         """Fill `target` with the region's bytes from `offset` on (InvalidRequest if the file is shorter now)."""
         self.check(offset, len(target), "an input")
-        done = os.preadv(self.fd, [target], self.offset + offset)
+        try:
+            done = os.preadv(self.fd, [target], self.offset + offset)
+        except OSError as exc:
+            raise InvalidRequest(f"region {self.name!r} cannot be read: {exc.strerror}") from None
         if done != len(target):
             raise InvalidRequest(f"region {self.name!r} was truncated: {done} of the {len(target)} bytes asked for "
                                  f"at offset {offset} are there")
@@ -63,10 +66,13 @@ class Region:
         (a region truncated since registration is InvalidRequest, not grown)."""
         length = sum(len(part) for part in parts)
         self.check(offset, length, "an output")
-        if os.fstat(self.fd).st_size < self.offset + offset + length:
-            raise InvalidRequest(f"region {self.name!r} was truncated: it no longer holds bytes {offset} to "
-                                 f"{offset + length}")
-        os.pwritev(self.fd, parts, self.offset + offset)
+        try:
+            if os.fstat(self.fd).st_size < self.offset + offset + length:
+                raise InvalidRequest(f"region {self.name!r} was truncated: it no longer holds bytes {offset} to "
+                                     f"{offset + length}")
+            os.pwritev(self.fd, parts, self.offset + offset)
+        except OSError as exc:  # /dev/shm full (a write into a hole of the file allocates), or worse
+            raise InvalidRequest(f"region {self.name!r} cannot be written: {exc.strerror}") from None
 
     def close(self) -> None:
         """Close its file descriptor; a request that still names it is answered `invalid`."""
@@ -133,6 +139,7 @@ class Regions:
         self._folder = folder
         self._by_owner: dict[Hashable, dict[str, Region]] = {}
         self._by_link: dict[Hashable, set[Hashable]] = {}
+        self._link_of: dict[Hashable, Hashable] = {}
 
     def register(self, owner: Hashable, name: str, key: str, offset: int, size: int, *,
                  describe: str = "", link: Hashable = None) -> Region:
@@ -149,6 +156,7 @@ class Regions:
         region = Region(name, key, offset, size, fd, describe or str(owner))
         self._by_owner.setdefault(owner, {})[name] = region
         self._by_link.setdefault(link, set()).add(owner)
+        self._link_of[owner] = link
         return region
 
     def get(self, owner: Hashable, name: str) -> Region:
@@ -170,22 +178,23 @@ class Regions:
         names = list(owned) if name is None else [name] if name in owned else []
         for each in names:
             owned.pop(each).close()
-        if not owned:
-            self._by_owner.pop(owner, None)
+        if not owned and self._by_owner.pop(owner, None) is not None:
+            # A gateway's link carries one owner per client connection: forget those with no regions left.
+            link = self._link_of.pop(owner)
+            linked = self._by_link[link]
+            linked.discard(owner)
+            if not linked:
+                del self._by_link[link]
         return len(names)
 
     def drop_link(self, link: Hashable) -> int:
         """A transport connection went away: close every region registered over it; how many were."""
-        return sum(self.unregister(owner) for owner in self._by_link.pop(link, ()))
+        return sum(self.unregister(owner) for owner in list(self._by_link.get(link, ())))
 
     def close(self) -> None:
         """At stop: close every region of every connection."""
         for owner in list(self._by_owner):
             self.unregister(owner)
-        self._by_link.clear()
-
-    def __len__(self) -> int:
-        return sum(len(owned) for owned in self._by_owner.values())
 
     def status(self) -> list[dict[str, Any]]:
         """Each registered region: name, shared memory, window, owner and requests served."""
