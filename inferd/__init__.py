@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from inferd.client import AsyncClient, Client, RetryPolicy
 from inferd.errors import (
+    Cancelled,
     InferdError,
     InferenceError,
     InvalidRequest,
@@ -14,6 +15,7 @@ from inferd.errors import (
 
 __all__ = [
     "AsyncClient",
+    "Cancelled",
     "Client",
     "InferdError",
     "InferenceError",

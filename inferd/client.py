@@ -8,6 +8,9 @@ header's `timeout_ms`. Retries happen on `overloaded`, `unavailable` and on a
 reply lost because a connection dropped, with exponential backoff and jitter,
 on another endpoint where there is one, and never once the deadline cannot be
 met. A retry reuses the request id, so whichever reply arrives first wins.
+A call's `priority` (the client's by default) orders it in the daemon's queue.
+Cancelling a call's future (or an asyncio task awaiting it) sends the daemon a
+cancel, which takes the request out of its queue or drops its result.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -149,6 +152,12 @@ class _Call:
 FromRegion = Callable[[protocol.TensorMeta], np.ndarray]  # an output written to a region -> a view of it
 
 
+class _Cancel(NamedTuple):
+    """A call whose future was cancelled: the daemon is to be told."""
+
+    call_id: int
+
+
 def _curve(server_key: KeyFile | None, client_key: KeyFile | None) -> Callable[[zmq.Socket], None]:
     """What to do to each new socket so that it speaks CURVE (nothing, without keys)."""
     if (server_key is None) != (client_key is None):
@@ -175,7 +184,7 @@ class _Mailbox:
         self._lock = threading.Lock()
         self._open = True
 
-    def post(self, item: _Call | tuple[str, list[str]] | None) -> bool:
+    def post(self, item: _Call | _Cancel | tuple[str, list[str]] | None) -> bool:
         """Hand `item` over and wake the I/O thread; False once the mailbox is shut."""
         with self._lock:
             if not self._open:
@@ -213,13 +222,16 @@ class Client:
 
     For daemons with CURVE on their tcp endpoints, give `server_key` (the
     server's public key file) and `client_key` (this client's secret key file,
-    whose public half is in the server's authorized folder).
+    whose public half is in the server's authorized folder). `priority` is the
+    level of every call that names none (None: the daemon's queue.default_priority).
     """
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
-                 client_key: KeyFile | None = None, resolve_interval: float = 30.0) -> None:
+                 client_key: KeyFile | None = None, resolve_interval: float = 30.0,
+                 priority: int | None = None) -> None:
         self.timeout = timeout
+        self.priority = priority
         self.retry = retry or RetryPolicy()
         self._ids = itertools.count(1)
         self._mailbox = _Mailbox()
@@ -248,28 +260,39 @@ class Client:
         self.close()
 
     def infer(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-              version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None) -> Outputs:
+              version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+              priority: int | None = None) -> Outputs:
         """Run `model` on `inputs` (batch dim first; a list for several inputs) and wait for its outputs
-        (`out`: see `submit`)."""
-        return self.submit(model, inputs, timeout=timeout, version=version, out=out).result()
+        (`out`, `priority`: see `submit`)."""
+        return self.submit(model, inputs, timeout=timeout, version=version, out=out, priority=priority).result()
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
-               ) -> concurrent.futures.Future:
+               priority: int | None = None) -> concurrent.futures.Future:
         """Send a request and return a future of its outputs; do not change `inputs` until it is done.
 
         An input that lies in a region registered by this client travels as a reference to it, not as
         bytes; `out` (one array, or one per output, None for those sent back in the reply) asks outputs
         written into views of registered regions, and those views are what the future gives.
+        `priority`: its level in the daemon's queue, 0 the most urgent (default: the client's).
+        Cancelling the future cancels the request in the daemon.
         """
         call_id = next(self._ids)
         arrays = [self._in_region(array) for array in _as_inputs(inputs)]
         places = self._places(out)
+        level = self.priority if priority is None else priority
 
         def encode(left_ms: int) -> list[protocol.Buffer]:
-            return protocol.encode_request(call_id, model, arrays, version, left_ms, places)
+            return protocol.encode_request(call_id, model, arrays, version, left_ms, places, level)
 
-        return self._post(_Call(call_id, encode, self.timeout if timeout is None else timeout, self.retry))
+        future = self._post(_Call(call_id, encode, self.timeout if timeout is None else timeout, self.retry))
+
+        def tell_if_cancelled(done: concurrent.futures.Future) -> None:
+            if done.cancelled():
+                self._mailbox.post(_Cancel(call_id))
+
+        future.add_done_callback(tell_if_cancelled)
+        return future
 
     def shared_memory(self, byte_size: int, name: str | None = None,
                       prefix: str = DEFAULT_PREFIX) -> contextlib.AbstractContextManager[SharedMemoryRegion]:
@@ -325,7 +348,7 @@ class Client:
 
     def _region_call(self, op: protocol.RegionOp) -> tuple[protocol.RegionInfo, ...]:
         """Send a region message and wait for its answer: never retried (a register is not idempotent)."""
-        message: list[protocol.Buffer] = [protocol.encode_region_op(op)]
+        message: list[protocol.Buffer] = [protocol.encode_op(op)]
         call = _Call(int(op.id), lambda left_ms: message, self.timeout, RetryPolicy(max_attempts=1),
                      lambda header, outputs: header.regions or ())
         return self._post(call).result()
@@ -380,6 +403,17 @@ class Client:
         self._regions.clear()
 
 
+def _settle(future: concurrent.futures.Future, outcome: Any) -> None:
+    """Give a call's future its result or error, unless its caller cancelled it meanwhile."""
+    try:
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled from another thread; the cancel is on its way to the I/O thread
+
+
 class _IOLoop:
     """The client's I/O thread: sends calls, reads replies and connection events, keeps deadlines."""
 
@@ -412,10 +446,10 @@ class _IOLoop:
             self.mailbox.shut()
             while not self.mailbox.items.empty():
                 item = self.mailbox.items.get()
-                if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                if isinstance(item, _Call) and not item.future.cancelled():
                     self.pending[item.id] = item
             for call in self.pending.values():
-                call.future.set_exception(type(leftover)(leftover.message, call.id))
+                _settle(call.future, type(leftover)(leftover.message, call.id))
             self.pool.close()
 
     def _serve(self) -> None:
@@ -464,7 +498,9 @@ class _IOLoop:
                     self._watch(endpoint)
                 for endpoint in retired:
                     self._forget_if_done(endpoint)
-            elif item.future.set_running_or_notify_cancel():
+            elif isinstance(item, _Cancel):
+                self._cancel(item.call_id)
+            elif not item.future.cancelled():  # left pending, not running: a caller may still cancel it
                 self.pending[item.id] = item
                 heapq.heappush(self.timers, (item.deadline, item.id, "deadline"))
                 self._send(item)
@@ -499,10 +535,23 @@ class _IOLoop:
             heapq.heappush(self.timers, (time.monotonic() + outcome.delay, call.id, "send"))
             return
         del self.pending[call.id]
-        if isinstance(outcome, BaseException):
-            call.future.set_exception(outcome)
-        else:
-            call.future.set_result(outcome)
+        _settle(call.future, outcome)
+
+    def _cancel(self, call_id: int) -> None:
+        """A caller cancelled this call's future: tell the daemon that has it, and forget it."""
+        call = self.pending.pop(call_id, None)
+        if call is None:
+            return
+        self.waiting.pop(call_id, None)
+        endpoint = call.endpoint
+        if endpoint is None:  # between attempts: no daemon holds it
+            return
+        endpoint.in_flight.discard(call_id)
+        try:
+            endpoint.socket.send(protocol.encode_op(protocol.Cancel(id=call_id)), flags=zmq.NOBLOCK)
+        except zmq.Again:  # its queue is full: the daemon computes it, and its reply finds no call
+            log.debug("could not send the cancel of call %d to %s", call_id, endpoint.address)
+        self._forget_if_done(endpoint)
 
     def _read_replies(self, endpoint: Endpoint) -> None:
         while endpoint.socket.poll(0):
@@ -548,7 +597,7 @@ class _IOLoop:
             op = protocol.RegisterRegion(id=next(self.ids), name=region.name, key=region.key,
                                          byte_size=region.byte_size, offset=region.offset)
             try:
-                endpoint.socket.send(protocol.encode_region_op(op), flags=zmq.NOBLOCK)
+                endpoint.socket.send(protocol.encode_op(op), flags=zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("could not register region %r again on %s", region.name, endpoint.address)
 
@@ -583,8 +632,9 @@ class AsyncClient:
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
-                 client_key: KeyFile | None = None, resolve_interval: float = 30.0) -> None:
-        self._client = Client(endpoints, timeout, retry, server_key, client_key, resolve_interval)
+                 client_key: KeyFile | None = None, resolve_interval: float = 30.0,
+                 priority: int | None = None) -> None:
+        self._client = Client(endpoints, timeout, retry, server_key, client_key, resolve_interval, priority)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -594,15 +644,17 @@ class AsyncClient:
 
     async def infer(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                     version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
-                    ) -> Outputs:
-        """Run `model` on `inputs` and return its outputs (`out`: see Client.submit)."""
-        return await self.submit(model, inputs, timeout=timeout, version=version, out=out)
+                    priority: int | None = None) -> Outputs:
+        """Run `model` on `inputs` and return its outputs (`out`, `priority`: see Client.submit); a task
+        cancelled while it awaits this cancels the request in the daemon."""
+        return await self.submit(model, inputs, timeout=timeout, version=version, out=out, priority=priority)
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
-               ) -> asyncio.Future:
-        """Send a request and return the future of its outputs."""
-        return asyncio.wrap_future(self._client.submit(model, inputs, timeout=timeout, version=version, out=out))
+               priority: int | None = None) -> asyncio.Future:
+        """Send a request and return the future of its outputs; cancelling it cancels the request."""
+        return asyncio.wrap_future(self._client.submit(model, inputs, timeout=timeout, version=version, out=out,
+                                                       priority=priority))
 
     @property
     def client(self) -> Client:

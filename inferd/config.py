@@ -11,7 +11,7 @@ import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -184,6 +184,19 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
     default_timeout_ms: Annotated[
         int, Meta(ge=1), _doc("Deadline of a request whose header gives no timeout_ms, in milliseconds.", live=True)
     ] = 1000
+    priority_levels: Annotated[
+        int, Meta(ge=1, le=16),
+        _doc("Priority levels a request may name, 0 (the most urgent) to priority_levels - 1.", live=True),
+    ] = 2
+    default_priority: Annotated[
+        int, Meta(ge=0),
+        _doc("The level of a request that names none (below priority_levels).", "priority_levels - 1", live=True),
+    ] = -1
+    priority_share: Annotated[
+        float, Meta(gt=0, le=0.5),
+        _doc("The least share of its model's batches a level with requests waiting leads, however much more "
+             "urgent work waits: no level starves.", live=True),
+    ] = 0.1
 
 
 class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -224,10 +237,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
              "fits an arena slot.", live=True),
     ] = 32
     max_wait_ms: Annotated[
-        float,
-        Meta(ge=0),
-        _doc("How long a partial batch may wait for company while every executor is busy, in milliseconds.",
-             live=True),
+        Annotated[float, Meta(ge=0)] | Literal["auto"],
+        _doc('How long a partial batch may wait for company while every executor is busy, in milliseconds; '
+             '"auto": until an executor is about to be free, or its oldest request\'s deadline says go '
+             '(README, "Batching").', live=True),
     ] = 2
     outputs: Annotated[
         tuple[OutputSpec, ...],
@@ -398,7 +411,8 @@ def _convert_error(key: str, raw: Any, exc: msgspec.ValidationError) -> str:
     message, _, where = str(exc).partition(" - at `$")
     where = where.rstrip("`")
     value = _value_at(raw, where)
-    message += f" {value!r}" if ", got" in message else f", got {value!r}"
+    if not message.startswith("Invalid enum value"):  # that one names the value already
+        message += f" {value!r}" if ", got" in message else f", got {value!r}"
     return f"{key}{where}: {message}"
 
 
@@ -475,11 +489,18 @@ def parse(raw: dict[str, Any], source: str | None = None) -> Config:
         raise ConfigError(["server.curve_secret_key and server.curve_authorized_keys go together: set both or neither"])
     if bool(server.tls_cert) != bool(server.tls_key):
         raise ConfigError(["server.tls_cert and server.tls_key go together: set both or neither"])
+    queue = sections["queue"]
+    if queue.default_priority == -1:
+        queue = msgspec.structs.replace(queue, default_priority=queue.priority_levels - 1)
+    elif queue.default_priority >= queue.priority_levels:
+        levels = queue.priority_levels
+        raise ConfigError([f"queue.default_priority: {queue.default_priority} is not a level; with "
+                           f"priority_levels = {levels} the levels are 0 to {levels - 1}"])
     server = msgspec.structs.replace(
         server, state_dir=state_dir, control=server.control or paths.default_control()
     )
     return Config(
-        server=server, workers=sections["workers"], queue=sections["queue"], models=models, source=source
+        server=server, workers=sections["workers"], queue=queue, models=models, source=source
     )
 
 

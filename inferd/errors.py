@@ -48,6 +48,12 @@ class InferenceError(InferdError):
     status = "internal"
 
 
+class Cancelled(InferdError):
+    """The request was cancelled by the connection that sent it (the daemon dropped it, or its result)."""
+
+    status = "cancelled"
+
+
 ERROR_BY_STATUS: dict[str, type[InferdError]] = {
-    cls.status: cls for cls in (InvalidRequest, Overloaded, Timeout, Unavailable, InferenceError)
+    cls.status: cls for cls in (InvalidRequest, Overloaded, Timeout, Unavailable, InferenceError, Cancelled)
 }

@@ -10,7 +10,8 @@ A local client may instead keep a tensor in a shared-memory region it registered
 (`RegisterRegion`): an input that names a `region` has no buffer, and an output
 the request places in a region (`OutputPlace`) has no frame in the reply, whose
 header says where it was written. Region messages share the data socket with
-requests and are told apart by their `op` field.
+requests and are told apart by their `op` field, as is a `Cancel`: it names a request of the
+same connection, which is then answered `cancelled` (the cancel itself has no reply).
 
 Decoding never allocates by a header field: every declared size is checked
 against the frames that actually arrived before anything else looks at them.
@@ -38,6 +39,7 @@ OVERLOADED = "overloaded"
 TIMEOUT = "timeout"
 UNAVAILABLE = "unavailable"
 INTERNAL = "internal"
+CANCELLED = "cancelled"
 
 # Every dtype travels little-endian; the name is what the header carries. numpy has no
 # bfloat16: the wire's is ml_dtypes' (JAX's, the one numpy users share), native-endian,
@@ -94,6 +96,7 @@ class RequestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omi
     inputs: Annotated[tuple[TensorMeta, ...], msgspec.Meta(max_length=MAX_TENSORS)]
     version: str | None = None
     timeout_ms: int | None = None
+    priority: Annotated[int, msgspec.Meta(ge=0)] | None = None  # 0 most urgent; None: queue.default_priority
     outputs: Annotated[tuple[OutputPlace | None, ...], msgspec.Meta(max_length=MAX_TENSORS)] = ()
     peer: str | None = None  # from a gateway only: its client's connection, whose regions these are
 
@@ -130,6 +133,17 @@ class RegionStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_
 
 
 RegionOp = RegisterRegion | UnregisterRegion | RegionStatus
+
+
+class Cancel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op", tag="cancel"):
+    """Cancel this connection's request `id`: if it still waits it is answered `cancelled` and never
+    computed; if its batch runs, its result is dropped and it is answered `cancelled`."""
+
+    id: RequestId
+    peer: str | None = None
+
+
+Op = RegionOp | Cancel
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
@@ -180,8 +194,8 @@ class _OpOnly(msgspec.Struct):
 
 
 _request_decoder = msgspec.json.Decoder(RequestHeader)
-_op_decoder = msgspec.json.Decoder(_OpOnly)
-_region_op_decoder = msgspec.json.Decoder(RegionOp)
+_op_field_decoder = msgspec.json.Decoder(_OpOnly)
+_op_decoder = msgspec.json.Decoder(Op)
 _id_decoder = msgspec.json.Decoder(_IdOnly)
 _reply_decoder = msgspec.json.Decoder(ReplyHeader)
 _encoder = msgspec.json.Encoder()
@@ -224,7 +238,7 @@ def input_sizes(inputs: tuple[TensorMeta, ...], request_id: RequestId | None = N
     return sizes
 
 
-def _decode_header(frame: Buffer) -> RequestHeader | RegionOp:
+def _decode_header(frame: Buffer) -> RequestHeader | Op:
     try:
         return _request_decoder.decode(frame)
     except msgspec.ValidationError as exc:
@@ -233,22 +247,23 @@ def _decode_header(frame: Buffer) -> RequestHeader | RegionOp:
         raise InvalidRequest(f"the header is not a JSON object: {exc}") from None
     except RecursionError:
         raise InvalidRequest("the header nests deeper than any request does") from None
-    # Not a request: a region message, or a request with a mistake in it (whose error to report).
+    # Not a request: a region message or a cancel, or a request with a mistake in it (whose error to report).
     try:
-        is_op = _op_decoder.decode(frame).op is not None
+        is_op = _op_field_decoder.decode(frame).op is not None
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
         is_op = False
     if not is_op:
         raise InvalidRequest(f"the header is not a valid request: {error}", request_id_of(frame))
     try:
-        return _region_op_decoder.decode(frame)
+        return _op_decoder.decode(frame)
     except msgspec.ValidationError as exc:
-        raise InvalidRequest(f"the header is not a valid region message: {exc}", request_id_of(frame)) from None
+        raise InvalidRequest(f"the header is not a valid region message or cancel: {exc}",
+                             request_id_of(frame)) from None
 
 
-def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | RegionOp:
+def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | Op:
     """Decode and structurally check a message on a data socket (envelope removed): a request, or a
-    region message (which has no buffers).
+    region message or cancel (which have no buffers).
 
     Raises `InvalidRequest` with a sentence saying what is wrong. What the model
     accepts (dtype, per-sample shape, batch size) is the frontend's to check.
@@ -265,7 +280,8 @@ def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | 
     header = _decode_header(body[0])
     if not isinstance(header, RequestHeader):
         if len(body) > 1:
-            raise InvalidRequest(f"a region message has no buffers, but {len(body) - 1} follow it", header.id)
+            raise InvalidRequest(f"a {header.__struct_config__.tag} message has no buffers, but {len(body) - 1} "
+                                 "follow it", header.id)
         return header
     if header.timeout_ms is not None and header.timeout_ms <= 0:
         raise InvalidRequest(f"timeout_ms must be positive, got {header.timeout_ms}", header.id)
@@ -326,6 +342,7 @@ def encode_request(
     version: str | None = None,
     timeout_ms: int | None = None,
     outputs: Sequence[OutputPlace | None] = (),
+    priority: int | None = None,
 ) -> list[Buffer]:
     """Encode a request: its JSON header, then each array's bytes (no copy of wire-ready arrays).
 
@@ -342,12 +359,12 @@ def encode_request(
         metas.append(TensorMeta(ready.dtype.name, tuple(ready.shape)))
         frames.append(_frame(ready))
     header = RequestHeader(id=request_id, model=model, inputs=tuple(metas), version=version,
-                           timeout_ms=timeout_ms, outputs=tuple(outputs))
+                           timeout_ms=timeout_ms, priority=priority, outputs=tuple(outputs))
     return [_encoder.encode(header), *frames]
 
 
-def encode_region_op(op: RegionOp) -> bytes:
-    """Encode a region message (it has no buffers)."""
+def encode_op(op: Op) -> bytes:
+    """Encode a region message or a cancel (they have no buffers)."""
     return _encoder.encode(op)
 
 

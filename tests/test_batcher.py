@@ -5,22 +5,33 @@ from __future__ import annotations
 import pytest
 
 from inferd.protocol import RequestHeader, TensorMeta
-from inferd.supervisor.batcher import EXPIRED, TAKEN, BatchQueue, Bounds, ModelPolicy, QueuedRequest, Refusal
+from inferd.supervisor.batcher import (
+    EXPIRED,
+    REMOVED,
+    TAKEN,
+    BatchQueue,
+    Bounds,
+    Capacity,
+    Levels,
+    ModelPolicy,
+    QueuedRequest,
+    Refusal,
+)
 
 
 def request(model: str = "a", samples: int = 1, received: float = 0.0, timeout: float = 10.0, rid: int = 0,
-            client: str = "c", nbytes: int = 8):
+            client: str = "c", nbytes: int = 8, priority: int = 0):
     header = RequestHeader(id=rid, model=model, inputs=(TensorMeta("float32", (samples, 2)),))
-    return QueuedRequest(header, [b""], None, client, samples, nbytes, received, received + timeout)
+    return QueuedRequest(header, [b""], None, client, samples, nbytes, received, received + timeout, priority)
 
 
 def bounds(max_size: int = 100, max_per_client: int = 0) -> Bounds:
     return Bounds(max_size, 1 << 30, max_per_client, 1 << 30)
 
 
-def cap(idle: bool, spare: bool):
+def cap(idle: bool, spare: bool, free_at: float = 0.0):
     """Capacity that is the same for every model."""
-    return lambda model: (idle, spare)
+    return lambda model: Capacity(idle, spare, free_at)
 
 
 def queue(max_size: int = 100, **policies: ModelPolicy) -> BatchQueue:
@@ -124,7 +135,7 @@ def test_a_model_without_capacity_does_not_block_one_with_capacity():
     q = queue(a=ModelPolicy(4, 0.0), b=ModelPolicy(4, 0.0))
     q.put(request("a", rid=1))
     q.put(request("b", rid=2))
-    only_b = {"a": (False, False), "b": (True, True)}
+    only_b = {"a": Capacity(False, False), "b": Capacity(True, True)}
     name, batch = q.take(only_b.__getitem__, 0.0)
     assert name == "b" and q.depth("a") == 1
 
@@ -179,3 +190,120 @@ def test_a_max_batch_size_lowered_under_a_waiting_request_does_not_jam_its_lane(
     assert [r.header.id for r in batch] == [1], "the request accepted under the old limit goes alone"
     name, batch = q.take(cap(True, True), 0.0)
     assert [r.header.id for r in batch] == [2]
+
+
+class Times:
+    """Compute times as a fixed table: seconds per batch whatever its size."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.seconds = seconds
+
+    def batch_s(self, model: str, samples: int) -> float | None:
+        return self.seconds
+
+
+def levelled(count: int = 2, share: float = 0.1, max_batch: int = 4, max_size: int = 100,
+             wait: float | None = 0.0, times: Times | None = None) -> BatchQueue:
+    return BatchQueue(bounds(max_size), {"a": ModelPolicy(max_batch, wait)}, Levels(count, count - 1, share),
+                      times or Times(None))
+
+
+def test_a_batch_is_led_by_the_most_urgent_level_and_filled_from_the_rest():
+    q = levelled(max_batch=3)
+    for rid, priority in enumerate([1, 1, 0, 1, 0]):
+        q.put(request(rid=rid, received=rid * 0.001, priority=priority))
+    _, batch = q.take(cap(True, True), 0.01)
+    assert [r.header.id for r in batch] == [2, 4, 0], "urgent first, then the oldest of the next level"
+    _, batch = q.take(cap(True, True), 0.01)
+    assert [r.header.id for r in batch] == [1, 3]
+
+
+def test_a_less_urgent_level_leads_one_batch_in_ten_however_much_urgent_work_waits():
+    q = levelled(max_batch=1, share=0.1)
+    q.put(request(rid="low", priority=1))
+    taken = []
+    for step in range(30):
+        q.put(request(rid=step, received=step, priority=0))
+        taken.append(q.take(cap(True, True), step)[1][0].header.id)
+    assert taken.index("low") == 9, "it leads the batch after the nine it waited through"
+
+
+def test_with_no_share_rule_the_low_level_would_starve():
+    """The rule above is what serves it: with a share too small to matter, it waits through 30 batches."""
+    q = levelled(max_batch=1, share=0.01)
+    q.put(request(rid="low", priority=1))
+    taken = []
+    for step in range(30):
+        q.put(request(rid=step, received=step, priority=0))
+        taken.append(q.take(cap(True, True), step)[1][0].header.id)
+    assert "low" not in taken
+
+
+def test_a_full_queue_lets_an_urgent_request_displace_the_newest_less_urgent_one():
+    q = levelled(max_size=3)
+    old, new = request(rid="old", priority=1), request(rid="new", priority=1, received=1.0)
+    q.put(old)
+    q.put(new)
+    q.put(request(rid="urgent", priority=0))
+    urgent = request(rid="urgent2", priority=0, received=2.0)
+    assert q.put(urgent) == Refusal.FULL
+    assert q.displace_for(urgent) == [new] and new.state == REMOVED
+    assert q.put(urgent) is None and len(q) == 3 and q.samples_ahead("a", 1) == 3
+    same = request(rid="same", priority=1, received=3.0)
+    assert q.put(same) == Refusal.FULL and q.displace_for(same) is None, "an equal level displaces nothing"
+    assert q.displace_for(request(rid="u3", priority=0)) == [old]
+
+
+def test_displacement_for_bytes_removes_nothing_when_the_less_urgent_bytes_would_not_make_room():
+    q = BatchQueue(Bounds(max_size=100, max_bytes=100, max_per_client=0, max_bytes_per_client=1000),
+                   {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))
+    q.put(request(rid=1, nbytes=30, priority=1))
+    q.put(request(rid=2, nbytes=60, priority=0))
+    big = request(rid=3, nbytes=80, priority=0)
+    assert q.put(big) == Refusal.BYTES
+    assert q.displace_for(big) is None and len(q) == 2
+    fits = request(rid=4, nbytes=35, priority=0)
+    assert q.put(fits) == Refusal.BYTES and [r.header.id for r in q.displace_for(fits)] == [1]
+
+
+def test_cancel_removes_only_that_clients_waiting_request():
+    q = levelled()
+    mine, theirs = request(rid=7, client="me"), request(rid=7, client="them")
+    q.put(mine)
+    q.put(theirs)
+    assert q.cancel("me", 7) is mine and mine.state == REMOVED
+    assert q.cancel("me", 7) is None and len(q) == 1 and q.queued_by("me") == 0
+    q.expire(100.0)
+    assert mine.state == REMOVED, "a cancelled request never expires as well"
+
+
+def test_auto_waits_for_company_until_an_executor_is_about_to_be_free():
+    q = levelled(wait=None, times=Times(0.004))
+    q.put(request(rid=1, received=0.0))
+    assert q.take(cap(False, True, free_at=0.010), 0.001) is None
+    assert q.next_wakeup(0.001) == pytest.approx(0.010 - 0.0003 - 0.001)
+    assert q.take(cap(False, True, free_at=0.010), 0.0098) is not None
+
+
+def test_auto_never_holds_a_request_past_the_time_its_deadline_needs_it_sent():
+    q = levelled(wait=None, times=Times(0.004))
+    q.put(request(rid=1, received=0.0, timeout=0.010))
+    # The executor frees at 50 ms, but the request must start computing by 10 - 4 ms.
+    assert q.take(cap(False, True, free_at=0.050), 0.005) is None
+    assert q.take(cap(False, True, free_at=0.050), 0.0058) is not None
+
+
+def test_auto_sends_a_full_batch_at_once_and_an_idle_executor_gets_whatever_waits():
+    q = levelled(wait=None, max_batch=2, times=Times(0.004))
+    q.put(request(rid=1))
+    assert q.take(cap(True, True, free_at=0.0), 0.0) is not None
+    q.put(request(rid=2))
+    q.put(request(rid=3))
+    assert q.take(cap(False, True, free_at=1.0), 0.0) is not None
+
+
+def test_fewer_levels_on_sighup_move_waiting_requests_to_the_least_urgent_left():
+    q = levelled(count=3)
+    q.put(request(rid=1, priority=2))
+    q.configure(bounds(), {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))
+    assert q.samples_ahead("a", 1) == 1 and q.cancel("c", 1).priority == 1

@@ -103,7 +103,7 @@ def shm_file() -> Iterator[Callable[..., str]]:
 
 def ask(peer: RawPeer, op: protocol.RegionOp) -> dict[str, Any]:
     """Send a region message and return its reply's header."""
-    peer.send_frames([protocol.encode_region_op(op)])
+    peer.send_frames([protocol.encode_op(op)])
     header, _ = peer.recv()
     assert header["id"] == op.id
     return header

@@ -225,17 +225,29 @@ def test_an_input_in_a_region_has_no_buffer_and_outputs_may_be_placed():
     ([b'{"id": 1, "model": "m", "inputs": [{"dtype": "int64", "shape": [1, 2], "region": "a/b"}]}'],
      "Expected `str` matching regex"),
     ([b'{"id": 2, "op": "register_region", "name": "r", "key": "k"}'],
-     "not a valid region message: Object missing required field `byte_size`"),
+     "not a valid region message or cancel: Object missing required field `byte_size`"),
     ([b'{"id": 2, "op": "register_region", "name": "r", "key": "k", "byte_size": 0}'], "Expected `int` >= 1"),
     ([b'{"id": 2, "op": "drop_everything"}'], "not a valid region message"),
-    ([b'{"id": 2, "op": "region_status"}', b"x"], "a region message has no buffers, but 1 follow it"),
+    ([b'{"id": 2, "op": "region_status"}', b"x"], "a region_status message has no buffers, but 1 follow it"),
+    ([b'{"id": 2, "op": "cancel"}', b"x"], "a cancel message has no buffers, but 1 follow it"),
+    ([b'{"op": "cancel"}'], "Object missing required field `id`"),
+    ([b'{"id": 1, "model": "m", "priority": -1, "inputs": [{"dtype": "int64", "shape": [1, 2]}]}'],
+     "Expected `int` >= 0"),
 ])
 def test_bad_region_references_and_messages_are_invalid_with_a_sentence(frames, sentence):
     with pytest.raises(InvalidRequest, match=sentence.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         protocol.decode_message(frames, LIMIT)
 
 
-def test_a_region_message_round_trips_by_its_op():
+def test_a_region_message_or_cancel_round_trips_by_its_op():
     for op in (protocol.RegisterRegion(id=1, name="r", key="inferd-client-x", byte_size=10, offset=2),
-               protocol.UnregisterRegion(id="u"), protocol.RegionStatus(id=3, name="r")):
-        assert protocol.decode_message([protocol.encode_region_op(op)], LIMIT) == op
+               protocol.UnregisterRegion(id="u"), protocol.RegionStatus(id=3, name="r"), protocol.Cancel(id=9)):
+        assert protocol.decode_message([protocol.encode_op(op)], LIMIT) == op
+
+
+def test_a_request_carries_its_priority_and_leaves_it_out_when_it_names_none():
+    x = np.zeros((1, 2), np.float32)
+    assert protocol.decode_message(protocol.encode_request(1, "m", [x], priority=0), LIMIT).header.priority == 0
+    frames = protocol.encode_request(1, "m", [x])
+    assert b"priority" not in bytes(frames[0])
+    assert protocol.decode_message(frames, LIMIT).header.priority is None

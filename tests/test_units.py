@@ -32,6 +32,7 @@ from inferd.paths import RuntimeFiles
 from inferd.repository import SavedVersions
 from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.dispatch import Dispatcher
+from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.frontend import Frontend, ReplyTo
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.regions import Regions
@@ -260,8 +261,9 @@ def wired(table: Table) -> Iterator[tuple[FakeWorker, Clients, Dispatcher]]:
     clients = Clients(table.context)
     stats = Stats(0.0)
     frontend = Frontend(table.context, table.table.config, None,  # type: ignore[arg-type] - no queue needed
-                        stats, table.live, CurveServer(table.context, "", ""), Regions("inferd-client-"))
-    yield fake, clients, Dispatcher(table.table.config, table.table, frontend, table.live, stats)
+                        stats, table.live, CurveServer(table.context, "", ""), Regions("inferd-client-"),
+                        None)  # type: ignore[arg-type] - nor a forecast
+    yield fake, clients, Dispatcher(table.table.config, table.table, frontend, table.live, stats, ComputeTimes())
     frontend.close()
     clients.close()
 
@@ -325,7 +327,8 @@ class Reply:
 
 def reload_manager(table: Table, workdir: Path) -> ReloadManager:
     stats = Stats(0.0)
-    dispatcher = Dispatcher(table.table.config, table.table, None, table.live, stats)  # type: ignore[arg-type]
+    dispatcher = Dispatcher(table.table.config, table.table, None, table.live, stats,  # type: ignore[arg-type]
+                            ComputeTimes())
     return ReloadManager(table.table.config, table.table, dispatcher, table.live, SavedVersions(workdir / "state"),
                          lambda callback: callback())
 

@@ -108,10 +108,18 @@ class ModelView:
                       for n, s in zip(self.inputs, self.config.inputs)],
             "output": [{"name": name, "data_type": tensors.TRITON_TYPES[dtype], "dims": shape}
                        for name, (dtype, shape) in zip(self.output_names, self.outputs)],
-            "dynamic_batching": {"max_queue_delay_microseconds": int(self.config.max_wait_ms * 1000)},
+            "dynamic_batching": self._dynamic_batching(),
             "instance_group": [{"kind": "KIND_GPU", "count": self._streams, "gpus": gpus}] if gpus
             else [{"kind": "KIND_CPU", "count": self._streams * max(1, len(self._devices))}],
         }
+
+    def _dynamic_batching(self) -> dict[str, Any]:
+        """Triton's dynamic_batching block: a fixed window as its queue delay; the "auto" window has none
+        to give, so it says 0 and names itself in a parameter."""
+        wait = self.config.max_wait_ms
+        if wait == "auto":
+            return {"max_queue_delay_microseconds": 0, "parameters": {"max_wait_ms": {"string_value": "auto"}}}
+        return {"max_queue_delay_microseconds": int(wait * 1000)}
 
     def request(self, given: Sequence[GivenInput], timeout: Any = None) -> Requested:
         """Check a request's inputs against the model and take each one's bytes (InvalidRequest if wrong)."""

@@ -65,7 +65,7 @@ class Upstream:
     async def region(self, kind: type[protocol.RegionOp], peer: str, **fields: Any) -> ReplyHeader:
         """Send a region message of `kind` for the client `peer`; the supervisor's answer."""
         request_id = next(self._ids)
-        message = protocol.encode_region_op(kind(id=request_id, peer=peer, **fields))
+        message = protocol.encode_op(kind(id=request_id, peer=peer, **fields))
         reply, _ = await self._exchange(request_id, [message], self._default_timeout_ms / 1000 + self._slack_s,
                                         "a region message")
         return reply

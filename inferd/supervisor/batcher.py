@@ -1,35 +1,45 @@
 """The bounded request queue and the policy that turns it into batches.
 
-Requests wait per model in arrival order. A batch takes requests from the head
-of one model's queue while their samples fit in `max_batch_size`. The policy is
-work-conserving: when an executor is idle, whatever is waiting goes at once; a
-batch is queued behind a running one only when it is full or its oldest
-request has waited `max_wait_ms`. Lanes are served round-robin, so a model's
-lone request never waits behind another model's backlog. Requests whose
-deadline passes while they wait are handed back for a `timeout` reply, never
-computed.
+Requests wait per model and per priority level (0 the most urgent), each level
+in arrival order. A batch is led by the most urgent level waiting and filled
+from the levels after it while its samples fit in `max_batch_size`. No level
+starves: one that waited through `1 / priority_share - 1` batches in a row
+without a request in them leads the next one.
 
-The queue is bounded in requests and in bytes, over all and per connection.
-Only the supervisor's loop thread touches it (the frontend puts, the loop takes
-and expires), so it takes no lock.
+The policy is work-conserving: when an executor is idle, whatever is waiting
+goes at once; a batch is queued behind a running one only when it is full, or
+when its oldest request has waited `max_wait_ms`, or (the "auto" window) when
+an executor is about to be free or the oldest request's deadline says go. Lanes
+are served round-robin, so a model's lone request never waits behind another
+model's backlog. Requests whose deadline passes while they wait are handed back
+for a `timeout` reply, never computed.
+
+The queue is bounded in requests and in bytes, over all and per connection;
+when it is full, an urgent request may displace the newest one of a less urgent
+level. Only the supervisor's loop thread touches it (the frontend puts and
+cancels, the loop takes and expires), so it takes no lock.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from inferd.config import Config
-from inferd.protocol import Buffer, RequestHeader
+from inferd.protocol import Buffer, RequestHeader, RequestId
 from inferd.supervisor.regions import Region, RegionSlice
 
-# A request's life in the queue; a request leaves exactly once.
-WAITING, TAKEN, EXPIRED = range(3)
+# A request's life in the queue; a request leaves exactly once (REMOVED: displaced or cancelled).
+WAITING, TAKEN, EXPIRED, REMOVED = range(4)
+# The "auto" window sends a batch this long before its executor is expected to be free: the time to
+# stack it and for the worker to pick it up, so the executor never waits for it.
+AUTO_LEAD_S = 0.0003
 
 
 class Refusal(StrEnum):
@@ -53,23 +63,65 @@ class QueuedRequest:
     nbytes: int  # the payload it holds (its input buffers)
     received: float
     deadline: float
+    priority: int = 0
     state: int = WAITING
     places: tuple[tuple[Region, int] | None, ...] = ()  # per output: the region and offset to write it at
+    cancelled: bool = False  # its client cancelled it while its batch ran: the result is dropped
 
 
 @dataclass
 class ModelPolicy:
-    """The batching knobs of one model."""
+    """The batching knobs of one model; `max_wait_s` None is the "auto" window."""
 
     max_batch_size: int
-    max_wait_s: float
+    max_wait_s: float | None
+
+
+@dataclass(frozen=True)
+class Levels:
+    """The priority levels: how many, the level of a request that names none, and the least share of
+    batches a waiting level leads."""
+
+    count: int = 1
+    default: int = 0
+    share: float = 0.1
+
+    @property
+    def patience(self) -> int:
+        """Batches in a row a waiting level may be left out of before it leads the next."""
+        return max(1, math.ceil(1 / self.share) - 1)
+
+
+class Capacity(NamedTuple):
+    """What the executors of a model can take now: one is idle; one can queue one more batch behind
+    the one it runs; and when (monotonic) such a one is expected to be free."""
+
+    idle: bool
+    spare: bool
+    free_at: float = 0.0
+
+
+class BatchTimes(Protocol):
+    """Expected compute seconds of a batch of a model, by its samples (None: not yet measured)."""
+
+    def batch_s(self, model: str, samples: int) -> float | None: ...
 
 
 @dataclass
 class _ModelQueue:
     policy: ModelPolicy
-    requests: deque = field(default_factory=deque)
+    levels: list[deque[QueuedRequest]]
     samples: int = 0
+    level_samples: list[int] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)  # per level: batches in a row it waited through unserved
+    go_at: float | None = None  # the "auto" window: when the waiting partial batch goes
+
+    def __len__(self) -> int:
+        return sum(len(level) for level in self.levels)
+
+    def oldest(self) -> QueuedRequest:
+        """The request that has waited longest (the lane is not empty)."""
+        return min((level[0] for level in self.levels if level), key=lambda r: r.received)
 
 
 @dataclass(frozen=True)
@@ -82,18 +134,33 @@ class Bounds:
     max_bytes_per_client: int
 
 
-def queue_settings(config: Config) -> tuple[Bounds, dict[str, ModelPolicy]]:
-    """The queue's bounds and each model's batching knobs, from the config."""
+def queue_settings(config: Config) -> tuple[Bounds, dict[str, ModelPolicy], Levels]:
+    """The queue's bounds, each model's batching knobs and the priority levels, from the config."""
     queue = config.queue
     bounds = Bounds(queue.max_size, queue.max_bytes, queue.max_per_client, queue.max_bytes_per_client)
-    return bounds, {name: ModelPolicy(m.max_batch_size, m.max_wait_ms / 1000) for name, m in config.models.items()}
+    policies = {
+        name: ModelPolicy(m.max_batch_size, None if m.max_wait_ms == "auto" else m.max_wait_ms / 1000)
+        for name, m in config.models.items()
+    }
+    return bounds, policies, Levels(queue.priority_levels, queue.default_priority, queue.priority_share)
+
+
+class _NoTimes:
+    def batch_s(self, model: str, samples: int) -> float | None:
+        return None
+
+
+NO_TIMES = _NoTimes()
 
 
 class BatchQueue:
-    """A bounded queue of requests, one lane per model."""
+    """A bounded queue of requests, one lane per model, one level per priority in each lane."""
 
-    def __init__(self, bounds: Bounds, policies: dict[str, ModelPolicy]) -> None:
+    def __init__(self, bounds: Bounds, policies: dict[str, ModelPolicy], levels: Levels = Levels(),
+                 times: BatchTimes = NO_TIMES) -> None:
         self.bounds = bounds
+        self.levels = levels
+        self._times = times
         self._per_client: Counter[Hashable] = Counter()
         self._bytes_per_client: Counter[Hashable] = Counter()
         self._lanes: dict[str, _ModelQueue] = {}
@@ -103,24 +170,43 @@ class BatchQueue:
         self._seq = itertools.count()
         self._size = 0
         self.nbytes = 0
-        self.configure(bounds, policies)
+        self.configure(bounds, policies, levels)
 
-    def configure(self, bounds: Bounds, policies: dict[str, ModelPolicy]) -> None:
-        """New bounds and knobs, applied from the next request on; a new model gets its lane."""
+    def configure(self, bounds: Bounds, policies: dict[str, ModelPolicy], levels: Levels = Levels()) -> None:
+        """New bounds, knobs and levels, applied from the next request on; a new model gets its lane.
+        Waiting requests of a level that no longer exists move to the least urgent one left."""
         self.bounds = bounds
+        relevel = levels.count != self.levels.count
+        self.levels = levels
         for name, policy in policies.items():
             if name in self._lanes:
                 self._lanes[name].policy = policy
             else:
-                self._lanes[name] = _ModelQueue(policy)
+                self._lanes[name] = _ModelQueue(policy, [deque() for _ in range(levels.count)],
+                                                level_samples=[0] * levels.count, passed=[0] * levels.count)
                 self._order.append(name)
+        if relevel:
+            for lane in self._lanes.values():
+                waiting = sorted((r for level in lane.levels for r in level), key=lambda r: r.received)
+                lane.levels = [deque() for _ in range(levels.count)]
+                lane.level_samples = [0] * levels.count
+                lane.passed = [0] * levels.count
+                for request in waiting:
+                    request.priority = min(request.priority, levels.count - 1)
+                    lane.levels[request.priority].append(request)
+                    lane.level_samples[request.priority] += request.samples
 
     def __len__(self) -> int:
         return self._size
 
     def depth(self, model: str) -> int:
         """Requests waiting for `model`."""
-        return len(self._lanes[model].requests)
+        return len(self._lanes[model])
+
+    def samples_ahead(self, model: str, priority: int) -> int:
+        """Samples waiting for `model` at `priority` or a more urgent level: what a new request of that
+        level waits behind."""
+        return sum(self._lanes[model].level_samples[: priority + 1])
 
     def refusal(self, client: Hashable, nbytes: int) -> Refusal | None:
         """Why a request of `nbytes` from `client` would be refused now; None when it fits."""
@@ -144,8 +230,9 @@ class BatchQueue:
                 or self._bytes_per_client[client] + nbytes > bounds.max_bytes_per_client):
             return self.refusal(client, nbytes)
         lane = self._lanes[request.header.model]
-        lane.requests.append(request)
+        lane.levels[request.priority].append(request)
         lane.samples += request.samples
+        lane.level_samples[request.priority] += request.samples
         self._size += 1
         self.nbytes += nbytes
         self._per_client[client] += 1
@@ -157,6 +244,35 @@ class BatchQueue:
             heapq.heapify(self._deadlines)
         return None
 
+    def displace_for(self, request: QueuedRequest) -> list[QueuedRequest] | None:
+        """Make room in a full queue for `request` by removing the newest waiting requests of less urgent
+        levels (least urgent first); return them, or None (removing nothing) when that cannot make room."""
+        bounds = self.bounds
+        below = [r for lane in self._lanes.values() for level in lane.levels[request.priority + 1:] for r in level]
+        if not below or (self.nbytes - sum(r.nbytes for r in below) + request.nbytes > bounds.max_bytes):
+            return None
+        below.sort(key=lambda r: (r.priority, r.received), reverse=True)
+        displaced = []
+        for victim in below:
+            if self._size < bounds.max_size and self.nbytes + request.nbytes <= bounds.max_bytes:
+                break
+            self._remove(victim, REMOVED)
+            displaced.append(victim)
+        return displaced
+
+    def cancel(self, client: Hashable, request_id: RequestId) -> QueuedRequest | None:
+        """Remove and return `client`'s waiting request `request_id`; None if none waits.
+
+        A scan: cancels are rare, and an index would cost every request.
+        """
+        for lane in self._lanes.values():
+            for level in lane.levels:
+                for request in level:
+                    if request.header.id == request_id and request.client == client:
+                        self._remove(request, REMOVED)
+                        return request
+        return None
+
     def expire(self, now: float) -> list[QueuedRequest]:
         """Remove and return every waiting request whose deadline is at or before `now`."""
         expired = []
@@ -164,31 +280,27 @@ class BatchQueue:
             request = heapq.heappop(self._deadlines)[2]
             if request.state != WAITING:
                 continue
-            lane = self._lanes[request.header.model]
-            lane.requests.remove(request)
-            lane.samples -= request.samples
-            self._left(request)
-            request.state = EXPIRED
+            self._remove(request, EXPIRED)
             expired.append(request)
         self._drop_settled_deadlines()
         return expired
 
-    def take(self, capacity: Callable[[str], tuple[bool, bool]], now: float) -> tuple[str, list[QueuedRequest]] | None:
+    def take(self, capacity: Callable[[str], Capacity], now: float) -> tuple[str, list[QueuedRequest]] | None:
         """The next batch to send, or None when the policy says wait.
 
-        `capacity(model)` says whether an executor that can run the model is idle,
-        and whether one could queue one more batch behind the one it runs. Lanes
-        are served round-robin, so a model with a long backlog cannot starve
-        another model's requests.
+        `capacity(model)` says what the executors that can run the model can take. Lanes
+        are served round-robin, so a model with a long backlog cannot starve another
+        model's requests.
         """
         for step in range(len(self._order)):
             name = self._order[(self._next_lane + step) % len(self._order)]
             lane = self._lanes[name]
-            if not lane.requests:
+            if not lane.samples:
                 continue
-            idle, spare = capacity(name)
-            if idle or (spare and self._full_or_aged(lane, now)):
+            room = capacity(name)
+            if room.idle or (room.spare and self._due(name, lane, room, now)):
                 self._next_lane = (self._next_lane + step + 1) % len(self._order)
+                lane.go_at = None
                 return name, self._pop_batch(lane)
         return None
 
@@ -198,22 +310,26 @@ class BatchQueue:
         A lane already full or aged is not counted: it waits for an executor, whose
         answer wakes the loop anyway.
         """
-        times = [
-            lane.requests[0].received + lane.policy.max_wait_s
-            for lane in self._lanes.values()
-            if lane.requests and lane.samples < lane.policy.max_batch_size
-            and lane.requests[0].received + lane.policy.max_wait_s > now
-        ]
+        times = []
+        for lane in self._lanes.values():
+            if not lane.samples or lane.samples >= lane.policy.max_batch_size:
+                continue
+            wait = lane.policy.max_wait_s
+            due = lane.go_at if wait is None else lane.oldest().received + wait
+            if due is not None and due > now:
+                times.append(due)
         if self._deadlines:
             times.append(self._deadlines[0][0])
         return max(0.0, min(times) - now) if times else None
 
     def drain(self) -> list[QueuedRequest]:
         """Remove and return every waiting request (for a forced stop)."""
-        drained = [r for lane in self._lanes.values() for r in lane.requests]
+        drained = [r for lane in self._lanes.values() for level in lane.levels for r in level]
         for lane in self._lanes.values():
-            lane.requests.clear()
+            for level in lane.levels:
+                level.clear()
             lane.samples = 0
+            lane.level_samples = [0] * len(lane.levels)
         for request in drained:
             request.state = TAKEN
         self._per_client.clear()
@@ -223,25 +339,52 @@ class BatchQueue:
         self._deadlines.clear()
         return drained
 
-    @staticmethod
-    def _full_or_aged(lane: _ModelQueue, now: float) -> bool:
-        return (
-            lane.samples >= lane.policy.max_batch_size
-            or now - lane.requests[0].received >= lane.policy.max_wait_s
-        )
+    def _due(self, name: str, lane: _ModelQueue, room: Capacity, now: float) -> bool:
+        """Whether a lane's batch goes behind a running one now: it is full, or its window is over."""
+        if lane.samples >= lane.policy.max_batch_size:
+            return True
+        wait = lane.policy.max_wait_s
+        if wait is not None:
+            return now - lane.oldest().received >= wait
+        # "auto": the batch could not start before an executor is free anyway, so it gathers company
+        # until just before then, unless its most pressing deadline needs it sent sooner.
+        go_at = room.free_at - AUTO_LEAD_S
+        compute = self._times.batch_s(name, lane.samples)
+        if compute is not None:
+            # A partial batch holds fewer than max_batch_size requests: the scan is short.
+            soonest = min(r.deadline for level in lane.levels for r in level)
+            go_at = min(go_at, soonest - compute - AUTO_LEAD_S)
+        lane.go_at = go_at
+        return now >= go_at
+
+    def _leader(self, lane: _ModelQueue) -> int:
+        """The level that leads the next batch: one that waited through too many batches, else the most urgent."""
+        patience = self.levels.patience
+        waiting = [index for index, level in enumerate(lane.levels) if level]
+        starved = [index for index in waiting if lane.passed[index] >= patience]
+        return starved[0] if starved else waiting[0]
 
     def _pop_batch(self, lane: _ModelQueue) -> list[QueuedRequest]:
         batch: list[QueuedRequest] = []
         samples = 0
         limit = lane.policy.max_batch_size
-        # The head request always goes, even over a max_batch_size lowered (SIGHUP) since
-        # it was accepted: the slot was sized for the old limit, and leaving it would jam the lane.
-        while lane.requests and (not batch or samples + lane.requests[0].samples <= limit):
-            request = lane.requests.popleft()
-            request.state = TAKEN
-            self._left(request)
-            samples += request.samples
-            batch.append(request)
+        waiting = [bool(level) for level in lane.levels]
+        leader = self._leader(lane)
+        order = [leader, *(index for index in range(len(lane.levels)) if index != leader)]
+        for index in order:
+            level = lane.levels[index]
+            taken = 0
+            # The first request always goes, even over a max_batch_size lowered (SIGHUP) since it was
+            # accepted: the slot was sized for the old limit, and leaving it would jam the lane.
+            while level and (not batch or samples + level[0].samples <= limit):
+                request = level.popleft()
+                request.state = TAKEN
+                self._left(request)
+                samples += request.samples
+                taken += request.samples
+                batch.append(request)
+            lane.level_samples[index] -= taken
+            lane.passed[index] = lane.passed[index] + 1 if waiting[index] and not taken else 0
         lane.samples -= samples
         self._drop_settled_deadlines()
         return batch
@@ -249,6 +392,14 @@ class BatchQueue:
     def queued_by(self, client: Hashable) -> int:
         """Requests `client` has waiting."""
         return self._per_client[client]
+
+    def _remove(self, request: QueuedRequest, state: int) -> None:
+        lane = self._lanes[request.header.model]
+        lane.levels[request.priority].remove(request)
+        lane.samples -= request.samples
+        lane.level_samples[request.priority] -= request.samples
+        self._left(request)
+        request.state = state
 
     def _left(self, request: QueuedRequest) -> None:
         self._size -= 1

@@ -15,6 +15,7 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import zmq
@@ -25,7 +26,8 @@ from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place, row_bytes
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
-from inferd.supervisor.batcher import QueuedRequest
+from inferd.supervisor.batcher import Capacity, QueuedRequest
+from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.regions import Region, RegionSlice
@@ -38,6 +40,7 @@ SLOW_FACTOR = 5  # a batch this many times its model's median compute time gets 
 SLOW_MIN_COUNT = 50  # ... once the median rests on this many measurements
 SLOW_WARN_EVERY_S = 10.0
 EXPIRED_ERROR = "the deadline passed before the request ran"
+CANCELLED_ERROR = "cancelled while its batch ran; the result was dropped"
 
 
 @dataclass(eq=False)
@@ -74,8 +77,9 @@ class Dispatcher:
     """Sends batches to executors and turns their answers into replies."""
 
     def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: LiveVersions,
-                 stats: Stats) -> None:
+                 stats: Stats, times: ComputeTimes) -> None:
         self.config = config
+        self.times = times
         self.workers = workers
         self.frontend = frontend
         self.live = live
@@ -90,13 +94,16 @@ class Dispatcher:
         """Take a new config (a SIGHUP): the models' inputs as they are now."""
         self.config = config
 
-    def capacity(self, model: str) -> tuple[bool, bool]:
-        """For `model`'s live version: (some executor is idle, some executor can take one more batch)."""
+    def capacity(self, model: str) -> Capacity:
+        """What the executors of `model`'s live version can take now."""
         idle = spare = False
+        free_at = math.inf
         for executor in self.workers.executors_for(model, self.live[model]):
-            idle = idle or executor.inflight == 0
-            spare = spare or executor.inflight < PIPELINE_DEPTH
-        return idle, spare
+            if executor.inflight < PIPELINE_DEPTH:
+                idle = idle or executor.inflight == 0
+                spare = True
+                free_at = min(free_at, executor.free_at())
+        return Capacity(idle, spare, free_at)
 
     def dispatch(self, model: str, requests: list[QueuedRequest]) -> None:
         """Copy `requests` into a slot of the least busy executor of the live version and send it there."""
@@ -135,9 +142,10 @@ class Dispatcher:
             worker.slots.release(slot)
             self._fail(batch, f"worker{worker.index} cannot be reached")
             return
-        self.workers.batch_sent(executor, len(requests), now)
+        samples = sum(r.samples for r in requests)
+        self.workers.batch_sent(executor, len(requests), now, self.times.batch_s(model, samples) or 0.0)
         self.inflight[batch.id] = batch
-        self.stats.batch(now, model, version, sum(r.samples for r in requests))
+        self.stats.batch(now, model, version, samples)
 
     def _keep_version(self, requests: list[QueuedRequest], model: str, version: str) -> list[QueuedRequest]:
         """The requests `version` may compute: a request that named another version (live when it came,
@@ -164,12 +172,17 @@ class Dispatcher:
         del self.inflight[batch.id]
         worker = executor.worker
         trackers: list[zmq.MessageTracker] = []
+        now = time.monotonic()
         if isinstance(result, BatchFailed):
-            self.workers.batch_returned(executor, len(batch.requests), computed=True)
+            self.workers.batch_returned(executor, len(batch.requests), True, now)
             self._fail(batch, result.error)
         else:
             computed = len(result.expired) < len(batch.requests)
-            self.workers.batch_returned(executor, len(batch.requests), computed)
+            self.workers.batch_returned(executor, len(batch.requests), computed, now)
+            if computed:
+                expired = set(result.expired)
+                samples = sum(r.samples for i, r in enumerate(batch.requests) if i not in expired)
+                self.times.observe(batch.model, samples, result.compute_us / 1e6)
             self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe)
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
@@ -195,11 +208,22 @@ class Dispatcher:
 
     def fail_worker(self, worker: WorkerHandle, reason: str, status: str = protocol.INTERNAL) -> None:
         """Answer every batch in flight on `worker` with `status` and take its slots back."""
+        now = time.monotonic()
         for batch in [b for b in self.inflight.values() if b.executor.worker is worker]:
             del self.inflight[batch.id]
-            self.workers.batch_returned(batch.executor, len(batch.requests), computed=False)
+            self.workers.batch_returned(batch.executor, len(batch.requests), False, now)
             worker.slots.release(batch.slot)
             self._fail(batch, reason, status)
+
+    def cancel_running(self, client: Hashable, request_id: protocol.RequestId) -> bool:
+        """Mark `client`'s request `request_id` cancelled if its batch runs: its result will be dropped
+        and it answered `cancelled`. False when no running batch holds it."""
+        for batch in self.inflight.values():
+            for request in batch.requests:
+                if request.header.id == request_id and request.client == client and not request.cancelled:
+                    request.cancelled = True
+                    return True
+        return False
 
     def oldest(self) -> Batch | None:
         """The batch that has been running longest, if any runs."""
@@ -289,6 +313,10 @@ class Dispatcher:
                 self.frontend.reply_error(request, protocol.TIMEOUT, EXPIRED_ERROR, batch.version)
                 continue
             samples = request.samples
+            if request.cancelled:
+                self.frontend.reply_error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
+                row += samples
+                continue
             outputs = metas.get(samples)
             if outputs is None:
                 outputs = metas[samples] = tuple(TensorMeta(ref.dtype, (samples, *ref.shape[1:]))
@@ -322,8 +350,10 @@ class Dispatcher:
                 gateway = self.frontend.protocols.get(request.reply_to.socket)
                 if gateway is not None:
                     self.stats.by_protocol[(batch.model, gateway, protocol.OK)] += 1
-        self.stats.answered(now, batch.model, batch.version, row, [now - r.received for r in computed],
-                            [batch.started - r.received for r in computed], done.compute_us / 1e6)
+        self.stats.answered(now, batch.model, batch.version, sum(r.samples for r in computed),
+                            [now - r.received for r in computed], [batch.started - r.received for r in computed],
+                            done.compute_us / 1e6, [r.priority for r in computed],
+                            sum(now <= r.deadline for r in computed))
         return trackers
 
     def _fail(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:

@@ -5,8 +5,11 @@ at once (`invalid`, `overloaded`, `unavailable`), and sends every reply. It
 never blocks: a reply that cannot be delivered (peer gone, or its high-water
 mark reached) is counted and dropped, so one slow client cannot block the loop.
 Admission is decided here: whether the daemon takes requests at all, which
-models no worker serves yet, and the bounds of the queue. Region messages and
-requests that name clients' shared-memory regions go to client_regions.py.
+models no worker serves yet, the bounds of the queue (where an urgent request may
+displace a less urgent one), and whether a request could still finish before its
+deadline. A cancel takes its request out of the queue, or marks it in its batch
+(the dispatcher's, through `take_cancels`). Region messages and requests that name
+clients' shared-memory regions go to client_regions.py.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,6 +31,7 @@ from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.batcher import BatchQueue, QueuedRequest, Refusal
 from inferd.supervisor.client_regions import ClientRegions, Places
+from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.guard import failure
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.regions import Regions, RegionSlice
@@ -113,8 +117,9 @@ class Frontend:
     """Client-facing sockets, request admission, and reply delivery."""
 
     def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue, stats: Stats,
-                 live: LiveVersions, curve: CurveServer, regions: Regions) -> None:
+                 live: LiveVersions, curve: CurveServer, regions: Regions, forecast: Forecast) -> None:
         self.queue = queue
+        self.forecast = forecast
         self.stats = stats
         self.live = live
         self.sockets: list[zmq.Socket] = []
@@ -123,6 +128,7 @@ class Frontend:
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
         self._admitted: set[str] = set()  # models that took requests since note_queue_depths
+        self._cancels: list[tuple[Hashable, protocol.RequestId]] = []  # of requests not waiting: maybe running
         self._context = context
         self._curve = curve
         self.configure(config)
@@ -222,6 +228,9 @@ class Frontend:
         name = None
         try:
             message = protocol.decode_message(body, self.max_message_bytes)
+            if isinstance(message, protocol.Cancel):
+                self._cancel((id(reply_to.socket), reply_to.envelope[0]), message.id)
+                return
             if not isinstance(message, protocol.Request):
                 listed = self.shm.message(reply_to.socket, reply_to.envelope[0], message, first)
                 self._send(reply_to, [protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK,
@@ -242,6 +251,10 @@ class Frontend:
             if header.version is not None and header.version != live:
                 raise InvalidRequest(
                     f"version {header.version!r} of {name} is not live; the live version is {live!r}", header.id)
+            priority = self.queue.levels.default if header.priority is None else header.priority
+            if priority >= self.queue.levels.count:
+                raise InvalidRequest(f"priority {priority} is not a level; this daemon has levels 0 (the most "
+                                     f"urgent) to {self.queue.levels.count - 1}", header.id)
             signature = (name, header.inputs)
             samples = self._checked.get(signature)
             if samples is None:
@@ -264,12 +277,42 @@ class Frontend:
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
         client = (id(reply_to.socket), reply_to.envelope[0])
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,
-                               places=places)
+                               priority, places=places)
+        finish = self.forecast.finish_in(name, model.max_batch_size, priority, samples, now)
+        if finish is not None and finish > timeout:
+            self.stats.deadline_refusals[name] += 1
+            self.reply_error(queued, protocol.OVERLOADED,
+                             f"it would finish in {finish * 1000:.0f} ms at the soonest (the work ahead of it, "
+                             f"at the model's recent compute times), after its deadline in {timeout * 1000:.0f} ms")
+            return
         refused = self.queue.put(queued)
+        if refused in (Refusal.FULL, Refusal.BYTES):
+            displaced = self.queue.displace_for(queued)
+            if displaced is not None:
+                for victim in displaced:
+                    self.reply_error(victim, protocol.OVERLOADED,
+                                     f"displaced by a more urgent request (priority {priority}) while the queue "
+                                     "was full; retry later")
+                refused = self.queue.put(queued)
         if refused is not None:
-            self.send_error(reply_to, header.id, protocol.OVERLOADED, _refusal_sentence(refused, self.queue), name)
+            self.reply_error(queued, protocol.OVERLOADED, _refusal_sentence(refused, self.queue))
             return
         self._admitted.add(name)
+
+    def _cancel(self, client: Hashable, request_id: protocol.RequestId) -> None:
+        """A client's cancel: a waiting request is answered `cancelled` now; one not waiting (maybe running,
+        maybe answered already) is left to the dispatcher. The cancel itself has no reply."""
+        waiting = self.queue.cancel(client, request_id)
+        if waiting is not None:
+            log.debug("request %s cancelled while it waited", request_id)
+            self.reply_error(waiting, protocol.CANCELLED, "cancelled by its client before it ran")
+        else:
+            self._cancels.append((client, request_id))
+
+    def take_cancels(self) -> list[tuple[Hashable, protocol.RequestId]]:
+        """The cancels of requests that were not waiting, since the last call: (client, request id)."""
+        cancels, self._cancels = self._cancels, []
+        return cancels
 
     def note_queue_depths(self) -> None:
         """Count the queue depth of each model that took requests since the last call, for its peak:
@@ -302,17 +345,19 @@ class Frontend:
 
     def reply_error(self, request: QueuedRequest, status: str, error: str, version: str | None = None) -> None:
         """Answer a queued request with an error status; `version`: the one that handled it, if one did."""
-        self.send_error(request.reply_to, request.header.id, status, error, request.header.model, version)
+        self.send_error(request.reply_to, request.header.id, status, error, request.header.model, version,
+                        request.priority)
 
     def send_error(
         self, reply_to: ReplyTo, request_id: protocol.RequestId | None, status: str, error: str,
-        model: str | None = None, version: str | None = None,
+        model: str | None = None, version: str | None = None, priority: int | None = None,
     ) -> None:
-        """Send an error reply, and count it (against its model when the model is one this daemon serves)."""
+        """Send an error reply, and count it (against its model when the model is one this daemon serves,
+        and its priority level once it has one)."""
         served = model in self.live
         counted = version or (self.live[model] if model is not None and served else None)
         self.stats.reply(time.monotonic(), model if served else None, counted, status,
-                         self.protocols.get(reply_to.socket))
+                         self.protocols.get(reply_to.socket), priority)
         self._send(reply_to, [protocol.error_reply(request_id, status, error, model, version)])
 
     def _send(self, reply_to: ReplyTo, parts: list[Buffer]) -> None:

@@ -42,6 +42,7 @@ from inferd.supervisor.commands import Commands
 from inferd.supervisor.control import ControlServer
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher
+from inferd.supervisor.forecast import ComputeTimes, Forecast
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.gateway import Gateway, configured_gateways
 from inferd.supervisor.guard import failure
@@ -103,12 +104,15 @@ class Supervisor:
         self.poller = zmq.Poller()
         self.stats = Stats(self.started)
         self.probes = Probes()
-        self.queue = BatchQueue(*queue_settings(config))
+        times = ComputeTimes()
+        self.queue = BatchQueue(*queue_settings(config), times=times)
         self.curve = CurveServer(self.context, config.server.curve_secret_key, config.server.curve_authorized_keys)
         self.regions = Regions(config.server.client_shm_prefix)
-        self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.curve, self.regions)
         self.workers = WorkerTable(config, self.context, devices, self.files, self.live)
-        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live, self.stats)
+        self.forecast = Forecast(times, self.queue, self.workers, self.live)
+        self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.curve, self.regions,
+                                 self.forecast)
+        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live, self.stats, times)
         self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, saved,
                                      self.call_soon_threadsafe)
         self.liveness = Liveness(self.workers, self.dispatcher, self.reloads)
@@ -198,6 +202,8 @@ class Supervisor:
                 except Exception:  # noqa: BLE001 - the last guard: the loop serves on
                     failure("a socket event")
             self.frontend.note_queue_depths()
+            for client, request_id in self.frontend.take_cancels():
+                self.dispatcher.cancel_running(client, request_id)
             now = time.monotonic()
             for request in self.queue.expire(now):
                 self.frontend.reply_error(request, protocol.TIMEOUT, "the deadline passed before the request ran")

@@ -107,6 +107,7 @@ class Series:
 
     replies: Counter = field(default_factory=Counter)  # status -> requests
     samples: int = 0  # samples answered `ok`
+    good: int = 0  # requests answered `ok` within their deadline (the goodput)
     total: Histogram = field(default_factory=Histogram)
     queue: Histogram = field(default_factory=Histogram)
     compute: Histogram = field(default_factory=Histogram)
@@ -118,12 +119,21 @@ class Series:
         """Fold `other` into this series."""
         self.replies.update(other.replies)
         self.samples += other.samples
+        self.good += other.good
         self.total.merge(other.total)
         self.queue.merge(other.queue)
         self.compute.merge(other.compute)
         self.batch_sizes.update(other.batch_sizes)
         self.queue_peak = max(self.queue_peak, other.queue_peak)
         self.last_answered = max(self.last_answered, other.last_answered)
+
+
+@dataclass
+class LevelSeries:
+    """What happened to the requests of one priority level of one model since start."""
+
+    replies: Counter = field(default_factory=Counter)  # status -> requests
+    total: Histogram = field(default_factory=Histogram)  # latency of those answered `ok`
 
 
 @dataclass
@@ -143,6 +153,8 @@ class Stats:
         self.by_protocol: Counter[tuple[str | None, str, str]] = Counter()
         self.undelivered = 0  # replies whose client had gone or stopped reading
         self.since_start: dict[tuple[str, str], Series] = {}
+        self.levels: dict[tuple[str, int], LevelSeries] = {}  # (model, priority level) -> since start
+        self.deadline_refusals: Counter[str] = Counter()  # model -> requests refused as sure to miss
         self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
 
     def _series(self, now: float, model: str, version: str) -> tuple[Series, Series]:
@@ -159,29 +171,45 @@ class Stats:
             total = self.since_start[key] = Series()
         return recent, total
 
+    def _level(self, model: str, priority: int) -> LevelSeries:
+        level = self.levels.get((model, priority))
+        if level is None:
+            level = self.levels[(model, priority)] = LevelSeries()
+        return level
+
     def reply(self, now: float, model: str | None, version: str | None, status: str,
-              protocol: str | None = None) -> None:
+              protocol: str | None = None, priority: int | None = None) -> None:
         """Count a reply other than `ok` (those come through `answered`); against its model and version
-        when it has them (a request for an unknown model has neither), and its gateway protocol if any."""
+        when it has them (a request for an unknown model has neither), its gateway protocol if any, and
+        its priority level once it has one."""
         self.replies[status] += 1
         if protocol is not None:
             self.by_protocol[(model, protocol, status)] += 1
         if model is not None and version is not None:
             for series in self._series(now, model, version):
                 series.replies[status] += 1
+            if priority is not None:
+                self._level(model, priority).replies[status] += 1
 
     def answered(self, now: float, model: str, version: str, samples: int,
-                 totals_s: Sequence[float], queues_s: Sequence[float], compute_s: float) -> None:
+                 totals_s: Sequence[float], queues_s: Sequence[float], compute_s: float,
+                 priorities: Sequence[int], good: int) -> None:
         """Count the `ok` replies of one batch: its samples, each request's total and queue
-        latency, and the batch's compute time once per request."""
+        latency and priority level, the batch's compute time once per request, and how many
+        were answered within their deadline."""
         self.replies["ok"] += len(totals_s)
         for series in self._series(now, model, version):
             series.replies["ok"] += len(totals_s)
             series.samples += samples
+            series.good += good
             series.total.add_all(totals_s)
             series.queue.add_all(queues_s)
             series.compute.add(compute_s, len(totals_s))
             series.last_answered = now
+        for priority, total_s in zip(priorities, totals_s):
+            level = self._level(model, priority)
+            level.replies["ok"] += 1
+            level.total.add(total_s)
 
     def batch(self, now: float, model: str, version: str, samples: int) -> None:
         """Count a batch of `samples` samples."""

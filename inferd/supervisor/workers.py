@@ -70,6 +70,12 @@ class ExecutorHandle:
     inflight: int = 0  # batches it holds
     requests: int = 0  # requests in those batches
     last_used: float = 0.0  # when it was last sent a batch (monotonic)
+    expected: deque[float] = field(default_factory=deque)  # compute seconds expected of each batch it holds
+    busy_since: float = 0.0  # when it started on the first of them (monotonic)
+
+    def free_at(self) -> float:
+        """When it is expected to have computed every batch it holds (monotonic; 0 when it holds none)."""
+        return self.busy_since + sum(self.expected) if self.inflight else 0.0
 
 
 @dataclass(eq=False)
@@ -465,16 +471,22 @@ class WorkerTable:
             if executor.identity is not None
         ]
 
-    def batch_sent(self, executor: ExecutorHandle, requests: int, now: float) -> None:
-        """`executor` holds one more batch, of `requests` requests."""
+    def batch_sent(self, executor: ExecutorHandle, requests: int, now: float, expected_s: float) -> None:
+        """`executor` holds one more batch, of `requests` requests, expected to compute in `expected_s`."""
+        if not executor.inflight:
+            executor.busy_since = now
         executor.inflight += 1
         executor.requests += requests
         executor.last_used = now
+        executor.expected.append(expected_s)
 
-    def batch_returned(self, executor: ExecutorHandle, requests: int, computed: bool) -> None:
+    def batch_returned(self, executor: ExecutorHandle, requests: int, computed: bool, now: float) -> None:
         """A batch of `executor`'s is back (or lost with its worker); `computed`: it ran."""
         executor.inflight -= 1
         executor.requests -= requests
+        # Batches come back in the order they were sent: the next one starts now.
+        executor.expected.popleft()
+        executor.busy_since = now
         if computed:
             executor.worker.batches += 1
 

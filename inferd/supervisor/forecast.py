@@ -1,0 +1,81 @@
+"""What the daemon expects of the near future: how long a batch computes, and when a new request
+would finish.
+
+Compute times are learned from the batches that ran (the dispatcher is their one
+writer), per model and per batch-size band; the queue's "auto" window and
+deadline-aware admission read them. The finish estimate is deliberately a lower
+bound: a request it refuses would have missed its deadline.
+"""
+
+from __future__ import annotations
+
+import math
+
+from inferd.supervisor.batcher import BatchQueue
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.workers import WorkerTable
+
+SMOOTHING = 0.2  # weight of the newest batch in a band's average: a few batches follow a change
+
+
+class ComputeTimes:
+    """Expected compute seconds of a batch, per model and per power-of-two band of its samples."""
+
+    def __init__(self) -> None:
+        self._bands: dict[str, dict[int, float]] = {}
+
+    def observe(self, model: str, samples: int, seconds: float) -> None:
+        """A batch of `samples` samples of `model` computed in `seconds`."""
+        bands = self._bands.setdefault(model, {})
+        band = samples.bit_length()
+        known = bands.get(band)
+        bands[band] = seconds if known is None else known + SMOOTHING * (seconds - known)
+
+    def batch_s(self, model: str, samples: int) -> float | None:
+        """Expected seconds for a batch of `samples` samples; a band not yet measured takes the nearest
+        smaller one measured (a batch computes no faster with more samples), else None."""
+        bands = self._bands.get(model)
+        if not bands:
+            return None
+        band = samples.bit_length()
+        known = bands.get(band)
+        if known is not None:
+            return known
+        smaller = [b for b in bands if b < band]
+        return bands[max(smaller)] if smaller else None
+
+    def forget(self, model: str) -> None:
+        """Drop what was learned of `model` (a new version computes at its own speed)."""
+        self._bands.pop(model, None)
+
+
+class Forecast:
+    """When a new request would finish, from compute times, what waits ahead of it and the executors."""
+
+    def __init__(self, times: ComputeTimes, queue: BatchQueue, workers: WorkerTable, live: LiveVersions) -> None:
+        self.times = times
+        self._queue = queue
+        self._workers = workers
+        self._live = live
+
+    def finish_in(self, model: str, max_batch: int, priority: int, samples: int, now: float) -> float | None:
+        """Seconds from `now` until a new request of `samples` samples at `priority` would be answered, at
+        the soonest; None while its model's compute time is not known.
+
+        The samples waiting at its level or a more urgent one go first, in full batches spread over the
+        model's executors, once the soonest of them is free; pipelining and rounding are counted in its
+        favour, so the true finish is later.
+        """
+        full = self.times.batch_s(model, max_batch)
+        version = self._live.get(model)
+        if full is None or version is None:
+            return None
+        executors = self._workers.executors_for(model, version)
+        if not executors:
+            return None
+        ahead = self._queue.samples_ahead(model, priority) + samples
+        batches = math.ceil(ahead / max_batch)
+        waves = math.ceil(batches / len(executors))
+        last = self.times.batch_s(model, ahead - (batches - 1) * max_batch) or 0.0
+        free_in = max(0.0, min(e.free_at() for e in executors) - now)
+        return free_in + (waves - 1) * full + last
