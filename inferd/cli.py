@@ -216,12 +216,30 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value / 2**20:.0f}"
 
 
+def _scheduling_lines(stats: dict[str, Any]) -> list[str]:
+    """Each model's priority levels (since start) and its admission estimate."""
+    lines = ["", f"{'model':<14}{'priority':>8}{'requests':>10}{'not ok':>8}{'p50 ms':>9}{'p99 ms':>9}"
+                 "   (since start)"]
+    for name, model in stats["models"].items():
+        for level, part in model["priorities"].items():
+            requests = sum(part["requests"].values())
+            lines.append(f"{name:<14}{level:>8}{requests:>10}{requests - part['requests'].get('ok', 0):>8}"
+                         f"{part['latency_ms']['p50']:>9.2f}{part['latency_ms']['p99']:>9.2f}")
+    for name, model in stats["models"].items():
+        admission = model["admission"]
+        estimate = "not known yet" if admission["estimate_ms"] is None else f"{admission['estimate_ms']:.1f} ms"
+        lines.append(f"admission: a new request to {name} would finish in {estimate} at the soonest; "
+                     f"{admission['refused_as_late']} refused as sure to miss their deadline")
+    return lines
+
+
 def _stats_table(stats: dict[str, Any]) -> str:
     """The stats object as a few aligned lines a person reads in a terminal."""
     lines = [f"inferd {stats['state']}, up {stats['uptime_s']:.0f} s; latencies over the last minute, "
              "throughput over the last 10 s"]
     header = (f"{'model':<14}{'version':<10}{'requests':>9}{'not ok':>8}{'samples':>9}{'p50 ms':>9}{'p99 ms':>9}"
-              f"{'queue p99':>10}{'compute p99':>12}{'samples/s':>10}{'batch':>7}{'queued':>7}{'peak':>6}")
+              f"{'queue p99':>10}{'compute p99':>12}{'samples/s':>10}{'goodput/s':>10}{'batch':>7}{'queued':>7}"
+              f"{'peak':>6}")
     lines += ["", header]
     for name, model in stats["models"].items():
         for version, part in [("all", model), *model["versions"].items()]:
@@ -232,9 +250,11 @@ def _stats_table(stats: dict[str, Any]) -> str:
                 f"{(name if version == 'all' else ''):<14}{version + ('*' if live else ''):<10}{requests:>9}"
                 f"{requests - part['requests'].get('ok', 0):>8}{part['samples']:>9}{latency['total']['p50']:>9.2f}"
                 f"{latency['total']['p99']:>9.2f}{latency['queue']['p99']:>10.2f}{latency['compute']['p99']:>12.2f}"
-                f"{part['throughput']['samples_per_s_10s']:>10.1f}{part['batch_size']['mean']:>7.1f}"
+                f"{part['throughput']['samples_per_s_10s']:>10.1f}{part['goodput']['requests_per_s_10s']:>10.1f}"
+                f"{part['batch_size']['mean']:>7.1f}"
                 + (f"{model['queue_depth']:>7}{part['queue_depth_peak_60s']:>6}" if version == "all" else "")
             )
+    lines += _scheduling_lines(stats)
     lines += ["", f"{'worker':<8}{'pid':>8}  {'device':<8}{'state':<10}{'busy':>5}{'batches':>9}{'restarts':>9}"
                   f"{'rss MiB':>9}{'cpu %':>7}{'growth MiB':>11}  gpu"]
     for w in stats["workers"]:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import zmq
@@ -152,7 +152,8 @@ class _Call:
 FromRegion = Callable[[protocol.TensorMeta], np.ndarray]  # an output written to a region -> a view of it
 
 
-class _Cancel(NamedTuple):
+@dataclass(frozen=True)
+class _Cancel:
     """A call whose future was cancelled: the daemon is to be told."""
 
     call_id: int

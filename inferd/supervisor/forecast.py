@@ -70,7 +70,7 @@ class Forecast:
         version = self._live.get(model)
         if full is None or version is None:
             return None
-        executors = self._workers.executors_for(model, version)
+        executors = self._workers.executors_serving(model, version)
         if not executors:
             return None
         ahead = self._queue.samples_ahead(model, priority) + samples

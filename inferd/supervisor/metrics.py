@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from inferd.supervisor.report import requests_by_protocol, worker_report
+from inferd.supervisor.report import admission_estimate_s, requests_by_protocol, worker_report
 from inferd.supervisor.state import StartupError
 from inferd.supervisor.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
 
@@ -73,6 +74,7 @@ def build_families(daemon: DaemonView) -> list[Metric]:
         live.add_metric([model, daemon.live[model]], 1)
     families: list[Metric] = [requests, samples, *durations.values(), batch_size, queue_depth, live]
     families += _worker_families(daemon)
+    families += _scheduling_families(daemon, per_model)
     by_protocol = CounterMetricFamily("inferd_requests_by_protocol", "Requests answered, by protocol and status.",
                                       labels=["model", "protocol", "status"])
     for model in daemon.live:
@@ -84,6 +86,39 @@ def build_families(daemon: DaemonView) -> list[Metric]:
     undelivered.add_metric([], daemon.stats.undelivered)
     families.append(undelivered)
     return families
+
+
+def _scheduling_families(daemon: DaemonView, per_model: dict[str, Series]) -> list[Metric]:
+    """Priority levels, goodput and deadline-aware admission."""
+    by_level = CounterMetricFamily("inferd_requests_by_priority", "Requests answered, by priority level and status.",
+                                   labels=["model", "priority", "status"])
+    level_durations = HistogramMetricFamily("inferd_request_duration_by_priority_seconds",
+                                            "Time from a request's arrival to its ok reply, by priority level.",
+                                            labels=["model", "priority"])
+    for (model, level), level_series in sorted(daemon.stats.levels.items()):
+        for status, count in sorted(level_series.replies.items()):
+            by_level.add_metric([model, str(level), status], count)
+        _histogram(level_durations, [model, str(level)], level_series.total)
+    good = CounterMetricFamily("inferd_goodput_requests", "Requests answered ok within their deadline.",
+                               labels=["model"])
+    good_rate = GaugeMetricFamily("inferd_goodput_requests_per_second",
+                                  "Requests answered ok within their deadline per second, over the last 10 s.",
+                                  labels=["model"])
+    estimate = GaugeMetricFamily("inferd_admission_estimate_seconds",
+                                 "When a new request at the default priority would finish at the soonest "
+                                 "(absent until the model's compute time is known).", labels=["model"])
+    refused = CounterMetricFamily("inferd_deadline_refusals", "Requests refused at once as sure to miss their "
+                                  "deadline.", labels=["model"])
+    now = time.monotonic()
+    ten, ten_s = daemon.stats.recent(now, 10)
+    for model, series in per_model.items():
+        good.add_metric([model], series.good)
+        good_rate.add_metric([model], sum(s.good for (name, _), s in ten.items() if name == model) / ten_s)
+        seconds = admission_estimate_s(daemon, model, now)
+        if seconds is not None:
+            estimate.add_metric([model], seconds)
+        refused.add_metric([model], daemon.stats.deadline_refusals[model])
+    return [by_level, level_durations, good, good_rate, estimate, refused]
 
 
 def _worker_families(daemon: DaemonView) -> list[Metric]:

@@ -40,6 +40,28 @@ def _series_report(since_start: Series, minute: Series, ten: Series, minute_s: f
             "distribution": {str(size): n for size, n in sorted(since_start.batch_sizes.items())},
         },
         "queue_depth_peak_60s": minute.queue_peak,
+        "goodput": {
+            "requests_per_s_10s": round(ten.good / ten_s, 1),
+            "requests_per_s_60s": round(minute.good / minute_s, 1),
+            "requests": since_start.good,
+        },
+    }
+
+
+def admission_estimate_s(daemon: DaemonView, model: str, now: float) -> float | None:
+    """When a one-sample request at the default priority, arriving now, would finish at the soonest
+    (seconds; None while the model's compute time is not known): what admission compares with its deadline."""
+    config = daemon.config
+    return daemon.forecast.finish_in(model, config.models[model].max_batch_size, config.queue.default_priority,
+                                     1, now)
+
+
+def priority_report(daemon: DaemonView, model: str) -> dict[str, Any]:
+    """Replies and ok latency since start of each priority level of `model` that saw requests."""
+    return {
+        str(level): {"requests": dict(series.replies), "latency_ms": series.total.summary_ms()}
+        for (name, level), series in sorted(daemon.stats.levels.items())
+        if name == model
     }
 
 
@@ -112,6 +134,12 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
             **_series_report(totals[0], totals[1], totals[2], minute_s, ten_s),
             "requests_by_protocol": requests_by_protocol(daemon, name, totals[0].replies),
             "queue_depth": daemon.queue.depth(name),
+            "priorities": priority_report(daemon, name),
+            "admission": {
+                "estimate_ms": None if (estimate := admission_estimate_s(daemon, name, now)) is None
+                else round(estimate * 1000, 3),
+                "refused_as_late": daemon.stats.deadline_refusals[name],
+            },
             "versions": versions,
         }
     return {

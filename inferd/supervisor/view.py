@@ -11,6 +11,7 @@ from typing import Protocol
 
 from inferd.config import Config
 from inferd.supervisor.batcher import BatchQueue
+from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.gateway import Gateway
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.probes import Probes
@@ -63,6 +64,10 @@ class DaemonView(Protocol):
     @property
     def reloads(self) -> ReloadManager:
         """Reloads running, and the way to start one."""
+
+    @property
+    def forecast(self) -> Forecast:
+        """Compute times, and when a new request would finish."""
 
     @property
     def probes(self) -> Probes:

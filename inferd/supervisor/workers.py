@@ -461,15 +461,19 @@ class WorkerTable:
 
     # -- batches ----------------------------------------------------------------
 
-    def executors_for(self, model: str, version: str) -> list[ExecutorHandle]:
-        """Executors that can run `version` of `model` now (said hello, on a ready worker that has it)."""
+    def executors_serving(self, model: str, version: str) -> list[ExecutorHandle]:
+        """Executors that serve `version` of `model`, busy or not (said hello, on a ready worker that has it)."""
         return [
             executor
             for worker in self.workers
-            if worker.serves(model, version) and worker.slots.free
+            if worker.serves(model, version)
             for executor in worker.executors
             if executor.identity is not None
         ]
+
+    def executors_for(self, model: str, version: str) -> list[ExecutorHandle]:
+        """Executors that can run `version` of `model` now: those serving it on a worker with a free slot."""
+        return [executor for executor in self.executors_serving(model, version) if executor.worker.slots.free]
 
     def batch_sent(self, executor: ExecutorHandle, requests: int, now: float, expected_s: float) -> None:
         """`executor` holds one more batch, of `requests` requests, expected to compute in `expected_s`."""
