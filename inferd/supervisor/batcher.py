@@ -307,14 +307,14 @@ class BatchQueue:
     def next_wakeup(self, now: float) -> float | None:
         """Seconds until the policy may change its mind by itself (a batch ages, a deadline passes).
 
-        A lane already full or aged is not counted: it waits for an executor, whose
-        answer wakes the loop anyway.
+        A lane with a fixed window already full or aged is not counted: it waits for an
+        executor, whose answer wakes the loop anyway.
         """
         times = []
         for lane in self._lanes.values():
-            if not lane.samples or lane.samples >= lane.policy.max_batch_size:
-                continue
             wait = lane.policy.max_wait_s
+            if not lane.samples or (wait is not None and lane.samples >= lane.policy.max_batch_size):
+                continue
             due = lane.go_at if wait is None else lane.oldest().received + wait
             if due is not None and due > now:
                 times.append(due)
@@ -340,19 +340,19 @@ class BatchQueue:
         return drained
 
     def _due(self, name: str, lane: _ModelQueue, room: Capacity, now: float) -> bool:
-        """Whether a lane's batch goes behind a running one now: it is full, or its window is over."""
-        if lane.samples >= lane.policy.max_batch_size:
-            return True
+        """Whether a lane's batch goes behind a running one now: with a fixed window, when it is full or
+        its oldest request has waited the window; with "auto", when an executor is about to be free."""
         wait = lane.policy.max_wait_s
         if wait is not None:
-            return now - lane.oldest().received >= wait
-        # "auto": the batch could not start before an executor is free anyway, so it gathers company
-        # until just before then, unless its most pressing deadline needs it sent sooner.
+            return lane.samples >= lane.policy.max_batch_size or now - lane.oldest().received >= wait
+        # "auto": the batch could not start before an executor is free anyway, so it is formed just
+        # before then (unless its most pressing deadline needs it sent sooner): a partial one gathers
+        # company, and a full one takes in the urgent requests that came meanwhile instead of leaving
+        # them to wait behind it.
         go_at = room.free_at - AUTO_LEAD_S
-        compute = self._times.batch_s(name, lane.samples)
+        compute = self._times.batch_s(name, min(lane.samples, lane.policy.max_batch_size))
         if compute is not None:
-            # A partial batch holds fewer than max_batch_size requests: the scan is short.
-            soonest = min(r.deadline for level in lane.levels for r in level)
+            soonest = min(r.deadline for r in self._plan(lane))
             go_at = min(go_at, soonest - compute - AUTO_LEAD_S)
         lane.go_at = go_at
         return now >= go_at
@@ -364,28 +364,36 @@ class BatchQueue:
         starved = [index for index in waiting if lane.passed[index] >= patience]
         return starved[0] if starved else waiting[0]
 
-    def _pop_batch(self, lane: _ModelQueue) -> list[QueuedRequest]:
+    def _plan(self, lane: _ModelQueue) -> list[QueuedRequest]:
+        """The requests the lane's next batch takes, in order: the oldest of the leading level, then of
+        each other level, most urgent first, while their samples fit in max_batch_size."""
+        limit = lane.policy.max_batch_size
         batch: list[QueuedRequest] = []
         samples = 0
-        limit = lane.policy.max_batch_size
-        waiting = [bool(level) for level in lane.levels]
         leader = self._leader(lane)
-        order = [leader, *(index for index in range(len(lane.levels)) if index != leader)]
-        for index in order:
-            level = lane.levels[index]
-            taken = 0
-            # The first request always goes, even over a max_batch_size lowered (SIGHUP) since it was
-            # accepted: the slot was sized for the old limit, and leaving it would jam the lane.
-            while level and (not batch or samples + level[0].samples <= limit):
-                request = level.popleft()
-                request.state = TAKEN
-                self._left(request)
-                samples += request.samples
-                taken += request.samples
+        for index in (leader, *(index for index in range(len(lane.levels)) if index != leader)):
+            for request in lane.levels[index]:
+                # The first request always goes, even over a max_batch_size lowered (SIGHUP) since it was
+                # accepted: the slot was sized for the old limit, and leaving it would jam the lane.
+                if batch and samples + request.samples > limit:
+                    break
                 batch.append(request)
-            lane.level_samples[index] -= taken
-            lane.passed[index] = lane.passed[index] + 1 if waiting[index] and not taken else 0
-        lane.samples -= samples
+                samples += request.samples
+        return batch
+
+    def _pop_batch(self, lane: _ModelQueue) -> list[QueuedRequest]:
+        batch = self._plan(lane)
+        taken = [0] * len(lane.levels)
+        for request in batch:  # each level's planned requests are the head of its deque, in order
+            lane.levels[request.priority].popleft()
+            request.state = TAKEN
+            self._left(request)
+            taken[request.priority] += request.samples
+        for index, samples in enumerate(taken):
+            waited = lane.level_samples[index] > 0
+            lane.level_samples[index] -= samples
+            lane.samples -= samples
+            lane.passed[index] = lane.passed[index] + 1 if waited and not samples else 0
         self._drop_settled_deadlines()
         return batch
 

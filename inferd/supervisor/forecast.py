@@ -13,7 +13,7 @@ import math
 
 from inferd.supervisor.batcher import BatchQueue
 from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.workers import WorkerTable
+from inferd.supervisor.workers import PIPELINE_DEPTH, WorkerTable
 
 SMOOTHING = 0.2  # weight of the newest batch in a band's average: a few batches follow a change
 
@@ -57,6 +57,23 @@ class Forecast:
         self._queue = queue
         self._workers = workers
         self._live = live
+
+    def too_late(self, model: str, max_batch: int, priority: int, samples: int, timeout_s: float,
+                 now: float) -> float | None:
+        """The finish estimate of a new request (see finish_in) when it passes `timeout_s`; None when the
+        request can make it, or nothing is known.
+
+        This runs for every request, so a bound that takes no look at the executors comes first: each
+        holds at most PIPELINE_DEPTH batches, none expected to take longer than a full one.
+        """
+        full = self.times.batch_s(model, max_batch)
+        if full is None:
+            return None
+        waiting = self._queue.samples_ahead(model, priority) + samples
+        if timeout_s > (PIPELINE_DEPTH + 1 + waiting / max_batch) * full:
+            return None
+        estimate = self.finish_in(model, max_batch, priority, samples, now)
+        return estimate if estimate is not None and estimate > timeout_s else None
 
     def finish_in(self, model: str, max_batch: int, priority: int, samples: int, now: float) -> float | None:
         """Seconds from `now` until a new request of `samples` samples at `priority` would be answered, at

@@ -278,8 +278,8 @@ class Frontend:
         client = (id(reply_to.socket), reply_to.envelope[0])
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,
                                priority, places=places)
-        finish = self.forecast.finish_in(name, model.max_batch_size, priority, samples, now)
-        if finish is not None and finish > timeout:
+        finish = self.forecast.too_late(name, model.max_batch_size, priority, samples, timeout, now)
+        if finish is not None:
             self.stats.deadline_refusals[name] += 1
             self.reply_error(queued, protocol.OVERLOADED,
                              f"it would finish in {finish * 1000:.0f} ms at the soonest (the work ahead of it, "
