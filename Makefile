@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs proto bench bench-curve bench-reload bench-soak clean
+.PHONY: demo test docs proto bench bench-curve bench-priority bench-reload bench-soak clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -29,10 +29,15 @@ bench: $(STAMP)
 	$(PY) -m bench.run
 	$(PY) -m bench.shm_echo
 
+# max_wait_ms 0, 2, 5 and "auto", concurrency 1..128, per model (about 3 minutes each).
 bench-curve: $(STAMP)
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m bench.curve --model mlp
 	$(PY) -m bench.curve --model cnn
+
+# An urgent and a default-level client at 3x capacity for 30 s (about a minute in all).
+bench-priority: $(STAMP)
+	$(PY) -m bench.priority
 
 bench-reload: $(STAMP)
 	$(PY) -m bench.reload

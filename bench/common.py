@@ -39,6 +39,33 @@ def run_loadgen(*args: Any, **kwargs: Any) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def open_loop_command(endpoint: str, model: str, shape: tuple[int, ...], rate: float, seconds: float,
+                      warmup: float = 2.0, priority: int | None = None, timeout_ms: int = 1000,
+                      at: float | None = None, seed: int = 0, dtype: str = "float32") -> list[str]:
+    """The command line of one open-loop load generator run (`rate` requests/s whatever the replies)."""
+    command = [sys.executable, "-m", "bench.loadgen", "--endpoint", endpoint, "--model", model,
+               "--shape", ",".join(map(str, shape)), "--rate", str(rate), "--seconds", str(seconds),
+               "--warmup", str(warmup), "--timeout-ms", str(timeout_ms), "--seed", str(seed), "--dtype", dtype]
+    command += ["--priority", str(priority)] if priority is not None else []
+    return command + (["--at", repr(at)] if at is not None else [])
+
+
+def run_open_loops(commands: list[list[str]]) -> list[dict[str, Any]]:
+    """Run load generators side by side, each in its own process, and return their JSON lines."""
+    processes = [subprocess.Popen(c, cwd=ROOT, stdout=subprocess.PIPE, text=True) for c in commands]
+    try:
+        outs = [p.communicate()[0] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, command in zip(processes, commands):
+        if p.returncode:
+            raise subprocess.CalledProcessError(p.returncode, command)
+    return [json.loads(out.strip().splitlines()[-1]) for out in outs]
+
+
 def run_oip_loadgen(protocol: str, address: str, model: str, shape: tuple[int, ...], concurrency: int,
                     seconds: float, warmup: float = 2.0) -> dict[str, Any]:
     """Run the Open Inference Protocol's load generator in its own process and return its JSON line."""
