@@ -140,7 +140,6 @@ class Cancel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field=
     computed; if its batch runs, its result is dropped and it is answered `cancelled`."""
 
     id: RequestId
-    peer: str | None = None
 
 
 Op = RegionOp | Cancel
