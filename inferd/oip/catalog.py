@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from inferd import protocol
-from inferd.config import Config, ModelConfig
+from inferd.config import Config, ModelConfig, QueueConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.shm import EXTENSION, InRegion
@@ -22,6 +23,8 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parame
 # What either protocol answers when the gateway itself raised.
 GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
+# The supervisor's sentence for a priority level it does not have (supervisor/frontend.py).
+_NOT_A_LEVEL = re.compile(r"^priority (\d+) is not a level; this daemon has levels 0 \(the most urgent\) to (\d+)$")
 
 class NotFound(Exception):
     """No such model, or not that version of it; the message says which."""
@@ -51,10 +54,11 @@ class GivenInput(NamedTuple):
 
 class Requested(NamedTuple):
     """A checked request: its inputs in the model's order as (metadata, bytes or None for one in a region),
-    its deadline."""
+    its deadline, its priority as inferd's level (None: queue.default_priority)."""
 
     inputs: list[tuple[protocol.TensorMeta, Buffer | None]]
     timeout_ms: int | None
+    level: int | None = None
 
     @property
     def samples(self) -> int:
@@ -74,11 +78,38 @@ def timeout_ms(timeout: Any) -> int:
     return max(1, math.ceil(timeout / 1000))
 
 
+def priority_level(priority: Any) -> int | None:
+    """The protocol's `priority` parameter as inferd's priority level, None for the default.
+
+    Triton's convention, which its clients follow: 0 (or none) is the default level, 1 the most urgent,
+    and N is inferd's level N - 1 (inferd's levels start at 0, the most urgent). tritonclient sends
+    `priority=` only when it is not 0 (an int in the HTTP JSON, a uint64_param over gRPC), so passing the
+    number through unchanged would leave its users no way to reach level 0, and with the default two
+    levels none to rise above the default. One past the daemon's levels is the daemon's to refuse (its
+    levels can change in a reload this process does not see)."""
+    if priority is None:
+        return None
+    if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
+        raise InvalidRequest(f"parameters.priority must be a whole number, 0 (the default) or 1 (the most "
+                             f"urgent) and up; got {priority!r}")
+    return None if priority == 0 else priority - 1
+
+
+def priority_refusal(error: str) -> str:
+    """The daemon's sentence refusing a request's priority level, in the protocol's numbers; any other
+    sentence as it is."""
+    refused = _NOT_A_LEVEL.match(error)
+    if refused is None:
+        return error
+    return (f"parameters.priority {int(refused[1]) + 1} is not a level; this daemon takes 1 (the most urgent) "
+            f"to {int(refused[2]) + 1}, or 0 for its default")
+
+
 class ModelView:
     """One model as the protocol sees it."""
 
     def __init__(self, name: str, config: ModelConfig, state: dict[str, Any], streams: int,
-                 devices: list[str]) -> None:
+                 devices: list[str], queue: QueueConfig) -> None:
         self.name = name
         self.config = config
         self.version: str = state["live_version"]
@@ -88,6 +119,7 @@ class ModelView:
         self.output_names = [output_name(config, i) for i in range(len(self.outputs))]
         self._streams = streams
         self._devices = devices
+        self._queue = queue  # the daemon's priority levels
 
     def metadata(self) -> dict[str, Any]:
         """The model metadata response."""
@@ -101,7 +133,7 @@ class ModelView:
     def triton_config(self) -> dict[str, Any]:
         """The model configuration extension's answer: the Triton config perf_analyzer reads."""
         gpus = [int(d.split(":")[1]) for d in self._devices if d.startswith("cuda:")]
-        return {
+        config = {
             "name": self.name, "platform": "pytorch_libtorch", "backend": "pytorch",
             "max_batch_size": self.config.max_batch_size,
             "input": [{"name": n, "data_type": tensors.TRITON_TYPES[s.dtype], "dims": list(s.shape)}
@@ -112,17 +144,25 @@ class ModelView:
             "instance_group": [{"kind": "KIND_GPU", "count": self._streams, "gpus": gpus}] if gpus
             else [{"kind": "KIND_CPU", "count": self._streams * max(1, len(self._devices))}],
         }
+        if self.config.max_wait_ms == "auto":
+            # Triton's window is a fixed delay; the "auto" window has none to give, so it names itself
+            # in the model's parameters.
+            config["parameters"] = {"max_wait_ms": {"string_value": "auto"}}
+        return config
 
     def _dynamic_batching(self) -> dict[str, Any]:
-        """Triton's dynamic_batching block: a fixed window as its queue delay; the "auto" window has none
-        to give, so it says 0 and names itself in a parameter."""
+        """Triton's dynamic_batching block: a fixed window as its queue delay (the "auto" window says 0),
+        and the priority levels in Triton's numbers, which `parameters.priority` takes (priority_level):
+        inferd's levels 0 to priority_levels - 1 are Triton's 1 to priority_levels, and its default level
+        is default_priority + 1."""
         wait = self.config.max_wait_ms
-        if wait == "auto":
-            return {"max_queue_delay_microseconds": 0, "parameters": {"max_wait_ms": {"string_value": "auto"}}}
-        return {"max_queue_delay_microseconds": int(wait * 1000)}
+        return {"max_queue_delay_microseconds": 0 if wait == "auto" else int(wait * 1000),
+                "priority_levels": self._queue.priority_levels,
+                "default_priority_level": self._queue.default_priority + 1}
 
-    def request(self, given: Sequence[GivenInput], timeout: Any = None) -> Requested:
-        """Check a request's inputs against the model and take each one's bytes (InvalidRequest if wrong)."""
+    def request(self, given: Sequence[GivenInput], timeout: Any = None, priority: Any = None) -> Requested:
+        """Check a request's inputs, deadline and priority against the model and take each input's bytes
+        (InvalidRequest if wrong)."""
         if not given:
             raise InvalidRequest(f"the request has no inputs; {self.name} takes {', '.join(self.inputs)}")
         by_name: dict[str, tuple[protocol.TensorMeta, Buffer | None]] = {}
@@ -151,7 +191,8 @@ class ModelView:
         missing = [n for n in self.inputs if n not in by_name]
         if missing:
             raise InvalidRequest(f"the request lacks input {missing[0]!r}; {self.name} takes {', '.join(self.inputs)}")
-        return Requested([by_name[n] for n in self.inputs], None if timeout is None else timeout_ms(timeout))
+        return Requested([by_name[n] for n in self.inputs], None if timeout is None else timeout_ms(timeout),
+                         priority_level(priority))
 
     def place(self, name: str, region: InRegion, samples: int) -> protocol.OutputPlace:
         """Where output `name` of a request of `samples` samples goes: InvalidRequest if it does not fit."""
@@ -192,7 +233,7 @@ class Catalog:
                 if time.monotonic() - self._read_at > FRESH_S:
                     state = await self._control.call("models")
                     self._views = {model: ModelView(model, self.config.models[model], state[model],
-                                                    self.config.workers.streams, self._devices)
+                                                    self.config.workers.streams, self._devices, self.config.queue)
                                    for model in state if model in self.config.models}
                     self._read_at = time.monotonic()
         view = self._views[name]

@@ -5,6 +5,9 @@ uvicorn closes a connection that idles between requests (keep-alive), but not on
 finishes its request head or body, and it keeps every header it is sent. The guard adds a deadline
 for each request head and one for its body, and bounds on its headers and target, so a slow-loris
 client costs one socket for at most HEAD_TIMEOUT_S, or BODY_IDLE_S after the last byte of its body.
+
+It also tells a request whose answer is awaited that its connection ended (Watch, in its scope), so
+the request can be taken out of the daemon's queue: nobody is left to read its answer.
 """
 
 from __future__ import annotations
@@ -35,7 +38,41 @@ MAX_HEAD_BYTES = 64 << 10  # request line and headers together
 
 
 CONNECTION = "inferd.connection"  # the scope's key for the name of the connection a request came on
+WATCH = "inferd.watch"  # the scope's key for the connection's Watch
 _numbers = itertools.count(1)
+
+
+class Watch:
+    """What runs when a connection ends: the callbacks of the requests on it that await their answers."""
+
+    __slots__ = ("_callbacks", "_read_on", "lost")
+
+    def __init__(self, read_on: Callable[[], None]) -> None:
+        self.lost = False
+        self._callbacks: set[Callable[[], object]] = set()
+        self._read_on = read_on
+
+    def add(self, callback: Callable[[], object]) -> bool:
+        """Call `callback` once, should the connection end before discard(callback); False (and it is not
+        added) when it has ended already."""
+        if self.lost:
+            return False
+        # A client's close is seen only while the connection is read (uvicorn pauses reading behind a
+        # large body); what a client sends meanwhile is a pipelined request, which uvicorn bounds.
+        self._read_on()
+        self._callbacks.add(callback)
+        return True
+
+    def discard(self, callback: Callable[[], object]) -> None:
+        """No longer call `callback`."""
+        self._callbacks.discard(callback)
+
+    def end(self) -> None:
+        """The connection has ended: run and forget every callback."""
+        self.lost = True
+        callbacks, self._callbacks = self._callbacks, set()
+        for callback in callbacks:
+            callback()
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -51,21 +88,26 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._refusal: str | None = None
         self._name = ""
+        self._watch: Watch | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         host, port = self.client or ("", 0)
         self._name = f"{peer_name(host, port)}/{next(_numbers)}"
+        self._watch = Watch(self.flow.resume_reading)
         self._set_timer(HEAD_TIMEOUT_S, "no complete request head")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_timer(None)
         super().connection_lost(exc)
+        if self._watch is not None:
+            self._watch.end()
         self.closed(self._name)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope[CONNECTION] = self._name  # type: ignore[literal-required] # an extension of this server
+        self.scope[WATCH] = self._watch  # type: ignore[literal-required]
         self._head_bytes = 0
         if self._timer is None:
             self._set_timer(HEAD_TIMEOUT_S, "no complete request head")

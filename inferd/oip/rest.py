@@ -12,23 +12,37 @@ each binary input's size in its `parameters.binary_data_size`). Bodies may be
 gzip or deflate. A tensor whose parameters name a `shared_memory_region` lies
 in a region the client registered over the same connection (oip/shm.py).
 Every error is `{"error": SENTENCE}` with the status the protocol gives it.
+
+A client that closes its connection while its request waits for the daemon takes the request out
+of the queue (or has its result dropped, if its batch runs): the gateway sends the supervisor a
+cancel and answers no one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import zlib
-from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
 from inferd import __version__, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
-from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, Requested
-from inferd.oip.http_server import CONNECTION
+from inferd.oip.catalog import (
+    EXTENSIONS,
+    GATEWAY_BUG,
+    Catalog,
+    GivenInput,
+    ModelView,
+    NotFound,
+    Requested,
+    priority_refusal,
+)
+from inferd.oip.http_server import CONNECTION, WATCH, Watch
 from inferd.oip.shm import InRegion, SharedMemory, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 from inferd.protocol import ReplyHeader
@@ -39,13 +53,17 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+# Each status as the HTTP status google.rpc.Code gives its gRPC twin (rpc.GRPC_STATUS). `cancelled` is
+# 499 (CANCELLED's, "Client Closed Request"): the gateway cancels a request only once its client has
+# gone, so a client that still reads it should never see one.
 HTTP_STATUS = {
     protocol.INVALID: 400, protocol.OVERLOADED: 429, protocol.TIMEOUT: 504,
-    protocol.UNAVAILABLE: 503, protocol.INTERNAL: 500,
+    protocol.UNAVAILABLE: 503, protocol.INTERNAL: 500, protocol.CANCELLED: 499,
 }
 MAX_HEADER_JSON = 1 << 20  # the JSON part of a binary request: names, shapes and parameters, never data
 _ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$")
 _SHM_ROUTE = re.compile(r"^/v2/systemsharedmemory(?:/region/([^/]+))?/(status|register|unregister)$")
+T = TypeVar("T")
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 
@@ -216,17 +234,40 @@ class RestApp:
             places = parsed.places(model)
         except InvalidRequest as exc:
             raise HttpError(400, exc.message) from None
-        reply, outputs = await self.upstream.infer(model.name, version, parsed.requested.inputs,
-                                                   parsed.requested.timeout_ms, places,
-                                                   _peer(scope) if places or parsed.requested.in_regions else None)
+        requested = parsed.requested
+        reply, outputs = await _unless_gone(scope, self.upstream.infer(
+            model.name, version, requested.inputs, requested.timeout_ms, places,
+            _peer(scope) if places or requested.in_regions else None, requested.level))
         if reply.status != protocol.OK:
             extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
-            raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
+            raise HttpError(HTTP_STATUS.get(reply.status, 500), priority_refusal(reply.error or reply.status), extra)
         json_part, binary = parsed.response(model, reply, outputs)
         encoded = _encode(json_part)
         if not binary:
             return 200, encoded, []
         return 200, b"".join([encoded, *binary]), [(b"inference-header-content-length", str(len(encoded)).encode())]
+
+
+async def _unless_gone(scope: Scope, answer: Coroutine[Any, Any, T]) -> T:
+    """Await `answer`, unless the client's connection ends first: then cancel it (the upstream tells
+    the supervisor) and raise ConnectionAbortedError (nobody is left to answer)."""
+    watch: Watch | None = scope.get(WATCH)
+    task = asyncio.current_task()
+    if watch is None or task is None:
+        return await answer
+    cancel = task.cancel
+    if not watch.add(cancel):
+        answer.close()
+        raise ConnectionAbortedError
+    try:
+        return await answer
+    except asyncio.CancelledError:
+        if not watch.lost:
+            raise
+        task.uncancel()  # the cancel was the watch's, not the server's: this request ends here
+        raise ConnectionAbortedError from None
+    finally:
+        watch.discard(cancel)
 
 
 def _peer(scope: Scope) -> str:
@@ -307,7 +348,7 @@ class JsonRequest(NamedTuple):
                 raise InvalidRequest(f"{what} has neither data nor parameters.binary_data_size")
             inputs.append(GivenInput(entry.get("name"), entry.get("datatype"), entry.get("shape"), raw,
                                      entry.get("data"), region))
-        requested = model.request(inputs, parameters.get("timeout"))
+        requested = model.request(inputs, parameters.get("timeout"), parameters.get("priority"))
         if offset != len(binary):
             raise InvalidRequest(f"{len(binary) - offset} bytes of binary data follow that no input claims")
         binary_default = parameters.get("binary_data_output", False) is True

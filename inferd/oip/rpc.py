@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import grpc.aio
@@ -25,17 +25,18 @@ from inferd.config import ServerConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
-from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound
+from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, priority_refusal
 from inferd.oip.shm import SharedMemory, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.grpc")
 
 SERVICE = "inference.GRPCInferenceService"
+Call: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"  # what each method is given besides its request
 GRPC_STATUS = {
     protocol.INVALID: grpc.StatusCode.INVALID_ARGUMENT, protocol.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     protocol.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED, protocol.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    protocol.INTERNAL: grpc.StatusCode.INTERNAL,
+    protocol.INTERNAL: grpc.StatusCode.INTERNAL, protocol.CANCELLED: grpc.StatusCode.CANCELLED,
 }
 # The typed list each datatype's values may come in; FP16 and BF16 have none (raw bytes only).
 CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents", "INT16": "int_contents",
@@ -92,6 +93,15 @@ def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
     return given
 
 
+def _within_deadline(timeout_ms: int | None, remaining_s: float | None) -> int | None:
+    """The request's deadline: its `timeout` parameter's, or the call's if that is sooner (or the only one),
+    so the daemon does not compute what no one will read."""
+    if remaining_s is None:
+        return timeout_ms
+    left_ms = max(1, int(remaining_s * 1000))
+    return left_ms if timeout_ms is None else min(timeout_ms, left_ms)
+
+
 def _set_parameters(target: Any, parameters: dict[str, Any]) -> None:
     for key, value in parameters.items():
         if isinstance(value, str):
@@ -109,48 +119,52 @@ class InferenceService:
         self.control = control
         self.shared_memory = shared_memory
 
-    async def server_live(self, request: pb.ServerLiveRequest, peer: str) -> pb.ServerLiveResponse:
+    async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
         await self.control.call("status")
         return pb.ServerLiveResponse(live=True)
 
-    async def server_ready(self, request: pb.ServerReadyRequest, peer: str) -> pb.ServerReadyResponse:
+    async def server_ready(self, request: pb.ServerReadyRequest, call: Call) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=(await self.control.call("health"))["healthy"])
 
-    async def server_metadata(self, request: pb.ServerMetadataRequest, peer: str) -> pb.ServerMetadataResponse:
+    async def server_metadata(self, request: pb.ServerMetadataRequest, call: Call) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="inferd", version=__version__, extensions=EXTENSIONS)
 
-    async def model_ready(self, request: pb.ModelReadyRequest, peer: str) -> pb.ModelReadyResponse:
+    async def model_ready(self, request: pb.ModelReadyRequest, call: Call) -> pb.ModelReadyResponse:
         return pb.ModelReadyResponse(ready=(await self._model(request.name, request.version)).ready)
 
-    async def model_metadata(self, request: pb.ModelMetadataRequest, peer: str) -> pb.ModelMetadataResponse:
+    async def model_metadata(self, request: pb.ModelMetadataRequest, call: Call) -> pb.ModelMetadataResponse:
         model = await self._model(request.name, request.version)
         return json_format.ParseDict(model.metadata(), pb.ModelMetadataResponse())
 
-    async def model_config(self, request: pb.ModelConfigRequest, peer: str) -> pb.ModelConfigResponse:
+    async def model_config(self, request: pb.ModelConfigRequest, call: Call) -> pb.ModelConfigResponse:
         model = await self._model(request.name, request.version)
         return pb.ModelConfigResponse(config=json_format.ParseDict(model.triton_config(), pb.ModelConfig()))
 
-    async def model_statistics(self, request: pb.ModelStatisticsRequest, peer: str) -> pb.ModelStatisticsResponse:
+    async def model_statistics(self, request: pb.ModelStatisticsRequest, call: Call) -> pb.ModelStatisticsResponse:
         if request.name:
             await self._model(request.name, request.version)
         statistics = await self.catalog.statistics(request.name or None, request.version or None)
         return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
 
-    async def model_infer(self, request: pb.ModelInferRequest, peer: str) -> pb.ModelInferResponse:
+    async def model_infer(self, request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
         version = request.model_version or None
         model = await self._model(request.model_name, request.model_version)
-        timeout = request.parameters.get("timeout")
-        requested = model.request(_given(request), None if timeout is None else _parameter(timeout))
+        timeout, priority = (request.parameters.get(key) for key in ("timeout", "priority"))
+        requested = model.request(_given(request), None if timeout is None else _parameter(timeout),
+                                  None if priority is None else _parameter(priority))
         wanted = {model.check_output(output.name) for output in request.outputs} or None
         regions = {output.name: region for output in request.outputs
                    if (region := region_parameters(_parameters(output.parameters), f"output {output.name!r}"))}
         places = [model.place(name, regions[name], requested.samples) if name in regions else None
                   for name in model.output_names] if regions else []
-        peer_if_needed = self.shared_memory.grpc_peer(peer) if places or requested.in_regions else None
-        reply, outputs = await self.upstream.infer(model.name, version, requested.inputs, requested.timeout_ms,
-                                                   places, peer_if_needed)
+        peer_if_needed = self.shared_memory.grpc_peer(call.peer()) if places or requested.in_regions else None
+        # Cancelled by its client, or past its deadline, the call's task is cancelled and with it the request.
+        reply, outputs = await self.upstream.infer(model.name, version, requested.inputs,
+                                                   _within_deadline(requested.timeout_ms, call.time_remaining()),
+                                                   places, peer_if_needed, requested.level)
         if reply.status != protocol.OK:
-            raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
+            raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL),
+                           priority_refusal(reply.error or reply.status))
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)
         frames = iter(outputs)
         raw: list[bytes] = []
@@ -169,22 +183,22 @@ class InferenceService:
         return response
 
     async def system_shared_memory_status(self, request: pb.SystemSharedMemoryStatusRequest,
-                                          peer: str) -> pb.SystemSharedMemoryStatusResponse:
+                                          call: Call) -> pb.SystemSharedMemoryStatusResponse:
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in await self.shared_memory.status(self.shared_memory.grpc_peer(peer), request.name or None):
+        for region in await self.shared_memory.status(self.shared_memory.grpc_peer(call.peer()), request.name or None):
             response.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
         return response
 
     async def system_shared_memory_register(self, request: pb.SystemSharedMemoryRegisterRequest,
-                                            peer: str) -> pb.SystemSharedMemoryRegisterResponse:
+                                            call: Call) -> pb.SystemSharedMemoryRegisterResponse:
         # A new connection from an address an old one had: its inode, not the old one's.
-        await self.shared_memory.register(self.shared_memory.grpc_peer(peer, fresh=True), request.name, request.key,
-                                          request.offset, request.byte_size)
+        await self.shared_memory.register(self.shared_memory.grpc_peer(call.peer(), fresh=True), request.name,
+                                          request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def system_shared_memory_unregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
-                                              peer: str) -> pb.SystemSharedMemoryUnregisterResponse:
-        await self.shared_memory.unregister(self.shared_memory.grpc_peer(peer), request.name or None)
+                                              call: Call) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self.shared_memory.unregister(self.shared_memory.grpc_peer(call.peer()), request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     async def _model(self, name: str, version: str) -> ModelView:
@@ -197,7 +211,7 @@ class InferenceService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The generic handler that serves every method of the service."""
-        methods: dict[str, tuple[Callable[[Any, str], Awaitable[Message]], type[Message]]] = {
+        methods: dict[str, tuple[Callable[[Any, Call], Awaitable[Message]], type[Message]]] = {
             "ServerLive": (self.server_live, pb.ServerLiveRequest),
             "ServerReady": (self.server_ready, pb.ServerReadyRequest),
             "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
@@ -218,17 +232,17 @@ class InferenceService:
         })
 
 
-def _answering(name: str, method: Callable[[Any, str], Awaitable[Message]],
+def _answering(name: str, method: Callable[[Any, Call], Awaitable[Message]],
                kind: type[Message]) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
     """`method` as a grpc handler: the request parsed from its bytes, every error a status and a sentence."""
 
-    async def handle(data: bytes, context: grpc.aio.ServicerContext) -> Message:
+    async def handle(data: bytes, context: Call) -> Message:
         try:
             try:
                 request = kind.FromString(data)
             except DecodeError:
                 raise InvalidRequest(f"the request is not a {kind.DESCRIPTOR.full_name} message") from None
-            return await method(request, context.peer())
+            return await method(request, context)
         except RpcError as exc:
             code, message = exc.code, exc.message
         except InvalidRequest as exc:

@@ -52,15 +52,22 @@ class Upstream:
     async def infer(self, model: str, version: str | None,
                     inputs: Sequence[tuple[protocol.TensorMeta, Buffer | None]], timeout_ms: int | None,
                     outputs: Sequence[protocol.OutputPlace | None] = (),
-                    peer: str | None = None) -> tuple[ReplyHeader, list[memoryview]]:
+                    peer: str | None = None, priority: int | None = None) -> tuple[ReplyHeader, list[memoryview]]:
         """Send one request (each input's metadata and its bytes, None for one in a region, in the model's
-        order; `outputs`: where to write them, if in regions; `peer`: whose regions); its reply."""
+        order; `outputs`: where to write them, if in regions; `peer`: whose regions; `priority`: inferd's
+        level, None for the default); its reply.
+
+        Cancelled while it waits (its client went away: the HTTP connection closed, the gRPC call was
+        cancelled or passed its deadline), it tells the supervisor with a Cancel, which takes the request
+        out of the queue (or drops its result once its batch finishes); the supervisor's `cancelled` reply
+        then finds no one waiting and is dropped."""
         request_id = next(self._ids)
         header = protocol.RequestHeader(id=request_id, model=model, version=version, timeout_ms=timeout_ms,
-                                        inputs=tuple(meta for meta, _ in inputs), outputs=tuple(outputs), peer=peer)
+                                        priority=priority, inputs=tuple(meta for meta, _ in inputs),
+                                        outputs=tuple(outputs), peer=peer)
         frames = [protocol.encode_header(header), *(data for _, data in inputs if data is not None)]
         limit_s = (timeout_ms or self._default_timeout_ms) / 1000 + self._slack_s
-        return await self._exchange(request_id, frames, limit_s, model)
+        return await self._exchange(request_id, frames, limit_s, model, cancellable=True)
 
     async def region(self, kind: type[protocol.RegionOp], peer: str, **fields: Any) -> ReplyHeader:
         """Send a region message of `kind` for the client `peer`; the supervisor's answer."""
@@ -70,16 +77,13 @@ class Upstream:
                                         "a region message")
         return reply
 
-    async def _exchange(self, request_id: int, frames: list[Any], limit_s: float,
-                        what: str) -> tuple[ReplyHeader, list[memoryview]]:
+    async def _exchange(self, request_id: int, frames: list[Any], limit_s: float, what: str,
+                        cancellable: bool = False) -> tuple[ReplyHeader, list[memoryview]]:
         assert self._loop is not None
         future: asyncio.Future[tuple[ReplyHeader, list[memoryview]]] = self._loop.create_future()
         self._waiting[request_id] = future
         try:
-            self._socket.send_multipart(frames, copy=False)
-            if not self._read_soon:
-                self._read_soon = True
-                self._loop.call_soon(self._read)
+            self._send(frames)
             # The daemon answers every request by its deadline, or once its batch is found hung; should
             # that answer never come, the client still gets one.
             try:
@@ -88,8 +92,21 @@ class Upstream:
                 log.error("request %d (%s): no answer from the supervisor within %.0f s", request_id, what, limit_s)
                 return protocol.ReplyHeader(id=request_id, status=protocol.INTERNAL, error=(
                     f"the daemon did not answer within {limit_s:.0f} s (a bug; the daemon's log has more)")), []
+            except asyncio.CancelledError:
+                # wait_for raises this only when no reply came first. A cancel of a request the daemon has
+                # answered meanwhile does nothing.
+                if cancellable and not self._socket.closed:
+                    self._send([protocol.encode_op(protocol.Cancel(id=request_id))])
+                raise
         finally:
             self._waiting.pop(request_id, None)
+
+    def _send(self, frames: list[Any]) -> None:
+        assert self._loop is not None
+        self._socket.send_multipart(frames, copy=False)
+        if not self._read_soon:
+            self._read_soon = True
+            self._loop.call_soon(self._read)
 
     def _read(self) -> None:
         self._read_soon = False
