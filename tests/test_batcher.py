@@ -293,9 +293,16 @@ def test_auto_never_holds_a_request_past_the_time_its_deadline_needs_it_sent():
     assert q.take(cap(False, True, free_at=0.050), 0.0058) is not None
 
 
-def test_auto_forms_even_a_full_batch_just_before_the_executor_is_free_so_urgent_arrivals_join_it():
+def test_auto_sends_a_full_batch_at_once_while_no_more_urgent_traffic_is_about():
     q = levelled(wait=None, max_batch=2, times=Times(0.004))
-    q.put(request(rid=1))
+    q.put(request(rid=1, priority=1))
+    q.put(request(rid=2, priority=1))
+    assert q.take(cap(False, True, free_at=0.010), 0.0) is not None
+
+
+def test_auto_forms_a_full_batch_just_before_the_executor_is_free_so_urgent_arrivals_join_it():
+    q = levelled(wait=None, max_batch=2, times=Times(0.004))
+    q.put(request(rid=1, priority=0))
     assert q.take(cap(True, True, free_at=0.0), 0.0) is not None, "an idle executor gets whatever waits"
     q.put(request(rid=2, priority=1))
     q.put(request(rid=3, priority=1))

@@ -40,6 +40,7 @@ WAITING, TAKEN, EXPIRED, REMOVED = range(4)
 # The "auto" window sends a batch this long before its executor is expected to be free: the time to
 # stack it and for the worker to pick it up, so the executor never waits for it.
 AUTO_LEAD_S = 0.0003
+URGENT_MEMORY_S = 1.0  # a level that took a request this recently may send more: a full batch waits for them
 
 
 class Refusal(StrEnum):
@@ -114,6 +115,7 @@ class _ModelQueue:
     samples: int = 0
     level_samples: list[int] = field(default_factory=list)
     passed: list[int] = field(default_factory=list)  # per level: batches in a row it waited through unserved
+    seen: list[float] = field(default_factory=list)  # per level: when its latest request arrived
     go_at: float | None = None  # the "auto" window: when the waiting partial batch goes
 
     def __len__(self) -> int:
@@ -183,7 +185,8 @@ class BatchQueue:
                 self._lanes[name].policy = policy
             else:
                 self._lanes[name] = _ModelQueue(policy, [deque() for _ in range(levels.count)],
-                                                level_samples=[0] * levels.count, passed=[0] * levels.count)
+                                                level_samples=[0] * levels.count, passed=[0] * levels.count,
+                                                seen=[-math.inf] * levels.count)
                 self._order.append(name)
         if relevel:
             for lane in self._lanes.values():
@@ -191,6 +194,7 @@ class BatchQueue:
                 lane.levels = [deque() for _ in range(levels.count)]
                 lane.level_samples = [0] * levels.count
                 lane.passed = [0] * levels.count
+                lane.seen = [-math.inf] * levels.count
                 for request in waiting:
                     request.priority = min(request.priority, levels.count - 1)
                     lane.levels[request.priority].append(request)
@@ -233,6 +237,7 @@ class BatchQueue:
         lane.levels[request.priority].append(request)
         lane.samples += request.samples
         lane.level_samples[request.priority] += request.samples
+        lane.seen[request.priority] = request.received
         self._size += 1
         self.nbytes += nbytes
         self._per_client[client] += 1
@@ -347,13 +352,18 @@ class BatchQueue:
             return lane.samples >= lane.policy.max_batch_size or now - lane.oldest().received >= wait
         # "auto": the batch could not start before an executor is free anyway, so it is formed just
         # before then (unless its most pressing deadline needs it sent sooner): a partial one gathers
-        # company, and a full one takes in the urgent requests that came meanwhile instead of leaving
-        # them to wait behind it.
+        # company, and a full one takes in the urgent requests that come meanwhile instead of leaving
+        # them to wait behind it. A full one with no more urgent traffic to expect goes at once: held,
+        # it would only cost a fast model its pipelining.
+        plan = self._plan(lane)
+        if lane.samples >= lane.policy.max_batch_size:
+            least_urgent = max(r.priority for r in plan)
+            if not any(seen > now - URGENT_MEMORY_S for seen in lane.seen[:least_urgent]):
+                return True
         go_at = room.free_at - AUTO_LEAD_S
         compute = self._times.batch_s(name, min(lane.samples, lane.policy.max_batch_size))
         if compute is not None:
-            soonest = min(r.deadline for r in self._plan(lane))
-            go_at = min(go_at, soonest - compute - AUTO_LEAD_S)
+            go_at = min(go_at, min(r.deadline for r in plan) - compute - AUTO_LEAD_S)
         lane.go_at = go_at
         return now >= go_at
 
