@@ -412,7 +412,9 @@ def _settle(future: concurrent.futures.Future, outcome: Any) -> None:
         else:
             future.set_result(outcome)
     except concurrent.futures.InvalidStateError:
-        pass  # cancelled from another thread; the cancel is on its way to the I/O thread
+        if not future.cancelled():
+            raise
+        # cancelled from another thread meanwhile; the cancel is on its way to the I/O thread
 
 
 class _IOLoop:

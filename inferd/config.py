@@ -189,14 +189,19 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc("Priority levels a request may name, 0 (the most urgent) to priority_levels - 1.", live=True),
     ] = 2
     default_priority: Annotated[
-        int, Meta(ge=0),
+        Annotated[int, Meta(ge=0)] | None,
         _doc("The level of a request that names none (below priority_levels).", "priority_levels - 1", live=True),
-    ] = -1
+    ] = None
     priority_share: Annotated[
         float, Meta(gt=0, le=0.5),
         _doc("The least share of its model's batches a level with requests waiting leads, however much more "
              "urgent work waits: no level starves.", live=True),
     ] = 0.1
+
+    @property
+    def default_level(self) -> int:
+        """The level of a request that names none: default_priority, else the least urgent."""
+        return self.priority_levels - 1 if self.default_priority is None else self.default_priority
 
 
 class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -239,8 +244,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_wait_ms: Annotated[
         Annotated[float, Meta(ge=0)] | Literal["auto"],
         _doc('How long a partial batch may wait for company while every executor is busy, in milliseconds; '
-             '"auto": until an executor is about to be free, or its oldest request\'s deadline says go '
-             '(README, "Batching").', live=True),
+             '"auto": until an executor is about to be free, or a deadline in the batch says go '
+             '(README, "Scheduling").', live=True),
     ] = 2
     outputs: Annotated[
         tuple[OutputSpec, ...],
@@ -490,9 +495,7 @@ def parse(raw: dict[str, Any], source: str | None = None) -> Config:
     if bool(server.tls_cert) != bool(server.tls_key):
         raise ConfigError(["server.tls_cert and server.tls_key go together: set both or neither"])
     queue = sections["queue"]
-    if queue.default_priority == -1:
-        queue = msgspec.structs.replace(queue, default_priority=queue.priority_levels - 1)
-    elif queue.default_priority >= queue.priority_levels:
+    if queue.default_priority is not None and queue.default_priority >= queue.priority_levels:
         levels = queue.priority_levels
         raise ConfigError([f"queue.default_priority: {queue.default_priority} is not a level; with "
                            f"priority_levels = {levels} the levels are 0 to {levels - 1}"])

@@ -6,6 +6,7 @@ import pytest
 
 from inferd.protocol import RequestHeader, TensorMeta
 from inferd.supervisor.batcher import (
+    AUTO_LEAD_S,
     EXPIRED,
     REMOVED,
     TAKEN,
@@ -185,7 +186,7 @@ def test_a_max_batch_size_lowered_under_a_waiting_request_does_not_jam_its_lane(
     q = queue()
     q.put(request(samples=4, rid=1))
     q.put(request(samples=1, rid=2))
-    q.configure(bounds(), {"a": ModelPolicy(max_batch_size=2, max_wait_s=0.005)})
+    q.configure(bounds(), {"a": ModelPolicy(max_batch_size=2, max_wait_s=0.005)}, Levels())
     name, batch = q.take(cap(True, True), 0.0)
     assert [r.header.id for r in batch] == [1], "the request accepted under the old limit goes alone"
     name, batch = q.take(cap(True, True), 0.0)
@@ -281,7 +282,7 @@ def test_auto_waits_for_company_until_an_executor_is_about_to_be_free():
     q = levelled(wait=None, times=Times(0.004))
     q.put(request(rid=1, received=0.0))
     assert q.take(cap(False, True, free_at=0.010), 0.001) is None
-    assert q.next_wakeup(0.001) == pytest.approx(0.010 - 0.0003 - 0.001)
+    assert q.next_wakeup(0.001) == pytest.approx(0.010 - AUTO_LEAD_S - 0.001)
     assert q.take(cap(False, True, free_at=0.010), 0.0098) is not None
 
 
@@ -289,8 +290,8 @@ def test_auto_never_holds_a_request_past_the_time_its_deadline_needs_it_sent():
     q = levelled(wait=None, times=Times(0.004))
     q.put(request(rid=1, received=0.0, timeout=0.010))
     # The executor frees at 50 ms, but the request must start computing by 10 - 4 ms.
-    assert q.take(cap(False, True, free_at=0.050), 0.005) is None
-    assert q.take(cap(False, True, free_at=0.050), 0.0058) is not None
+    assert q.take(cap(False, True, free_at=0.050), 0.0045) is None
+    assert q.take(cap(False, True, free_at=0.050), 0.006 - AUTO_LEAD_S) is not None
 
 
 def test_auto_sends_a_full_batch_at_once_while_no_more_urgent_traffic_is_about():
@@ -317,3 +318,19 @@ def test_fewer_levels_on_sighup_move_waiting_requests_to_the_least_urgent_left()
     q.put(request(rid=1, priority=2))
     q.configure(bounds(), {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))
     assert q.samples_ahead("a", 1) == 1 and q.cancel("c", 1).priority == 1
+
+
+def test_displacement_never_bypasses_the_requesters_own_share():
+    q = BatchQueue(Bounds(max_size=2, max_bytes=1 << 30, max_per_client=1, max_bytes_per_client=1 << 30),
+                   {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))
+    q.put(request(rid=1, client="greedy", priority=0))
+    q.put(request(rid=2, client="other", priority=1))
+    again = request(rid=3, client="greedy", priority=0)
+    assert q.put(again) == Refusal.FULL
+    assert q.displace_for(again) is None and len(q) == 2, "it would be refused for its own share anyway"
+
+
+@pytest.mark.parametrize("share, patience", [(0.1, 9), (0.25, 3), (0.3, 2), (0.5, 1), (0.15, 5)])
+def test_a_level_leads_at_least_its_share_of_batches(share, patience):
+    assert Levels(2, 1, share).patience == patience
+    assert 1 / (patience + 1) >= share

@@ -158,7 +158,7 @@ class ModelView:
         wait = self.config.max_wait_ms
         return {"max_queue_delay_microseconds": 0 if wait == "auto" else int(wait * 1000),
                 "priority_levels": self._queue.priority_levels,
-                "default_priority_level": self._queue.default_priority + 1}
+                "default_priority_level": self._queue.default_level + 1}
 
     def request(self, given: Sequence[GivenInput], timeout: Any = None, priority: Any = None) -> Requested:
         """Check a request's inputs, deadline and priority against the model and take each input's bytes

@@ -96,7 +96,10 @@ class Upstream:
                 # wait_for raises this only when no reply came first. A cancel of a request the daemon has
                 # answered meanwhile does nothing.
                 if cancellable and not self._socket.closed:
-                    self._send([protocol.encode_op(protocol.Cancel(id=request_id))])
+                    try:
+                        self._send([protocol.encode_op(protocol.Cancel(id=request_id))])
+                    except zmq.ZMQError as exc:  # shutting down: the daemon drops the request with us
+                        log.debug("request %d: the cancel could not be sent (%s)", request_id, exc.strerror)
                 raise
         finally:
             self._waiting.pop(request_id, None)

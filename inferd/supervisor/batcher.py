@@ -9,7 +9,7 @@ without a request in them leads the next one.
 The policy is work-conserving: when an executor is idle, whatever is waiting
 goes at once; a batch is queued behind a running one only when it is full, or
 when its oldest request has waited `max_wait_ms`, or (the "auto" window) when
-an executor is about to be free or the oldest request's deadline says go. Lanes
+an executor is about to be free or a deadline in the batch says go. Lanes
 are served round-robin, so a model's lone request never waits behind another
 model's backlog. Requests whose deadline passes while they wait are handed back
 for a `timeout` reply, never computed.
@@ -26,7 +26,7 @@ import heapq
 import itertools
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple, Protocol
@@ -39,7 +39,7 @@ from inferd.supervisor.regions import Region, RegionSlice
 WAITING, TAKEN, EXPIRED, REMOVED = range(4)
 # The "auto" window sends a batch this long before its executor is expected to be free: the time to
 # stack it and for the worker to pick it up, so the executor never waits for it.
-AUTO_LEAD_S = 0.0003
+AUTO_LEAD_S = 0.001  # and the loop's poll wakes on whole milliseconds
 URGENT_MEMORY_S = 1.0  # a level that took a request this recently may send more: a full batch waits for them
 
 
@@ -90,7 +90,7 @@ class Levels:
     @property
     def patience(self) -> int:
         """Batches in a row a waiting level may be left out of before it leads the next."""
-        return max(1, math.ceil(1 / self.share) - 1)
+        return max(1, math.floor(1 / self.share + 1e-9) - 1)
 
 
 class Capacity(NamedTuple):
@@ -116,7 +116,7 @@ class _ModelQueue:
     level_samples: list[int] = field(default_factory=list)
     passed: list[int] = field(default_factory=list)  # per level: batches in a row it waited through unserved
     seen: list[float] = field(default_factory=list)  # per level: when its latest request arrived
-    go_at: float | None = None  # the "auto" window: when the waiting partial batch goes
+    go_at: float | None = None  # the "auto" window: when the waiting batch goes
 
     def __len__(self) -> int:
         return sum(len(level) for level in self.levels)
@@ -144,7 +144,7 @@ def queue_settings(config: Config) -> tuple[Bounds, dict[str, ModelPolicy], Leve
         name: ModelPolicy(m.max_batch_size, None if m.max_wait_ms == "auto" else m.max_wait_ms / 1000)
         for name, m in config.models.items()
     }
-    return bounds, policies, Levels(queue.priority_levels, queue.default_priority, queue.priority_share)
+    return bounds, policies, Levels(queue.priority_levels, queue.default_level, queue.priority_share)
 
 
 class _NoTimes:
@@ -174,7 +174,7 @@ class BatchQueue:
         self.nbytes = 0
         self.configure(bounds, policies, levels)
 
-    def configure(self, bounds: Bounds, policies: dict[str, ModelPolicy], levels: Levels = Levels()) -> None:
+    def configure(self, bounds: Bounds, policies: dict[str, ModelPolicy], levels: Levels) -> None:
         """New bounds, knobs and levels, applied from the next request on; a new model gets its lane.
         Waiting requests of a level that no longer exists move to the least urgent one left."""
         self.bounds = bounds
@@ -251,19 +251,36 @@ class BatchQueue:
 
     def displace_for(self, request: QueuedRequest) -> list[QueuedRequest] | None:
         """Make room in a full queue for `request` by removing the newest waiting requests of less urgent
-        levels (least urgent first); return them, or None (removing nothing) when that cannot make room."""
-        bounds = self.bounds
-        below = [r for lane in self._lanes.values() for level in lane.levels[request.priority + 1:] for r in level]
-        if not below or (self.nbytes - sum(r.nbytes for r in below) + request.nbytes > bounds.max_bytes):
+        levels (least urgent first); return them, or None (removing nothing) when that cannot make room.
+        A connection's own bounds are never bypassed: over them, nothing is displaced."""
+        bounds, client = self.bounds, request.client
+        if ((bounds.max_per_client and self._per_client[client] >= bounds.max_per_client)
+                or self._bytes_per_client[client] + request.nbytes > bounds.max_bytes_per_client):
             return None
-        below.sort(key=lambda r: (r.priority, r.received), reverse=True)
-        displaced = []
-        for victim in below:
-            if self._size < bounds.max_size and self.nbytes + request.nbytes <= bounds.max_bytes:
+        excess = max(0, self._size - bounds.max_size + 1)
+        victims: list[QueuedRequest] = []
+        freed = 0
+
+        def fits() -> bool:
+            return len(victims) >= excess and self.nbytes - freed + request.nbytes <= bounds.max_bytes
+
+        for victim in self._newest_below(request.priority):
+            if fits():
                 break
+            victims.append(victim)
+            freed += victim.nbytes
+        if not fits():
+            return None
+        for victim in victims:
             self._remove(victim, REMOVED)
-            displaced.append(victim)
-        return displaced
+        self._drop_settled_deadlines()
+        return victims
+
+    def _newest_below(self, priority: int) -> Iterator[QueuedRequest]:
+        """Waiting requests less urgent than `priority`: the least urgent level first, newest first in each."""
+        for index in range(self.levels.count - 1, priority, -1):
+            yield from heapq.merge(*(reversed(lane.levels[index]) for lane in self._lanes.values()),
+                                   key=lambda r: -r.received)
 
     def cancel(self, client: Hashable, request_id: RequestId) -> QueuedRequest | None:
         """Remove and return `client`'s waiting request `request_id`; None if none waits.
@@ -275,6 +292,7 @@ class BatchQueue:
                 for request in level:
                     if request.header.id == request_id and request.client == client:
                         self._remove(request, REMOVED)
+                        self._drop_settled_deadlines()
                         return request
         return None
 
@@ -413,7 +431,11 @@ class BatchQueue:
 
     def _remove(self, request: QueuedRequest, state: int) -> None:
         lane = self._lanes[request.header.model]
-        lane.levels[request.priority].remove(request)
+        level = lane.levels[request.priority]
+        if level[-1] is request:  # a displaced request is the newest: no scan
+            level.pop()
+        else:
+            level.remove(request)
         lane.samples -= request.samples
         lane.level_samples[request.priority] -= request.samples
         self._left(request)

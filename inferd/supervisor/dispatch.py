@@ -182,7 +182,8 @@ class Dispatcher:
             if computed:
                 expired = set(result.expired)
                 samples = sum(r.samples for i, r in enumerate(batch.requests) if i not in expired)
-                self.times.observe(batch.model, samples, result.compute_us / 1e6)
+                if batch.version == self.live[batch.model]:  # not an old version's last batches
+                    self.times.observe(batch.model, batch.version, samples, result.compute_us / 1e6)
             self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe)
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.

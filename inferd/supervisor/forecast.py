@@ -3,8 +3,10 @@ would finish.
 
 Compute times are learned from the batches that ran (the dispatcher is their one
 writer), per model and per batch-size band; the queue's "auto" window and
-deadline-aware admission read them. The finish estimate is deliberately a lower
-bound: a request it refuses would have missed its deadline.
+deadline-aware admission read them. The finish estimate leans optimistic (what
+waits ahead is assumed to run in full batches spread over every executor, with
+nothing cancelled or expired ahead of it counted out), so that a request it
+refuses would very likely have missed its deadline.
 """
 
 from __future__ import annotations
@@ -19,14 +21,19 @@ SMOOTHING = 0.2  # weight of the newest batch in a band's average: a few batches
 
 
 class ComputeTimes:
-    """Expected compute seconds of a batch, per model and per power-of-two band of its samples."""
+    """Expected compute seconds of a batch, per model and per power-of-two band of its samples, for the
+    version that computed last (a new live version starts afresh: it computes at its own speed)."""
 
     def __init__(self) -> None:
         self._bands: dict[str, dict[int, float]] = {}
+        self._versions: dict[str, str] = {}
 
-    def observe(self, model: str, samples: int, seconds: float) -> None:
-        """A batch of `samples` samples of `model` computed in `seconds`."""
-        bands = self._bands.setdefault(model, {})
+    def observe(self, model: str, version: str, samples: int, seconds: float) -> None:
+        """A batch of `samples` samples of `version` of `model` computed in `seconds`."""
+        if self._versions.get(model) != version:
+            self._versions[model] = version
+            self._bands[model] = {}
+        bands = self._bands[model]
         band = samples.bit_length()
         known = bands.get(band)
         bands[band] = seconds if known is None else known + SMOOTHING * (seconds - known)
@@ -44,10 +51,6 @@ class ComputeTimes:
         smaller = [b for b in bands if b < band]
         return bands[max(smaller)] if smaller else None
 
-    def forget(self, model: str) -> None:
-        """Drop what was learned of `model` (a new version computes at its own speed)."""
-        self._bands.pop(model, None)
-
 
 class Forecast:
     """When a new request would finish, from compute times, what waits ahead of it and the executors."""
@@ -63,8 +66,9 @@ class Forecast:
         """The finish estimate of a new request (see finish_in) when it passes `timeout_s`; None when the
         request can make it, or nothing is known.
 
-        This runs for every request, so a bound that takes no look at the executors comes first: each
-        holds at most PIPELINE_DEPTH batches, none expected to take longer than a full one.
+        This runs for every request, so a quick test that takes no look at the executors comes first: a
+        deadline further off than the work waiting plus PIPELINE_DEPTH full batches on every executor is
+        met by any estimate but one of another model's longer batches, which this lets pass.
         """
         full = self.times.batch_s(model, max_batch)
         if full is None:
@@ -80,8 +84,7 @@ class Forecast:
         the soonest; None while its model's compute time is not known.
 
         The samples waiting at its level or a more urgent one go first, in full batches spread over the
-        model's executors, once the soonest of them is free; pipelining and rounding are counted in its
-        favour, so the true finish is later.
+        model's executors, once the soonest of them is free.
         """
         full = self.times.batch_s(model, max_batch)
         version = self._live.get(model)

@@ -220,7 +220,8 @@ class Frontend:
                 self.send_error(reply_to, None, protocol.INTERNAL, failure("a request"))
 
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer], first: zmq.Frame | None = None) -> None:
-        """Admit one request body, or answer it at once; every body gets exactly one reply.
+        """Admit one request body, or answer it at once; every request and region message gets exactly
+        one reply (a cancel has none: the request it names is answered).
 
         `first`: the body's first frame as received, which names its connection (for a region message).
         """

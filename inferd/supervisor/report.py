@@ -52,7 +52,7 @@ def admission_estimate_s(daemon: DaemonView, model: str, now: float) -> float | 
     """When a one-sample request at the default priority, arriving now, would finish at the soonest
     (seconds; None while the model's compute time is not known): what admission compares with its deadline."""
     config = daemon.config
-    return daemon.forecast.finish_in(model, config.models[model].max_batch_size, config.queue.default_priority,
+    return daemon.forecast.finish_in(model, config.models[model].max_batch_size, config.queue.default_level,
                                      1, now)
 
 
