@@ -54,6 +54,7 @@ class Batch:
     executor: ExecutorHandle
     slot: int
     started: float
+    samples: int
 
     def describe(self) -> str:
         """How the log and error sentences name it."""
@@ -98,8 +99,8 @@ class Dispatcher:
         """What the executors of `model`'s live version can take now."""
         idle = spare = False
         free_at = math.inf
-        for executor in self.workers.executors_for(model, self.live[model]):
-            if executor.inflight < PIPELINE_DEPTH:
+        for executor in self.workers.executors_serving(model, self.live[model]):
+            if executor.inflight < PIPELINE_DEPTH and executor.worker.slots.free:
                 idle = idle or executor.inflight == 0
                 spare = True
                 free_at = min(free_at, executor.free_at())
@@ -123,7 +124,7 @@ class Dispatcher:
                 self.frontend.reply_error(request, protocol.INTERNAL, "no free arena slot")
             return
         now = time.monotonic()
-        batch = Batch(next(self._ids), model, version, requests, executor, slot, now)
+        batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0)
         while True:
             try:
                 message = self._stack(batch, worker)
@@ -142,7 +143,7 @@ class Dispatcher:
             worker.slots.release(slot)
             self._fail(batch, f"worker{worker.index} cannot be reached")
             return
-        samples = sum(r.samples for r in requests)
+        batch.samples = samples = sum(r.samples for r in requests)
         self.workers.batch_sent(executor, len(requests), now, self.times.batch_s(model, samples) or 0.0)
         self.inflight[batch.id] = batch
         self.stats.batch(now, model, version, samples)
@@ -179,11 +180,11 @@ class Dispatcher:
         else:
             computed = len(result.expired) < len(batch.requests)
             self.workers.batch_returned(executor, len(batch.requests), computed, now)
-            if computed:
-                expired = set(result.expired)
-                samples = sum(r.samples for i, r in enumerate(batch.requests) if i not in expired)
-                if batch.version == self.live[batch.model]:  # not an old version's last batches
-                    self.times.observe(batch.model, batch.version, samples, result.compute_us / 1e6)
+            if computed and batch.version == self.live[batch.model]:  # not an old version's last batches
+                samples = batch.samples
+                if result.expired:
+                    samples -= sum(batch.requests[index].samples for index in result.expired)
+                self.times.observe(batch.model, batch.version, samples, result.compute_us / 1e6)
             self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe)
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.

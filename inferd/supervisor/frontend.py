@@ -252,10 +252,11 @@ class Frontend:
             if header.version is not None and header.version != live:
                 raise InvalidRequest(
                     f"version {header.version!r} of {name} is not live; the live version is {live!r}", header.id)
-            priority = self.queue.levels.default if header.priority is None else header.priority
-            if priority >= self.queue.levels.count:
+            levels = self.queue.levels
+            priority = levels.default if header.priority is None else header.priority
+            if priority >= levels.count:
                 raise InvalidRequest(f"priority {priority} is not a level; this daemon has levels 0 (the most "
-                                     f"urgent) to {self.queue.levels.count - 1}", header.id)
+                                     f"urgent) to {levels.count - 1}", header.id)
             signature = (name, header.inputs)
             samples = self._checked.get(signature)
             if samples is None:

@@ -206,6 +206,12 @@ class Stats:
             series.queue.add_all(queues_s)
             series.compute.add(compute_s, len(totals_s))
             series.last_answered = now
+        first = priorities[0] if priorities else 0
+        if all(priority == first for priority in priorities):  # the usual batch: one level
+            level = self._level(model, first)
+            level.replies["ok"] += len(totals_s)
+            level.total.add_all(totals_s)
+            return
         for priority, total_s in zip(priorities, totals_s):
             level = self._level(model, priority)
             level.replies["ok"] += 1
