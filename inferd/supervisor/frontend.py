@@ -274,7 +274,7 @@ class Frontend:
             return
         if self.refusal is not None or name in self.unserved:
             refusal = self.refusal or f"no worker has {name} {self.live.get(name)} loaded yet"
-            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, refusal, name)
+            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
         client = (id(reply_to.socket), reply_to.envelope[0])
