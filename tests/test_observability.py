@@ -76,6 +76,9 @@ def test_stats_and_metrics_count_exactly_what_was_sent(start_daemon):
     assert mlp["latency_ms"]["total"]["p99"] >= mlp["latency_ms"]["compute"]["p50"]
     assert mlp["throughput"]["samples_per_s_60s"] > 0
     assert mlp["versions"]["v2"]["requests"]["ok"] == count
+    assert mlp["priorities"]["1"]["requests"] == {"ok": count}, "the invalid one never had a level"
+    assert mlp["goodput"]["requests"] == count and mlp["goodput"]["requests_per_s_60s"] > 0
+    assert mlp["admission"]["estimate_ms"] > 0 and mlp["admission"]["refused_as_late"] == 0
     worker = stats["workers"][0]
     assert worker["batches"] == count and worker["rss_bytes"] > 10 * 2**20 and worker["leak_warning"] is False
     assert "gpu_memory_used_bytes" not in worker, "no NVML here: GPU fields are absent, not errors"
@@ -84,6 +87,9 @@ def test_stats_and_metrics_count_exactly_what_was_sent(start_daemon):
                            capture_output=True, text=True, check=True).stdout
     row = next(line for line in table.splitlines() if line.startswith("mlp"))
     assert row.split()[2] == str(count + 1) and row.split()[3] == "1", table
+    level_row = [line for line in table.splitlines() if line.startswith("mlp")][1]
+    assert level_row.split()[:4] == ["mlp", "1", str(count), "0"], table
+    assert "admission: a new request to mlp would finish in" in table
 
     metrics = scrape(daemon)
     labels = (("model", "mlp"), ("status", "ok"), ("version", "v2"))
