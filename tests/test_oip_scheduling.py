@@ -21,6 +21,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import zmq
 from conftest import ONE_AT_A_TIME, Daemon, reference, wait_for
+from test_oip_grpc import client as grpc_client
+from test_oip_grpc import mlp_input as grpc_input  # INPUT__0, float32: `variable`'s input too
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -101,16 +103,6 @@ def served_like_the_model(daemon: Daemon, repo, over: str) -> None:
     else:
         got = grpc_client(daemon).infer("variable", [grpc_input(x)]).as_numpy("OUTPUT__0")
     np.testing.assert_array_equal(got, expected)
-
-
-def grpc_client(daemon: Daemon) -> grpcclient.InferenceServerClient:
-    return grpcclient.InferenceServerClient(daemon.config["server"]["grpc"])
-
-
-def grpc_input(x: np.ndarray) -> grpcclient.InferInput:
-    given = grpcclient.InferInput("INPUT__0", list(x.shape), "FP32")
-    given.set_data_from_numpy(x)
-    return given
 
 
 # -- cancellation ------------------------------------------------------------------------------------
