@@ -24,6 +24,7 @@ from inferd.ipc.control import ControlClient, ControlError, encode_command
 from inferd.paths import RuntimeFiles
 
 DEFAULT_TIMEOUT_S = 5.0
+DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 
 
 class CliError(click.ClickException):
@@ -155,7 +156,7 @@ def _call(ctx: click.Context, command: str, **args: Any) -> Any:
 
 
 def _switch(ctx: click.Context, command: str, **args: Any) -> None:
-    """Run reload or rollback, printing its progress; wait until done unless --timeout was given."""
+    """Run reload, rollback, promote or canary, printing its progress; wait until done unless --timeout was given."""
     started = time.perf_counter()
 
     def progress(line: str) -> None:
@@ -166,9 +167,53 @@ def _switch(ctx: click.Context, command: str, **args: Any) -> None:
             result = client.call(command, on_progress=progress, until_done=ctx.obj["timeout"] is None, **args)
         except ControlError as exc:
             raise CliError(str(exc)) from None
-    click.echo(f"{result['model']} {result['version']} is live (was {result['previous']}): "
-               f"load {result['load_s']:.2f} s, warm-up {result['warm_s']:.2f} s, "
-               f"switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
+    click.echo(_outcome(result))
+
+
+def _outcome(result: dict[str, Any]) -> str:
+    """The last line of a switch: what is live, or what is tried, now."""
+    name = result["model"]
+    if "ended" in result:
+        return f"the {result['ended']} of {name} ended; {result['version']} serves everything"
+    if "was" in result:
+        return f"{name} {result['mode']} {result['version']} now at {result['weight']:g} % (was {result['was']:g} %)"
+    if "mode" in result:
+        extra = ", guarded" if result["guarded"] else ""
+        if result["promote_after_s"] is not None:
+            extra += f", promoted after {result['promote_after_s']:g} s if it stays clean"
+        return (f"{name} {result['version']} is a {result['mode']} at {result['weight']:g} % beside {result['live']}"
+                f"{extra}: load {result['load_s']:.2f} s, warm-up {result['warm_s']:.2f} s, "
+                f"{result['total_s']:.2f} s in all")
+    if "promoted" in result:
+        return (f"{name} {result['version']} is live (was {result['previous']}), promoted from its "
+                f"{result['promoted']}: switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
+    return (f"{name} {result['version']} is live (was {result['previous']}): "
+            f"load {result['load_s']:.2f} s, warm-up {result['warm_s']:.2f} s, "
+            f"switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
+
+
+class Duration(click.ParamType):
+    """A span of time: 90, 90s, 10m, 1h or 1h30m (seconds when no unit is given)."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        """Seconds, above zero; anything else is one sentence."""
+        text = str(value).strip().lower()
+        seconds, number = 0.0, ""
+        try:
+            for char in text:
+                if char in DURATION_UNITS:
+                    seconds += float(number) * DURATION_UNITS[char]
+                    number = ""
+                else:
+                    number += char
+            seconds += float(number) if number else 0.0
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (say 90s, 10m or 1h)", param, ctx)
+        if not seconds > 0 or not text:
+            self.fail(f"{value!r} is not a duration above zero (say 90s, 10m or 1h)", param, ctx)
+        return seconds
 
 
 @inferctl.command()
@@ -197,7 +242,14 @@ def status(ctx: click.Context, as_json: bool) -> None:
                f"for {result['uptime_s']:.1f} s, listening on {', '.join(result['listen'])}")
     click.echo("models:")
     for name, model in result["models"].items():
-        click.echo(f"  {name:<20} live {model['live_version']:<12} queued {model['queue_depth']}")
+        candidate = model["candidate"]
+        trial = ""
+        if candidate is not None:
+            trial = f"  {candidate['mode']} {candidate['version']} at {candidate['weight']:g} %"
+            trial += ", guarded" if candidate["guarded"] else ""
+            if candidate["promote_in_s"] is not None:
+                trial += f", promoted in {candidate['promote_in_s']:.0f} s if clean"
+        click.echo(f"  {name:<20} live {model['live_version']:<12} queued {model['queue_depth']}{trial}")
     click.echo("workers:")
     for w in result["workers"]:
         line = (f"  worker{w['worker']:<3} pid {w['pid']!s:<8} {w['device']:<8} {w['state']:<9}"
@@ -233,6 +285,29 @@ def _scheduling_lines(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _trial_lines(stats: dict[str, Any]) -> list[str]:
+    """Each model's running trial with the guard's view of it, and each shadowed version's comparison."""
+    lines = []
+    for name, model in stats["models"].items():
+        candidate = model["candidate"]
+        if candidate is not None:
+            routed = "" if candidate["routed_share"] is None else f", {candidate['routed_share']:.1%} routed so far"
+            line = f"{name}: {candidate['mode']} {candidate['version']} at {candidate['weight']:g} %{routed}"
+            guard = candidate.get("guard")
+            if guard is not None:
+                line += f"; guard ({guard['window_s']:g} s window): {guard['verdict']}, {guard['reason']}"
+            lines.append(line)
+        for version, shadow in model["shadow"].items():
+            close = "-" if shadow["allclose_share"] is None else f"{shadow['allclose_share']:.1%}"
+            compute = shadow["compute_ms"]
+            lines.append(f"{name} shadow {version}: {shadow['compared']} of {shadow['chosen']} compared, {close} "
+                         f"allclose, max difference {shadow['max_abs_difference']:.3g} (relative "
+                         f"{shadow['max_rel_difference']:.3g}), compute p50 {compute['shadow']['p50']:.2f} ms against "
+                         f"{compute['live']['p50']:.2f} ms live, {shadow['failed']} failed, "
+                         f"{sum(shadow['dropped'].values())} dropped")
+    return ["", *lines] if lines else []
+
+
 def _stats_table(stats: dict[str, Any]) -> str:
     """The stats object as a few aligned lines a person reads in a terminal."""
     lines = [f"inferd {stats['state']}, up {stats['uptime_s']:.0f} s; latencies over the last minute, "
@@ -255,6 +330,7 @@ def _stats_table(stats: dict[str, Any]) -> str:
                 + (f"{model['queue_depth']:>7}{part['queue_depth_peak_60s']:>6}" if version == "all" else "")
             )
     lines += _scheduling_lines(stats)
+    lines += _trial_lines(stats)
     lines += ["", f"{'worker':<8}{'pid':>8}  {'device':<8}{'state':<10}{'busy':>5}{'batches':>9}{'restarts':>9}"
                   f"{'rss MiB':>9}{'cpu %':>7}{'growth MiB':>11}  gpu"]
     for w in stats["workers"]:
@@ -372,21 +448,52 @@ def stats(ctx: click.Context, as_json: bool, watch: float | None) -> None:
         return
 
 
+PERCENT = click.FloatRange(0, 100)
+MODEL_OPTION = click.option("--model", help="Model name (may be left out when the daemon serves one model).")
+
+
 @inferctl.command()
-@click.option("--version", required=True, help="The version folder to make live.")
-@click.option("--model", help="Model name (may be left out when the daemon serves one model).")
+@click.option("--version", required=True, help="The version folder to make live (or to try).")
+@MODEL_OPTION
 @click.option("--allow-signature-change", is_flag=True, help="Accept outputs of another dtype or shape.")
+@click.option("--canary", type=PERCENT, help="Try VERSION on this percentage of the model's batches instead.")
+@click.option("--shadow", type=PERCENT, help="Compute this percentage of requests again with VERSION, only to "
+              "compare; clients get the live version's replies.")
+@click.option("--auto-rollback", is_flag=True, help="With --canary: roll it back by itself when it does worse "
+              "than the live version (README, \"Canary and shadow\").")
+@click.option("--promote-after", type=Duration(), help="With --canary: promote it after this long (10m, 1h) if it "
+              "stays clean; implies --auto-rollback.")
 @click.pass_context
-def reload(ctx: click.Context, version: str, model: str | None, allow_signature_change: bool) -> None:
-    """Blue-green: load VERSION beside the live one, warm it, then switch; exit 0 once it is live."""
-    _switch(ctx, "reload", version=version, model=model, allow_signature_change=allow_signature_change)
+def reload(ctx: click.Context, version: str, model: str | None, allow_signature_change: bool, canary: float | None,
+           shadow: float | None, auto_rollback: bool, promote_after: float | None) -> None:
+    """Blue-green: load VERSION beside the live one, warm it, then switch; exit 0 once it is live.
+    With --canary or --shadow, VERSION is tried beside the live one instead."""
+    _switch(ctx, "reload", version=version, model=model, allow_signature_change=allow_signature_change,
+            canary=canary, shadow=shadow, auto_rollback=auto_rollback, promote_after_s=promote_after)
 
 
 @inferctl.command()
-@click.option("--model", help="Model name (may be left out when the daemon serves one model).")
+@click.option("--weight", required=True, type=PERCENT, help="The new percentage.")
+@MODEL_OPTION
+@click.pass_context
+def canary(ctx: click.Context, weight: float, model: str | None) -> None:
+    """Move the running canary (or shadow) to WEIGHT percent."""
+    _switch(ctx, "canary", weight=weight, model=model)
+
+
+@inferctl.command()
+@MODEL_OPTION
+@click.pass_context
+def promote(ctx: click.Context, model: str | None) -> None:
+    """Make the canary (or shadow) live: a blue-green switch to the version already loaded."""
+    _switch(ctx, "promote", model=model)
+
+
+@inferctl.command()
+@MODEL_OPTION
 @click.pass_context
 def rollback(ctx: click.Context, model: str | None) -> None:
-    """Blue-green back to the version live before the last reload."""
+    """End the canary or shadow; without one, blue-green back to the version live before the last reload."""
     _switch(ctx, "rollback", model=model)
 
 

@@ -219,6 +219,29 @@ class OutputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
 
 
+class CanaryGuard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """[models.NAME.canary_guard]: when a canary is taken back by itself (README, "Canary and shadow")."""
+
+    window_s: Annotated[
+        float, Meta(gt=0, le=60),
+        _doc("The span the candidate is judged over against the live version, in seconds.", live=True),
+    ] = 60
+    max_error_increase: Annotated[
+        float, Meta(ge=0, le=1),
+        _doc("How far the candidate's share of `internal` replies may exceed the live version's (0.01: one "
+             "point) before it is rolled back.", live=True),
+    ] = 0.01
+    max_p99_increase: Annotated[
+        float, Meta(ge=0),
+        _doc("How far the candidate's p99 latency may exceed the live version's, as a fraction (0.5: 50 % "
+             "slower) before it is rolled back; judged once each has 100 ok replies in the window.", live=True),
+    ] = 0.5
+    min_requests: Annotated[
+        int, Meta(ge=1),
+        _doc("Replies of the candidate in the window before it is judged at all (or promoted).", live=True),
+    ] = 20
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """[models.NAME]: one model, its repository and its batching knobs."""
 
@@ -261,6 +284,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc('"fp32", "fp16" or "bf16" (GPU only): the model is converted when it loads, floating inputs are cast '
              "on the device, floating outputs come back as float32."),
     ] = "fp32"
+    canary_guard: Annotated[
+        CanaryGuard | None,
+        _doc("With this table every canary of the model is guarded, as with `inferctl reload --auto-rollback`: "
+             "rolled back by itself when it fails more often or answers slower than the live version.",
+             "none (guarded only with --auto-rollback, by the defaults below)", live=True),
+    ] = None
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -557,7 +586,8 @@ def reference_markdown() -> str:
     """The config reference as a Markdown table per section, from the declarations above."""
     out: list[str] = []
     tables: list[tuple[str, type[msgspec.Struct]]] = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()),
-                                                      ("[models.NAME]", ModelConfig)]
+                                                      ("[models.NAME]", ModelConfig),
+                                                      ("[models.NAME.canary_guard]", CanaryGuard)]
     for title, cls in tables:
         out += [f"#### `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
         for field in msgspec.structs.fields(cls):

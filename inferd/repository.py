@@ -13,6 +13,7 @@ import os
 import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from inferd.config import Config, ModelConfig, version_problem
 
@@ -81,38 +82,40 @@ def check(config: Config) -> list[str]:
 
 
 class SavedVersions:
-    """The file in `state_dir` that records which version of each model is live, and which was
-    live before the last reload, so a restart serves the live versions again and a rollback
-    still knows where to go back to."""
+    """The file in `state_dir` that records which version of each model is live, which was live
+    before the last reload, and which is under trial (a canary or a shadow), so a restart serves
+    the same versions again and a rollback still knows where to go back to."""
 
     def __init__(self, state_dir: str | Path) -> None:
         self.path = Path(state_dir) / LIVE_FILE
 
-    def load(self) -> tuple[dict[str, str], dict[str, str]]:
-        """(live, previous); an unreadable file is logged and treated as empty."""
+    def load(self) -> tuple[dict[str, str], dict[str, str], dict[str, Any]]:
+        """(live, previous, candidates as saved); an unreadable file is logged and treated as empty."""
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            return {}, {}
+            return {}, {}, {}
         except (OSError, ValueError) as exc:
             log.warning("ignoring %s: %s", self.path, exc)
-            return {}, {}
+            return {}, {}, {}
         if not isinstance(data, dict):
-            return {}, {}
+            return {}, {}, {}
 
         def table(key: str) -> dict[str, str]:
             value = data.get(key)
             return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
-        return table("live"), table("previous")
+        candidates = data.get("candidates")
+        return table("live"), table("previous"), candidates if isinstance(candidates, dict) else {}
 
-    def save(self, live: dict[str, str], previous: dict[str, str]) -> None:
+    def save(self, live: dict[str, str], previous: dict[str, str], candidates: dict[str, Any]) -> None:
         """Write atomically: a crash leaves the old file or the new one, never half of one."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".live-", dir=self.path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump({"live": live, "previous": previous}, out, indent=2, sort_keys=True)
+                json.dump({"live": live, "previous": previous, "candidates": candidates}, out, indent=2,
+                          sort_keys=True)
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(tmp, self.path)

@@ -116,6 +116,27 @@ def reload_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def references(reload_repo: Path):
+    """Each good version's model, in this process, by version name."""
+    return {v: torch.jit.load(str(reload_repo / "mlp" / v / "model.pt")) for v in ("v1", "v2", "v3")}
+
+
+@pytest.fixture
+def reload_daemon(workdir: Path, reload_repo: Path):
+    """Start daemons serving the reload repository; each is killed at the end of the test."""
+    started: list[Daemon] = []
+
+    def start(directory: Path = workdir, model: dict | None = None, **sections) -> Daemon:
+        daemon = Daemon(directory, base_config(directory, reload_repo, {"mlp": model or RELOAD_MLP}, **sections))
+        started.append(daemon)
+        return daemon.start()
+
+    yield start
+    for daemon in started:
+        daemon.kill_all()
+
+
 @pytest.fixture
 def workdir() -> Iterator[Path]:
     """A short folder under /tmp (ipc:// paths are limited to about 100 bytes)."""

@@ -169,6 +169,16 @@ class MlpRefusingBigBatches(Mlp):
         return self.net(x)
 
 
+class MlpFailingOnSome(Mlp):
+    """An Mlp that raises on a batch holding a sample whose first value is above 1 (about one sample in six of
+    standard normal inputs): a version a canary guard must take back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x[:, 0] > 1.0).any()):
+            raise RuntimeError("this version fails on inputs whose first value is above 1")
+        return self.net(x)
+
+
 class Head(torch.nn.Module):
     """float32 [16] -> [width]: the Mlp's input with another output shape (16384: 64 KiB a
     sample, too much for a small arena slot)."""
@@ -231,6 +241,8 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     files["slower_warm"] = save_script(lambda: SlowToWarm(4000), root, "mlp", "slower_warm", 6)
     files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
     files["hangs"] = save_script(HangsOnFullBatches, root, "mlp", "hangs", 11)
+    files["fails_some"] = save_script(MlpFailingOnSome, root, "mlp", "fails_some", 12)
+    files["v1_twin"] = save_script(Mlp, root, "mlp", "v1_twin", 1)  # v1's weights in another folder
     for version, seed, honest in (("canary_good", 8, True), ("canary_bad", 9, False)):
         files[version] = save_script(Mlp, root, "mlp", version, seed)
         module = torch.jit.load(str(files[version]))

@@ -326,3 +326,20 @@ def test_displacement_never_bypasses_the_requesters_own_share():
 def test_a_level_leads_at_least_its_share_of_batches(share, patience):
     assert Levels(2, 1, share).patience == patience
     assert 1 / (patience + 1) >= share
+
+
+def test_put_back_returns_requests_to_the_head_of_their_level_as_if_never_taken():
+    q = queue()
+    for i in range(3):
+        q.put(request(rid=i, client="c"))
+    name, taken = q.take(cap(True, True), 0.0)
+    assert [r.header.id for r in taken] == [0, 1, 2] and len(q) == 0 and q.queued_by("c") == 0
+    q.put(request(rid=3, client="c"))
+    q.put_back(taken[1:])
+    assert len(q) == 3 and q.depth("a") == 3 and q.queued_by("c") == 3
+    assert [r.header.id for r in q.take(cap(True, True), 0.0)[1]] == [1, 2, 3]
+    late = request(rid=4, timeout=0.5)
+    q.put(late)
+    name, taken = q.take(cap(True, True), 0.0)
+    q.put_back(taken)
+    assert q.expire(1.0) == [late], "a request put back still expires at its deadline"

@@ -95,9 +95,10 @@ def test_stats_and_metrics_count_exactly_what_was_sent(start_daemon):
     labels = (("model", "mlp"), ("status", "ok"), ("version", "v2"))
     assert metrics[("inferd_requests_total", labels)] == count
     assert metrics[("inferd_samples_total", (("model", "mlp"), ("version", "v2")))] == samples
-    assert metrics[("inferd_request_duration_seconds_count", (("model", "mlp"),))] == count
-    assert metrics[("inferd_batch_size_count", (("model", "mlp"),))] == count
-    assert metrics[("inferd_batch_size_sum", (("model", "mlp"),))] == samples
+    version = (("model", "mlp"), ("version", "v2"))
+    assert metrics[("inferd_request_duration_seconds_count", version)] == count
+    assert metrics[("inferd_batch_size_count", version)] == count
+    assert metrics[("inferd_batch_size_sum", version)] == samples
     assert metrics[("inferd_model_live", (("model", "mlp"), ("version", "v2")))] == 1
     assert metrics[("inferd_queue_depth", (("model", "mlp"),))] == 0
     assert metrics[("inferd_worker_restarts_total", (("worker", "0"),))] == 0

@@ -22,30 +22,9 @@ BIN = Path(sys.executable).parent
 MLP = RELOAD_MLP
 
 
-@pytest.fixture(scope="session")
-def references(reload_repo: Path):
-    """Each good version's model, in this process, by version name."""
-    return {v: torch.jit.load(str(reload_repo / "mlp" / v / "model.pt")) for v in ("v1", "v2", "v3")}
-
-
 def expected(references, version: str, x: np.ndarray) -> np.ndarray:
     with torch.inference_mode():
         return references[version](torch.from_numpy(x)).numpy()
-
-
-@pytest.fixture
-def reload_daemon(workdir: Path, reload_repo: Path):
-    """Start daemons serving the reload repository; each is killed at the end of the test."""
-    started: list[Daemon] = []
-
-    def start(directory: Path = workdir, model: dict | None = None, **sections) -> Daemon:
-        daemon = Daemon(directory, base_config(directory, reload_repo, {"mlp": model or MLP}, **sections))
-        started.append(daemon)
-        return daemon.start()
-
-    yield start
-    for daemon in started:
-        daemon.kill_all()
 
 
 def inferctl(daemon: Daemon, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -31,6 +31,7 @@ from inferd.ipc.slots import batch_bytes, place, slot_shortfall
 from inferd.paths import RuntimeFiles
 from inferd.repository import SavedVersions
 from inferd.supervisor.batcher import QueuedRequest
+from inferd.supervisor.candidates import Candidate, Candidates, Mode
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.frontend import Frontend, ReplyTo
@@ -260,10 +261,12 @@ def wired(table: Table) -> Iterator[tuple[FakeWorker, Clients, Dispatcher]]:
     fake = table.boot(0)
     clients = Clients(table.context)
     stats = Stats(0.0)
+    candidates = Candidates()
     frontend = Frontend(table.context, table.table.config, None,  # type: ignore[arg-type] - no queue needed
-                        stats, table.live, CurveServer(table.context, "", ""), Regions("inferd-client-"),
+                        stats, table.live, candidates, CurveServer(table.context, "", ""), Regions("inferd-client-"),
                         None)  # type: ignore[arg-type] - nor a forecast
-    yield fake, clients, Dispatcher(table.table.config, table.table, frontend, table.live, stats, ComputeTimes())
+    yield fake, clients, Dispatcher(table.table.config, table.table, frontend, table.live, candidates, stats,
+                                    ComputeTimes())
     frontend.close()
     clients.close()
 
@@ -304,6 +307,23 @@ def test_requests_naming_a_version_that_was_replaced_are_refused_not_computed(wi
     assert fake.received(fake.executor).samples == (1,), "only the other request is computed"
 
 
+def test_during_a_canary_named_versions_keep_theirs_and_wait_when_their_executors_are_busy(table, wired):
+    fake, clients, dispatcher = wired
+    worker = table.table.workers[0]
+    assert table.table.version_loaded(worker, "mlp", messages.LoadedModel("v2", SIGNATURE)) is None
+    dispatcher.candidates.set("mlp", Candidate("v2", Mode.CANARY, 100.0, False, None, 0.0))
+    x = np.ones((1, 16), dtype=np.float32)
+    assert dispatcher.dispatch("mlp", [clients.request(1, x, version="v1")]) == []
+    assert fake.received(fake.executor).version == "v1", "a request naming the live version keeps it"
+    # The one executor has room for one more batch: the free request takes it, to the canary (weight
+    # 100); the request naming v1 cannot share that batch, and waits for the executor.
+    left = dispatcher.dispatch("mlp", [clients.request(2, x), clients.request(3, x, version="v1")])
+    run = fake.received(fake.executor)
+    assert (run.version, run.samples) == ("v2", (1,))
+    assert [r.header.id for r in left] == [3]
+    assert dispatcher.split_share("mlp") == 1.0
+
+
 # -- the reload manager -------------------------------------------------------------
 
 
@@ -327,9 +347,11 @@ class Reply:
 
 def reload_manager(table: Table, workdir: Path) -> ReloadManager:
     stats = Stats(0.0)
-    dispatcher = Dispatcher(table.table.config, table.table, None, table.live, stats,  # type: ignore[arg-type]
-                            ComputeTimes())
-    return ReloadManager(table.table.config, table.table, dispatcher, table.live, SavedVersions(workdir / "state"),
+    candidates = Candidates()
+    dispatcher = Dispatcher(table.table.config, table.table, None, table.live, candidates,  # type: ignore[arg-type]
+                            stats, ComputeTimes())
+    return ReloadManager(table.table.config, table.table, dispatcher, table.live, candidates,
+                         SavedVersions(workdir / "state"),
                          lambda callback: callback())
 
 

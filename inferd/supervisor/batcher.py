@@ -249,6 +249,22 @@ class BatchQueue:
             heapq.heapify(self._deadlines)
         return None
 
+    def put_back(self, requests: list[QueuedRequest]) -> None:
+        """Return taken requests to the head of their levels, in order: the dispatcher could not send them
+        (they name the version their batch did not go to, whose executors are all busy). They were admitted
+        once; the bounds do not refuse them now."""
+        for request in reversed(requests):
+            lane = self._lanes[request.header.model]
+            lane.levels[request.priority].appendleft(request)
+            lane.samples += request.samples
+            lane.level_samples[request.priority] += request.samples
+            self._size += 1
+            self.nbytes += request.nbytes
+            self._per_client[request.client] += 1
+            self._bytes_per_client[request.client] += request.nbytes
+            request.state = WAITING
+            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+
     def displace_for(self, request: QueuedRequest) -> list[QueuedRequest] | None:
         """Make room in a full queue for `request` by removing the newest waiting requests of less urgent
         levels (least urgent first); return them, or None (removing nothing) when that cannot make room.

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from inferd import __version__
 from inferd.repository import RepositoryError, describe_versions
+from inferd.supervisor.candidates import Mode
 from inferd.supervisor.control import ControlReply, deferred
-from inferd.supervisor.report import stats_report, worker_summary
+from inferd.supervisor.report import candidate_status, stats_report, worker_summary
 from inferd.supervisor.state import DaemonState
 
 if TYPE_CHECKING:
@@ -123,6 +124,7 @@ class Commands:
                     "previous_version": self.daemon.live.previous(name),
                     "reloading_to": self.daemon.reloads.active[name].version if name in self.daemon.reloads.active
                     else None,
+                    "candidate": candidate_status(self.daemon.candidates.get(name)),
                     "queue_depth": self.daemon.queue.depth(name),
                     "max_batch_size": self.daemon.config.models[name].max_batch_size,
                     "max_wait_ms": self.daemon.config.models[name].max_wait_ms,
@@ -148,14 +150,43 @@ class Commands:
 
     @deferred
     def command_reload(self, reply: ControlReply, version: str, model: str | None = None,
-                       allow_signature_change: bool = False) -> None:
-        """Blue-green: load `version` beside the live one on every worker, then flip; answer when done."""
-        self.daemon.reloads.start(self._model(model), version, allow_signature_change, reply)
+                       allow_signature_change: bool = False, canary: float | None = None,
+                       shadow: float | None = None, auto_rollback: bool = False,
+                       promote_after_s: float | None = None) -> None:
+        """Blue-green: load `version` beside the live one on every worker, then flip; answer when done.
+        With `canary` or `shadow` (a percentage) the version is tried instead of made live."""
+        name = self._model(model)
+        if canary is not None and shadow is not None:
+            reply.fail("a version is tried as a canary or as a shadow, not both")
+        elif canary is None and shadow is None:
+            if auto_rollback or promote_after_s is not None:
+                reply.fail("--auto-rollback and --promote-after go with --canary")
+                return
+            self.daemon.reloads.start(name, version, allow_signature_change, reply)
+        else:
+            mode, weight = (Mode.CANARY, canary) if canary is not None else (Mode.SHADOW, shadow)
+            assert weight is not None
+            self.daemon.canaries.start(name, version, mode, weight, auto_rollback, promote_after_s,
+                                       allow_signature_change, reply)
+
+    @deferred
+    def command_canary(self, reply: ControlReply, weight: float, model: str | None = None) -> None:
+        """Move the running canary (or shadow) of a model to `weight` percent."""
+        self.daemon.canaries.weigh(self._model(model), weight, reply)
+
+    @deferred
+    def command_promote(self, reply: ControlReply, model: str | None = None) -> None:
+        """Make the canary (or shadow) of a model live."""
+        self.daemon.canaries.promote(self._model(model), reply)
 
     @deferred
     def command_rollback(self, reply: ControlReply, model: str | None = None) -> None:
-        """Blue-green back to the version live before the last reload."""
+        """End the canary or shadow of a model; without one, blue-green back to the version live before the
+        last reload."""
         name = self._model(model)
+        if name in self.daemon.candidates:
+            self.daemon.canaries.end(name, reply)
+            return
         previous = self.daemon.live.previous(name)
         if previous is None:
             reply.fail(f"{name} has not been reloaded; there is nothing to roll back to")

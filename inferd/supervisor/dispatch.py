@@ -7,6 +7,11 @@ back as its reply and the slot is free again. A request the worker did not
 compute because its deadline had passed is answered `timeout`; a batch whose
 worker fails is answered `internal`, request by request. Every reply names the
 version that handled it.
+
+While a model has a candidate under trial (candidates.py), each batch is routed
+by its Split: a canary's share goes to the candidate, whole; a shadow's share is
+copied when the live version has answered it and computed again by the
+candidate on idle executor time (shadow.py), only to be compared.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place, row_bytes
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.batcher import Capacity, QueuedRequest
+from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
 from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.regions import Region, RegionSlice
+from inferd.supervisor.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
 
@@ -55,6 +62,9 @@ class Batch:
     slot: int
     started: float
     samples: int
+    inputs: tuple[TensorRef, ...] = ()
+    shadowed: bool = False  # the candidate computes it again once it is answered
+    shadow: ShadowJob | None = None  # a shadow batch: nobody waits for it
 
     def describe(self) -> str:
         """How the log and error sentences name it."""
@@ -78,8 +88,12 @@ class Dispatcher:
     """Sends batches to executors and turns their answers into replies."""
 
     def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: LiveVersions,
-                 stats: Stats, times: ComputeTimes) -> None:
+                 candidates: Candidates, stats: Stats, times: ComputeTimes) -> None:
         self.config = config
+        self.candidates = candidates
+        self.shadow = ShadowQueue()
+        self._shadowing: set[ExecutorHandle] = set()  # executors running a shadow batch
+        self._splits: dict[str, Split] = {}
         self.times = times
         self.workers = workers
         self.frontend = frontend
@@ -106,16 +120,64 @@ class Dispatcher:
                 free_at = min(free_at, executor.free_at())
         return Capacity(idle, spare, free_at)
 
-    def dispatch(self, model: str, requests: list[QueuedRequest]) -> None:
-        """Copy `requests` into a slot of the least busy executor of the live version and send it there."""
-        version = self.live[model]
-        requests = self._keep_version(requests, model, version)
-        if not requests:
-            return
+    def dispatch(self, model: str, requests: list[QueuedRequest]) -> list[QueuedRequest]:
+        """Copy `requests` into a slot of the least busy executor of their version and send it there.
+
+        Returns the requests to put back in the queue: during a canary, those that name the version
+        the batch did not go to, when every executor of theirs is busy.
+        """
+        candidate = self.candidates.get(model)
+        if candidate is None:
+            version = self.live[model]
+            requests = self._keep_version(requests, model, version)
+            if requests:
+                self._send(model, version, requests, False, time.monotonic())
+            return []
+        left: list[QueuedRequest] = []
+        for index, (version, group, shadowed) in enumerate(self._route(model, requests, candidate)):
+            if not group:
+                continue
+            if index and self.workers.executors_serving(model, version) and self._pick_executor(model, version) is None:
+                left += group  # the part the batch did not go to waits for an executor of its version
+            else:
+                self._send(model, version, group, shadowed, time.monotonic())
+        return left
+
+    def _route(self, model: str, requests: list[QueuedRequest],
+               candidate: Candidate) -> list[tuple[str, list[QueuedRequest], bool]]:
+        """(version, its requests, whether to shadow them) for each part of a batch, the chosen part first."""
+        live = self.live[model]
+        split = self._splits.get(model)
+        if split is None or split.candidate is not candidate:  # a new trial, or a new weight
+            split = self._splits[model] = Split(candidate)
+        if candidate.mode == Mode.SHADOW:
+            kept = self._keep_version(requests, model, live)
+            serving = bool(self.workers.executors_serving(model, candidate.version))
+            return [(live, kept, serving and split.take(sum(r.samples for r in kept), candidate.weight))]
+        canary = candidate.version
+        free = [r for r in requests if r.header.version is None]
+        # Only to a canary executor with room: a busy one (a worker still loading the canary has
+        # none) sends the batch to the live version, and the split makes it up later.
+        chosen = live
+        if free and self._pick_executor(model, canary) is not None:
+            chosen = canary if split.take(sum(r.samples for r in free), candidate.weight) else live
+        groups: dict[str, list[QueuedRequest]] = {chosen: [], canary if chosen == live else live: []}
+        for request in requests:
+            named = request.header.version
+            if named is None:
+                groups[chosen].append(request)
+            elif named in groups:
+                groups[named].append(request)
+            else:
+                self.frontend.reply_error(request, protocol.UNAVAILABLE, f"version {named!r} of {model} is neither "
+                                          f"live ({live!r}) nor its canary ({canary!r}) any more", live)
+        return [(version, group, False) for version, group in groups.items()]
+
+    def _send(self, model: str, version: str, requests: list[QueuedRequest], shadowed: bool, now: float) -> None:
         executor = self._pick_executor(model, version)
         if executor is None:
             for request in requests:
-                self.frontend.reply_error(request, protocol.UNAVAILABLE, "no worker is ready")
+                self.frontend.reply_error(request, protocol.UNAVAILABLE, f"no worker is ready to run {version}")
             return
         worker = executor.worker
         slot = worker.slots.acquire()
@@ -123,8 +185,7 @@ class Dispatcher:
             for request in requests:
                 self.frontend.reply_error(request, protocol.INTERNAL, "no free arena slot")
             return
-        now = time.monotonic()
-        batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0)
+        batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0, shadowed=shadowed)
         while True:
             try:
                 message = self._stack(batch, worker)
@@ -143,6 +204,7 @@ class Dispatcher:
             worker.slots.release(slot)
             self._fail(batch, f"worker{worker.index} cannot be reached")
             return
+        batch.inputs = message.inputs
         batch.samples = samples = sum(r.samples for r in requests)
         self.workers.batch_sent(executor, len(requests), now, self.times.batch_s(model, samples) or 0.0)
         self.inflight[batch.id] = batch
@@ -164,6 +226,53 @@ class Dispatcher:
                     f"version {named!r} of {model} was replaced by {version!r} while the request waited", version)
         return kept
 
+    def run_shadow(self, now: float) -> None:
+        """Send waiting shadow jobs to idle executors of their candidate; drop those too old to be worth it.
+        The caller calls this only while no request waits."""
+        for job in self.shadow.stale(now):
+            self.stats.shadow_series(job.model, job.version).dropped["stale"] += len(job.samples)
+        while self.shadow:
+            job = self.shadow.jobs[0]
+            idle = [e for e in self.workers.executors_for(job.model, job.version) if e.inflight == 0]
+            # Where the live version has several executors, one stays idle for the next request.
+            live = self.workers.executors_serving(job.model, self.live[job.model])
+            if not idle or (len(live) > 1 and sum(e.inflight == 0 for e in live) < 2):
+                return
+            self.shadow.jobs.popleft()
+            executor = max(idle, key=lambda e: e.last_used)
+            worker = executor.worker
+            slot = worker.slots.acquire()
+            if slot is None:
+                return
+            base = worker.slots.offset(slot)
+            offsets, _ = place(base, [len(data) for _, data in job.inputs])
+            refs = []
+            for (ref, data), offset in zip(job.inputs, offsets):
+                worker.arena.buf[offset:offset + len(data)] = data
+                refs.append(TensorRef(ref.dtype, ref.shape, offset))
+            batch = Batch(next(self._ids), job.model, job.version, [], executor, slot, now, sum(job.samples),
+                          tuple(refs), shadow=job)
+            message = RunBatch(batch.id, job.model, job.version, base, worker.slots.slot_size, batch.inputs,
+                               job.samples, (now + MAX_AGE_S,) * len(job.samples))
+            if not self.workers.send(executor.identity, message):
+                worker.slots.release(slot)
+                self.stats.shadow_series(job.model, job.version).dropped["worker unreachable"] += len(job.samples)
+                continue
+            self.workers.batch_sent(executor, 0, now, 0.0)
+            self.inflight[batch.id] = batch
+            self._shadowing.add(executor)
+
+    def end_trial(self, model: str) -> None:
+        """`model`'s trial ended: its waiting shadow jobs are dropped (counted), its split forgotten."""
+        self._splits.pop(model, None)
+        for job in self.shadow.discard(model):
+            self.stats.shadow_series(job.model, job.version).dropped["trial ended"] += len(job.samples)
+
+    def split_share(self, model: str) -> float | None:
+        """The share of `model`'s samples routed to its candidate at its present weight, if it has one."""
+        split = self._splits.get(model)
+        return split.share() if split is not None and split.candidate is self.candidates.get(model) else None
+
     def on_result(self, executor: ExecutorHandle, result: BatchDone | BatchFailed) -> None:
         """Answer every request of a finished batch and free its slot."""
         batch = self.inflight.get(result.batch_id)
@@ -174,6 +283,12 @@ class Dispatcher:
         worker = executor.worker
         trackers: list[zmq.MessageTracker] = []
         now = time.monotonic()
+        if batch.shadow is not None:
+            self._shadowing.discard(executor)
+            self.workers.batch_returned(executor, 0, True, now)
+            self._compared(batch, batch.shadow, result)
+            worker.slots.release(batch.slot)
+            return
         if isinstance(result, BatchFailed):
             self.workers.batch_returned(executor, len(batch.requests), True, now)
             self._fail(batch, result.error)
@@ -189,6 +304,8 @@ class Dispatcher:
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
             by_reference = not any(w is worker for w, _, _ in self.sending)
+            if batch.shadowed:
+                self._keep_for_shadow(batch, result, now)
             trackers = self._reply_outputs(batch, result, by_reference)
             if computed:
                 self._watch_slow(batch, result.compute_us / 1e6)
@@ -197,6 +314,50 @@ class Dispatcher:
             self.sending.append((worker, batch.slot, trackers))
         else:
             worker.slots.release(batch.slot)
+
+    def _keep_for_shadow(self, batch: Batch, result: BatchDone, now: float) -> None:
+        """Copy a live batch's inputs and outputs into a shadow job, unless the shadow queue is full."""
+        candidate = self.candidates.get(batch.model)
+        if candidate is None or candidate.mode != Mode.SHADOW:
+            return
+        series = self.stats.shadow_series(batch.model, candidate.version)
+        requests = len(batch.requests)
+        series.chosen += requests
+        if self.shadow.full() or result.expired:
+            series.dropped["queue full" if not result.expired else "stale"] += requests
+            return
+        buf = batch.executor.worker.arena.buf
+
+        def copied(ref: TensorRef) -> tuple[TensorRef, bytes]:
+            size = math.prod(ref.shape) * protocol.DTYPES[ref.dtype].itemsize
+            return ref, bytes(buf[ref.offset:ref.offset + size])
+
+        self.shadow.add(ShadowJob(batch.model, candidate.version, [copied(r) for r in batch.inputs],
+                                  [copied(r) for r in result.outputs], tuple(r.samples for r in batch.requests),
+                                  result.compute_us / 1e6, now))
+
+    def _compared(self, batch: Batch, job: ShadowJob, result: BatchDone | BatchFailed) -> None:
+        """A shadow batch came back: its outputs against the live version's, and its compute time."""
+        series = self.stats.shadow_series(job.model, job.version)
+        requests = len(job.samples)
+        if isinstance(result, BatchFailed):
+            series.failed += requests
+            log.warning("shadow %s failed: %s", batch.describe(), result.error)
+            return
+        if result.expired:
+            series.dropped["stale"] += requests
+            return
+        buf = batch.executor.worker.arena.buf
+        outputs = [(ref, buf[ref.offset:ref.offset + math.prod(ref.shape) * protocol.DTYPES[ref.dtype].itemsize])
+                   for ref in result.outputs]
+        comparison = compare(job.outputs, outputs, job.samples)
+        series.compared += comparison.requests
+        series.allclose += comparison.allclose
+        series.mismatched += 0 if comparison.comparable else comparison.requests
+        series.max_abs = max(series.max_abs, comparison.max_abs)
+        series.max_rel = max(series.max_rel, comparison.max_rel)
+        series.live_compute.add(job.live_compute_s)
+        series.shadow_compute.add(result.compute_us / 1e6)
 
     def release_sent(self) -> None:
         """Free the slots whose replies ZeroMQ has finished sending."""
@@ -215,6 +376,10 @@ class Dispatcher:
             del self.inflight[batch.id]
             self.workers.batch_returned(batch.executor, len(batch.requests), False, now)
             worker.slots.release(batch.slot)
+            if batch.shadow is not None:
+                self._shadowing.discard(batch.executor)
+                self.stats.shadow_series(batch.model, batch.version).dropped["worker lost"] += len(batch.shadow.samples)
+                continue
             self._fail(batch, reason, status)
 
     def cancel_running(self, client: Hashable, request_id: protocol.RequestId) -> bool:
@@ -259,8 +424,12 @@ class Dispatcher:
             return None
         # Least busy first; among equals the one used last, whose thread, core
         # caches and model weights are still warm (a cold executor doubles
-        # batch-1 latency on the CPU). Load spreads as executors fill.
-        best = max(executors, key=lambda e: (-e.inflight, e.last_used))
+        # batch-1 latency on the CPU). Load spreads as executors fill. Never
+        # behind shadow work while another executor is as free.
+        if self._shadowing:
+            best = max(executors, key=lambda e: (-e.inflight, e not in self._shadowing, e.last_used))
+        else:
+            best = max(executors, key=lambda e: (-e.inflight, e.last_used))
         return best if best.inflight < PIPELINE_DEPTH else None
 
     def _stack(self, batch: Batch, worker: WorkerHandle) -> RunBatch:

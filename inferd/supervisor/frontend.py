@@ -30,6 +30,7 @@ from inferd.errors import InvalidRequest
 from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.batcher import BatchQueue, QueuedRequest, Refusal
+from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.client_regions import ClientRegions, Places
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.guard import failure
@@ -117,11 +118,13 @@ class Frontend:
     """Client-facing sockets, request admission, and reply delivery."""
 
     def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue, stats: Stats,
-                 live: LiveVersions, curve: CurveServer, regions: Regions, forecast: Forecast) -> None:
+                 live: LiveVersions, candidates: Candidates, curve: CurveServer, regions: Regions,
+                 forecast: Forecast) -> None:
         self.queue = queue
         self.forecast = forecast
         self.stats = stats
         self.live = live
+        self.candidates = candidates
         self.sockets: list[zmq.Socket] = []
         self.protocols: dict[zmq.Socket, str] = {}  # the gateways' sockets -> the protocol each carries
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
@@ -250,8 +253,11 @@ class Frontend:
             name = header.model
             live = self.live.get(name, "")
             if header.version is not None and header.version != live:
-                raise InvalidRequest(
-                    f"version {header.version!r} of {name} is not live; the live version is {live!r}", header.id)
+                canary = self.candidates.canary_version(name)
+                if header.version != canary:
+                    also = f" (and {canary!r} is its canary)" if canary else ""
+                    raise InvalidRequest(f"version {header.version!r} of {name} is not live; the live version is "
+                                         f"{live!r}{also}", header.id)
             levels = self.queue.levels
             priority = levels.default if header.priority is None else header.priority
             if priority >= levels.count:

@@ -38,6 +38,8 @@ from inferd.oip.spec import PROTOCOLS
 from inferd.paths import RuntimeFiles, runtime_dir
 from inferd.repository import RepositoryError, SavedVersions
 from inferd.supervisor.batcher import BatchQueue, queue_settings
+from inferd.supervisor.canary import CanaryManager
+from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.commands import Commands
 from inferd.supervisor.control import ControlServer
 from inferd.supervisor.devices import resolve_devices
@@ -78,7 +80,7 @@ class Supervisor:
         self.state = DaemonState.STARTING
         self.started = time.monotonic()
         saved = SavedVersions(config.server.state_dir or "")
-        saved_live, previous = saved.load()
+        saved_live, previous, saved_candidates = saved.load()
         try:
             self.live = LiveVersions.first(config, saved_live, previous)
         except RepositoryError as exc:
@@ -110,11 +112,15 @@ class Supervisor:
         self.regions = Regions(config.server.client_shm_prefix)
         self.workers = WorkerTable(config, self.context, devices, self.files, self.live)
         self.forecast = Forecast(times, self.queue, self.workers, self.live)
-        self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.curve, self.regions,
-                                 self.forecast)
-        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live, self.stats, times)
-        self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, saved,
+        self.candidates = Candidates()
+        self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.candidates, self.curve,
+                                 self.regions, self.forecast)
+        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live, self.candidates, self.stats, times)
+        self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, self.candidates, saved,
                                      self.call_soon_threadsafe)
+        self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
+                                      self.stats)
+        self.canaries.restore(saved_candidates)
         self.liveness = Liveness(self.workers, self.dispatcher, self.reloads)
         self.reconfigurer = Reconfigurer(self.workers, self.reloads, self.live, saved_live, self._configure)
         self.control = ControlServer(self.context, config.server.control or "", Commands(self), self.frontend,
@@ -259,8 +265,14 @@ class Supervisor:
         while True:
             batch = self.queue.take(self.dispatcher.capacity, now)
             if batch is None:
-                return
-            self.dispatcher.dispatch(*batch)
+                break
+            left = self.dispatcher.dispatch(*batch)
+            if left:  # they wait for an executor of their version; its answer wakes the loop
+                self.queue.put_back(left)
+                break
+        # Shadow work only on executor time no request wants.
+        if self.dispatcher.shadow and not len(self.queue) and self.state == DaemonState.SERVING:
+            self.dispatcher.run_shadow(now)
 
     def _housekeeping(self, now: float) -> None:
         if self.state in (DaemonState.STARTING, DaemonState.SERVING):
@@ -279,6 +291,8 @@ class Supervisor:
             elif now >= self._deadline:
                 log.warning("drain timeout passed; stopping with work left")
                 self._force_stop()
+        elif self.state == DaemonState.SERVING and self.candidates:
+            self.canaries.check(now)
         self._check_stopped()
         self.frontend.admit(self.state, self.workers)
 
@@ -311,7 +325,8 @@ class Supervisor:
     def _status(self) -> tuple[str, int]:
         """The one-line summary systemd shows, and the replies so far (for the rate)."""
         ready = sum(w.state == WorkerState.READY for w in self.workers.workers)
-        live = ", ".join(f"{n} {v}" for n, v in self.live.items())
+        live = ", ".join(f"{n} {v}" + (f" ({self.candidates[n].describe()})" if n in self.candidates else "")
+                         for n, v in self.live.items())
         summary = f"{self.state}; {ready}/{len(self.workers.workers)} workers ready; {live}"
         return summary, sum(self.stats.replies.values())
 
@@ -440,6 +455,7 @@ class Supervisor:
         self.dispatcher.configure(config)
         self.workers.configure(config)
         self.reloads.configure(config)
+        self.canaries.configure(config)
         set_level(config.server.log_level)
         for worker in self.workers.workers:
             self.workers.send_control(worker, messages.SetLogLevel(config.server.log_level))

@@ -43,14 +43,14 @@ def build_families(daemon: DaemonView) -> list[Metric]:
                                    labels=["model", "version", "status"])
     samples = CounterMetricFamily("inferd_samples", "Samples answered ok.", labels=["model", "version"])
     durations = {
-        part: HistogramMetricFamily(name, doc, labels=["model"])
+        part: HistogramMetricFamily(name, doc, labels=["model", "version"])
         for part, name, doc in (
             ("total", "inferd_request_duration_seconds", "Time from a request's arrival to its reply (ok replies)."),
             ("queue", "inferd_request_queue_seconds", "Time a request waited before its batch was sent."),
             ("compute", "inferd_request_compute_seconds", "Time the worker spent on the request's batch."),
         )
     }
-    batch_size = HistogramMetricFamily("inferd_batch_size", "Samples per batch.", labels=["model"])
+    batch_size = HistogramMetricFamily("inferd_batch_size", "Samples per batch.", labels=["model", "version"])
     queue_depth = GaugeMetricFamily("inferd_queue_depth", "Requests waiting.", labels=["model"])
     live = GaugeMetricFamily("inferd_model_live", "1 for the version each model serves.", labels=["model", "version"])
     per_model: dict[str, Series] = {name: Series() for name in daemon.live}
@@ -58,23 +58,23 @@ def build_families(daemon: DaemonView) -> list[Metric]:
         for status, count in sorted(series.replies.items()):
             requests.add_metric([model, version, status], count)
         samples.add_metric([model, version], series.samples)
-        if model in per_model:
-            per_model[model].merge(series)
-    for model, series in per_model.items():
         for part, family in durations.items():
-            _histogram(family, [model], getattr(series, part))
+            _histogram(family, [model, version], getattr(series, part))
         cumulative, running = [], 0
         for bound in BATCH_BOUNDS:
             running += sum(n for size, n in series.batch_sizes.items() if (bound // 2) < size <= bound)
             cumulative.append((floatToGoString(bound), running))
-        batches = sum(series.batch_sizes.values())
-        cumulative.append(("+Inf", batches))
-        batch_size.add_metric([model], cumulative, sum(size * n for size, n in series.batch_sizes.items()))
+        cumulative.append(("+Inf", sum(series.batch_sizes.values())))
+        batch_size.add_metric([model, version], cumulative, sum(size * n for size, n in series.batch_sizes.items()))
+        if model in per_model:
+            per_model[model].merge(series)
+    for model in per_model:
         queue_depth.add_metric([model], daemon.queue.depth(model))
         live.add_metric([model, daemon.live[model]], 1)
     families: list[Metric] = [requests, samples, *durations.values(), batch_size, queue_depth, live]
     families += _worker_families(daemon)
     families += _scheduling_families(daemon, per_model)
+    families += _trial_families(daemon)
     by_protocol = CounterMetricFamily("inferd_requests_by_protocol", "Requests answered, by protocol and status.",
                                       labels=["model", "protocol", "status"])
     for model in daemon.live:
@@ -119,6 +119,40 @@ def _scheduling_families(daemon: DaemonView, per_model: dict[str, Series]) -> li
             estimate.add_metric([model], seconds)
         refused.add_metric([model], daemon.stats.deadline_refusals[model])
     return [by_level, level_durations, good, good_rate, estimate, refused]
+
+
+def _trial_families(daemon: DaemonView) -> list[Metric]:
+    """Canaries and shadows: the running trials, how they ended, and how shadowed outputs compared."""
+    weight = GaugeMetricFamily("inferd_candidate_weight_ratio", "Share of the model's samples its candidate version "
+                               "takes (canary) or recomputes (shadow).", labels=["model", "version", "mode"])
+    for model, candidate in sorted(daemon.candidates.items()):
+        weight.add_metric([model, candidate.version, str(candidate.mode)], candidate.weight / 100)
+    outcomes = CounterMetricFamily("inferd_trials_ended", "Trials of a candidate version that ended, by how.",
+                                   labels=["model", "outcome"])
+    for (model, outcome), count in sorted(daemon.canaries.outcomes.items()):
+        outcomes.add_metric([model, outcome], count)
+    shadow_requests = CounterMetricFamily("inferd_shadow_requests", "Requests picked to be computed again by a "
+                                          "shadow version, by what came of it.", labels=["model", "version", "outcome"])
+    allclose = GaugeMetricFamily("inferd_shadow_allclose_ratio", "Share of compared requests whose shadow outputs "
+                                 "were allclose to the live ones.", labels=["model", "version"])
+    max_abs = GaugeMetricFamily("inferd_shadow_max_abs_difference", "Largest absolute difference between a shadow "
+                                "output and the live one.", labels=["model", "version"])
+    max_rel = GaugeMetricFamily("inferd_shadow_max_rel_difference", "Largest relative difference between a shadow "
+                                "output and the live one.", labels=["model", "version"])
+    compute = HistogramMetricFamily("inferd_shadow_compute_seconds", "Compute time of the batches both versions "
+                                    "computed, by side (live, shadow).", labels=["model", "version", "side"])
+    for (model, version), series in sorted(daemon.stats.shadow.items()):
+        labels = [model, version]
+        shadow_requests.add_metric([*labels, "compared"], series.compared)
+        shadow_requests.add_metric([*labels, "failed"], series.failed)
+        shadow_requests.add_metric([*labels, "dropped"], sum(series.dropped.values()))
+        if series.compared:
+            allclose.add_metric(labels, series.allclose / series.compared)
+        max_abs.add_metric(labels, series.max_abs)
+        max_rel.add_metric(labels, series.max_rel)
+        _histogram(compute, [*labels, "live"], series.live_compute)
+        _histogram(compute, [*labels, "shadow"], series.shadow_compute)
+    return [weight, outcomes, shadow_requests, allclose, max_abs, max_rel, compute]
 
 
 def _worker_families(daemon: DaemonView) -> list[Metric]:

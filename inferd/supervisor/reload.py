@@ -13,6 +13,10 @@ serves the model has V: a worker that came up during the reload (with the old
 version) is asked to load V too. A worker that starts after the flip comes up
 with the old version and is brought to the live one ("catch-up") before it
 gets that model's batches.
+
+A trial (canary.py) loads its candidate the same way, with `on_loaded` in place
+of the flip; the candidate then stays loaded, and is caught up to, like a live
+version, until its trial ends.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 from inferd.config import Config
 from inferd.ipc import messages
 from inferd.repository import RepositoryError, SavedVersions, model_file
+from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.control import Reply
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.live import LiveVersions
@@ -49,14 +54,19 @@ class Reload:
     pending: set[WorkerHandle]
     loaded: dict[WorkerHandle, messages.VersionLoaded] = field(default_factory=dict)
     failure: str | None = None
+    on_loaded: Callable[[Reload], None] | None = None  # a trial's start, instead of the flip
 
 
 class ReloadManager:
     """Runs reloads and rollbacks, keeps every worker on the live versions, and is the one writer of them."""
 
     def __init__(self, config: Config, workers: WorkerTable, dispatcher: Dispatcher, live: LiveVersions,
-                 saved: SavedVersions, call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
+                 candidates: Candidates, saved: SavedVersions,
+                 call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
         self.config = config
+        self.candidates = candidates
+        # Told when a worker cannot load a candidate it was catching up to (the canary manager ends the trial).
+        self.on_candidate_failed: Callable[[str, str, str], None] = lambda model, version, why: None
         # fsync takes milliseconds, sometimes tens: never on the loop that serves requests.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self._call_soon_threadsafe = call_soon_threadsafe
@@ -78,10 +88,16 @@ class ReloadManager:
         """Serve a model a config reload added, at `version`; every ready worker catches up to it."""
         self.live.add(model, version)
 
-    def start(self, model: str, version: str, allow_signature_change: bool, reply: Reply) -> None:
-        """Begin a reload of `model` to `version`; refusals answer `reply` at once."""
+    def start(self, model: str, version: str, allow_signature_change: bool, reply: Reply,
+              on_loaded: Callable[[Reload], None] | None = None) -> None:
+        """Begin a reload of `model` to `version` (with `on_loaded`, a trial's load, which does not flip);
+        refusals answer `reply` at once."""
         if model in self.active:
             reply.fail(f"a reload of {model} (to {self.active[model].version}) is already running; wait for it")
+            return
+        candidate = self.candidates.get(model)
+        if candidate is not None:
+            reply.fail(f"{model} has a {candidate.describe()}; promote it or roll it back first")
             return
         live = self.live[model]
         if version == live:
@@ -100,7 +116,7 @@ class ReloadManager:
         # A version reloaded soon after it was replaced may still be waiting to be
         # unloaded; it is wanted again, and an unload sent after this load would undo it.
         self.retiring = {r for r in self.retiring if r[1:] != (model, version)}
-        reload = Reload(model, version, live, expect, reply, time.monotonic(), set())
+        reload = Reload(model, version, live, expect, reply, time.monotonic(), set(), on_loaded=on_loaded)
         self.active[model] = reload
         notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         log.info("reloading %s: %s -> %s on %d worker(s)", model, live, version, len(targets))
@@ -177,7 +193,8 @@ class ReloadManager:
         """Bring a worker that came up with an old version to the live version of each model."""
         if worker.state != WorkerState.READY:
             return
-        for model, version in self.live.items():
+        wanted = [*self.live.items(), *((model, c.version) for model, c in self.candidates.items())]
+        for model, version in wanted:
             if (model, version) in worker.loaded or (worker, model, version) in self.catching_up:
                 continue
             if model in self.active and worker in self.active[model].pending:
@@ -185,7 +202,8 @@ class ReloadManager:
             self.retiring.discard((worker, model, version))
             if self.workers.load(worker, model, version, None, time.monotonic()):
                 self.catching_up.add((worker, model, version))
-                log.info("worker%d: catching up %s to the live version %s", worker.index, model, version)
+                role = "live version" if self.live.get(model) == version else "candidate"
+                log.info("worker%d: catching up %s to the %s %s", worker.index, model, role, version)
 
     def retire_idle(self) -> None:
         """Unload each retiring version from workers where its last batch is back.
@@ -201,10 +219,12 @@ class ReloadManager:
                 self.workers.version_unloaded(worker, model, version)
 
     def _wanted(self, worker: WorkerHandle, model: str, version: str) -> bool:
-        """True for a live version, and for one a reload or catch-up is loading on `worker`."""
+        """True for a live version and a candidate, and for one a reload or catch-up is loading on `worker`."""
         reload = self.active.get(model)
+        candidate = self.candidates.get(model)
         return (
             self.live.get(model) == version
+            or (candidate is not None and candidate.version == version)
             or (reload is not None and reload.version == version)
             or (worker, model, version) in self.catching_up
         )
@@ -231,48 +251,54 @@ class ReloadManager:
             notify("READY=1")
             reload.reply.fail(f"{reload.version} was not made live: {reason}; {reload.previous} keeps serving")
             return
-        switch_started = time.perf_counter()
-        self.live.flip(reload.model, reload.version)
-        switch_ms = (time.perf_counter() - switch_started) * 1000
-        saving = self._writer.submit(self._save, *self.live.snapshot())
-        for worker in self.workers.workers:
-            if (reload.model, reload.previous) in worker.loaded:
-                self._retire(worker, reload.model, reload.previous)
-            self.catch_up(worker)
-        log.info("%s is now %s (was %s), %.2f s after the reload began", reload.model, reload.version,
-                 reload.previous, time.monotonic() - reload.started)
-        notify("READY=1")
-        reload.reply.progress(
-            f"switched {reload.model} from {reload.previous} to {reload.version} in {switch_ms:.3f} ms")
-        result = {
-            "model": reload.model,
-            "version": reload.version,
-            "previous": reload.previous,
+        if reload.on_loaded is not None:
+            notify("READY=1")
+            reload.on_loaded(reload)
+            return
+        self.flip(reload.model, reload.version, reload.reply, reload.started, "reload", {
             "load_s": round(max(m.load_s for m in reload.loaded.values()), 3),
             "warm_s": round(max(m.warm_s for m in reload.loaded.values()), 3),
-            "switch_ms": round(switch_ms, 3),
-        }
-        # The command returns once the new live version is on disk too.
-        saving.add_done_callback(lambda done: self._call_soon_threadsafe(
-            lambda: self._saved(reload, result, done.result())))
+        })
 
-    def _save(self, live: dict[str, str], previous: dict[str, str]) -> tuple[float, str | None]:
+    def flip(self, model: str, version: str, reply: Reply, started: float, what: str, result: dict[str, Any]) -> None:
+        """Make `version` (loaded on every ready worker) live, retire the version it replaces once its last
+        batch is back, and answer `reply` with `result` once the new state is on disk."""
+        switch_started = time.perf_counter()
+        previous = self.live.flip(model, version)
+        switch_ms = (time.perf_counter() - switch_started) * 1000
+        for worker in self.workers.workers:
+            if (model, previous) in worker.loaded:
+                self._retire(worker, model, previous)
+            self.catch_up(worker)
+        log.info("%s is now %s (was %s), %.2f s after the %s began", model, version, previous,
+                 time.monotonic() - started, what)
+        notify("READY=1")
+        reply.progress(f"switched {model} from {previous} to {version} in {switch_ms:.3f} ms")
+        result = {"model": model, "version": version, "previous": previous, **result, "switch_ms": round(switch_ms, 3)}
+        # The command returns once the new live version is on disk too.
+        self.save_then_answer(reply, result, started)
+
+    def _save(self, live: dict[str, str], previous: dict[str, str],
+              candidates: dict[str, Any]) -> tuple[float, str | None]:
         """In the writer thread: save, and return (milliseconds it took, error or None)."""
         started = time.perf_counter()
         try:
-            self.saved.save(live, previous)
+            self.saved.save(live, previous, candidates)
             error = None
         except OSError as exc:
             error = f"cannot save the live versions to {self.saved.path}: {exc}"
         return (time.perf_counter() - started) * 1000, error
 
-    def _saved(self, reload: Reload, result: dict[str, Any], outcome: tuple[float, str | None]) -> None:
-        save_ms, error = outcome
-        if error is not None:
-            log.error("%s; a restart would serve the versions saved before", error)
-            reload.reply.progress(f"warning: {error}")
-        reload.reply.finish({**result, "save_ms": round(save_ms, 3),
-                             "total_s": round(time.monotonic() - reload.started, 3)})
+    def save_then_answer(self, reply: Reply, result: dict[str, Any], started: float) -> None:
+        """Save the state as it is now, then finish `reply` with `result`, the save's time and the command's."""
+        def saved(save_ms: float, error: str | None) -> None:
+            if error is not None:
+                log.error("%s; a restart would serve the versions saved before", error)
+                reply.progress(f"warning: {error}")
+            reply.finish({**result, "save_ms": round(save_ms, 3), "total_s": round(time.monotonic() - started, 3)})
+
+        saving = self._writer.submit(self._save, *self.live.snapshot(), self.candidates.snapshot())
+        saving.add_done_callback(lambda done: self._call_soon_threadsafe(lambda: saved(*done.result())))
 
     def close(self) -> None:
         """Wait for the last save to reach the disk."""
@@ -280,6 +306,11 @@ class ReloadManager:
 
     def _caught_up(self, worker: WorkerHandle, message: messages.VersionLoaded | messages.VersionFailed) -> None:
         if isinstance(message, messages.VersionFailed):
+            candidate = self.candidates.get(message.model)
+            if candidate is not None and candidate.version == message.version:
+                self.on_candidate_failed(message.model, message.version,
+                                         f"worker{worker.index} cannot load it: {message.error}")
+                return
             log.error("worker%d cannot load the live %s %s: %s; it will not serve %s",
                       worker.index, message.model, message.version, message.error, message.model)
             self.workers.note_error(worker, message.error)
@@ -291,11 +322,15 @@ class ReloadManager:
             self.workers.note_error(worker, problem)
             self.workers.version_unloaded(worker, model, version)
             return
-        if version != self.live.get(model):
-            self._retire(worker, model, version)
-            return
-        for _, stale in [k for k in worker.loaded if k[0] == model and k[1] != version]:
-            self._retire(worker, model, stale)
+        for _, other in [k for k in worker.loaded if k[0] == model]:
+            if not self._wanted(worker, model, other):
+                self._retire(worker, model, other)
+
+    def retire_everywhere(self, model: str, version: str) -> None:
+        """Unload `version` of `model` from every worker once nothing runs on it and nothing wants it."""
+        for worker in self.workers.workers:
+            if (model, version) in worker.loaded:
+                self._retire(worker, model, version)
 
     def _retire(self, worker: WorkerHandle, model: str, version: str) -> None:
         """Unload `version` from `worker` as soon as nothing runs on it and nothing wants it."""

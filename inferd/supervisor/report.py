@@ -10,6 +10,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from inferd.supervisor.candidates import Candidate, Mode
 from inferd.supervisor.stats import Series
 
 if TYPE_CHECKING:
@@ -63,6 +64,57 @@ def priority_report(daemon: DaemonView, model: str) -> dict[str, Any]:
         for (name, level), series in sorted(daemon.stats.levels.items())
         if name == model
     }
+
+
+def candidate_status(candidate: Candidate | None) -> dict[str, Any] | None:
+    """What `status` and `stats` both say of a model's trial (None without one)."""
+    if candidate is None:
+        return None
+    now = time.time()
+    return {
+        "version": candidate.version,
+        "mode": str(candidate.mode),
+        "weight": candidate.weight,
+        "guarded": candidate.guarded,
+        "running_s": round(now - candidate.started, 3),
+        "promote_in_s": None if candidate.promote_at is None else round(max(0.0, candidate.promote_at - now), 3),
+    }
+
+
+def candidate_report(daemon: DaemonView, model: str, now: float) -> dict[str, Any] | None:
+    """`model`'s trial: as status says, with the share of samples routed so far and the guard's judgement."""
+    candidate = daemon.candidates.get(model)
+    report = candidate_status(candidate)
+    if candidate is None or report is None:
+        return None
+    share = daemon.dispatcher.split_share(model)
+    report["routed_share"] = None if share is None else round(share, 4)
+    if candidate.mode == Mode.CANARY:
+        judgement = daemon.canaries.judgement(model, now)
+        report["guard"] = {"verdict": judgement.verdict, "reason": judgement.reason,
+                           "window_s": daemon.canaries.guard(model).window_s,
+                           "candidate": judgement.candidate, "live": judgement.live}
+    return report
+
+
+def shadow_report(daemon: DaemonView, model: str) -> dict[str, Any]:
+    """Per candidate version of `model` that was shadowed: how its outputs and compute time compared."""
+    report = {}
+    for (name, version), series in sorted(daemon.stats.shadow.items()):
+        if name != model:
+            continue
+        report[version] = {
+            "chosen": series.chosen,
+            "compared": series.compared,
+            "allclose_share": round(series.allclose / series.compared, 4) if series.compared else None,
+            "mismatched_shapes": series.mismatched,
+            "max_abs_difference": series.max_abs,
+            "max_rel_difference": series.max_rel,
+            "failed": series.failed,
+            "dropped": dict(series.dropped),
+            "compute_ms": {"live": series.live_compute.summary_ms(), "shadow": series.shadow_compute.summary_ms()},
+        }
+    return report
 
 
 def worker_summary(w: WorkerHandle) -> dict[str, Any]:
@@ -141,6 +193,8 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
                 "refused_as_late": daemon.stats.deadline_refusals[name],
             },
             "versions": versions,
+            "candidate": candidate_report(daemon, name, now),
+            "shadow": shadow_report(daemon, name),
         }
     return {
         "uptime_s": round(now - daemon.started, 3),

@@ -137,6 +137,22 @@ class LevelSeries:
 
 
 @dataclass
+class ShadowSeries:
+    """The shadow trials of one candidate version of one model, since start."""
+
+    chosen: int = 0  # requests picked to be computed again by the candidate
+    compared: int = 0  # ... and compared with the live version's outputs
+    allclose: int = 0  # ... whose outputs were all allclose to the live ones
+    failed: int = 0  # requests of shadow batches the candidate failed on
+    dropped: Counter = field(default_factory=Counter)  # why -> requests never computed by the candidate
+    mismatched: int = 0  # compared requests whose outputs differ in count, dtype or shape
+    max_abs: float = 0.0  # the largest difference seen among the rest
+    max_rel: float = 0.0
+    live_compute: Histogram = field(default_factory=Histogram)  # per batch, for the batches both computed
+    shadow_compute: Histogram = field(default_factory=Histogram)
+
+
+@dataclass
 class _Window:
     start: float
     series: dict[tuple[str, str], Series] = field(default_factory=dict)
@@ -155,6 +171,7 @@ class Stats:
         self.since_start: dict[tuple[str, str], Series] = {}
         self.levels: dict[tuple[str, int], LevelSeries] = {}  # (model, priority level) -> since start
         self.deadline_refusals: Counter[str] = Counter()  # model -> requests refused as sure to miss
+        self.shadow: dict[tuple[str, str], ShadowSeries] = {}  # (model, candidate version) -> its trial
         self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
 
     def _series(self, now: float, model: str, version: str) -> tuple[Series, Series]:
@@ -170,6 +187,13 @@ class Stats:
         if total is None:
             total = self.since_start[key] = Series()
         return recent, total
+
+    def shadow_series(self, model: str, version: str) -> ShadowSeries:
+        """The shadow record of candidate `version` of `model`."""
+        series = self.shadow.get((model, version))
+        if series is None:
+            series = self.shadow[(model, version)] = ShadowSeries()
+        return series
 
     def _level(self, model: str, priority: int) -> LevelSeries:
         level = self.levels.get((model, priority))

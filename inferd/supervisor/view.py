@@ -11,6 +11,9 @@ from typing import Protocol
 
 from inferd.config import Config
 from inferd.supervisor.batcher import BatchQueue
+from inferd.supervisor.canary import CanaryManager
+from inferd.supervisor.candidates import Candidates
+from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.gateway import Gateway
 from inferd.supervisor.live import LiveVersions
@@ -64,6 +67,18 @@ class DaemonView(Protocol):
     @property
     def reloads(self) -> ReloadManager:
         """Reloads running, and the way to start one."""
+
+    @property
+    def candidates(self) -> Candidates:
+        """The version of each model under trial, if any."""
+
+    @property
+    def canaries(self) -> CanaryManager:
+        """Trials: the way to start, weigh, promote and end one, and the guard's judgement."""
+
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """Batches in flight, and how each model's batches split between its versions."""
 
     @property
     def forecast(self) -> Forecast:

@@ -1,0 +1,109 @@
+"""Shadow work: batches the live version answered, waiting to be recomputed by the candidate.
+
+    live batch chosen ──▶ on its result: inputs and outputs copied ──▶ ShadowQueue
+                                                                          │ an executor idle and no
+                                                                          ▼ request waiting
+                                  compare(live outputs, candidate's) ◀── candidate computes it
+
+Shadow work never waits ahead of a client's request: a job runs only on an
+executor with nothing to do while the queue is empty, the queue holds a few
+jobs at most (a full one drops the new job), and a job that waited longer
+than MAX_AGE_S is dropped; every drop is counted. A job's bytes are copies,
+so the slot it came from is free at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from inferd.ipc.messages import TensorRef
+from inferd.protocol import DTYPES
+
+MAX_JOBS = 4
+MAX_AGE_S = 1.0
+# What counts as the same output: the tolerance the load-time canary check uses.
+RTOL, ATOL = 1e-3, 1e-5
+
+
+@dataclass(eq=False)
+class ShadowJob:
+    """One live batch to recompute with the candidate."""
+
+    model: str
+    version: str  # the candidate
+    inputs: list[tuple[TensorRef, bytes]]  # each input of the whole batch (the ref's offset is unused)
+    outputs: list[tuple[TensorRef, bytes]]  # the live version's outputs of it
+    samples: tuple[int, ...]  # per request
+    live_compute_s: float
+    created: float
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its inputs take in a slot."""
+        return sum(len(data) for _, data in self.inputs)
+
+
+class ShadowQueue:
+    """The jobs waiting for idle executor time, oldest first."""
+
+    def __init__(self) -> None:
+        self.jobs: deque[ShadowJob] = deque()
+
+    def __len__(self) -> int:
+        return len(self.jobs)
+
+    def full(self) -> bool:
+        """True when a new job would be dropped."""
+        return len(self.jobs) >= MAX_JOBS
+
+    def add(self, job: ShadowJob) -> None:
+        """Queue `job` (the caller checked `full`)."""
+        self.jobs.append(job)
+
+    def stale(self, now: float) -> list[ShadowJob]:
+        """Remove and return the jobs that waited past MAX_AGE_S."""
+        gone = []
+        while self.jobs and now - self.jobs[0].created > MAX_AGE_S:
+            gone.append(self.jobs.popleft())
+        return gone
+
+    def discard(self, model: str) -> list[ShadowJob]:
+        """Remove and return every job of `model` (its trial ended)."""
+        gone = [job for job in self.jobs if job.model == model]
+        self.jobs = deque(job for job in self.jobs if job.model != model)
+        return gone
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How the candidate's outputs of one batch differ from the live version's."""
+
+    requests: int
+    allclose: int  # requests whose every output is allclose (RTOL, ATOL) to the live one
+    max_abs: float  # 0 when the outputs differ in count, dtype or shape (then `comparable` is False)
+    max_rel: float
+    comparable: bool = True
+
+
+def compare(live: list[tuple[TensorRef, bytes]], candidate: list[tuple[TensorRef, memoryview]],
+            samples: tuple[int, ...]) -> Comparison:
+    """Compare each request's rows of every output; outputs of another shape or count match nothing."""
+    if len(live) != len(candidate) or any(a.shape != b.shape or a.dtype != b.dtype
+                                          for (a, _), (b, _) in zip(live, candidate)):
+        return Comparison(len(samples), 0, 0.0, 0.0, comparable=False)
+    starts = np.r_[0, np.cumsum(samples)[:-1]]
+    close = np.ones(len(samples), dtype=bool)
+    max_abs = max_rel = 0.0
+    for (ref, want_bytes), (_, got_bytes) in zip(live, candidate):
+        dtype = DTYPES[ref.dtype]
+        want = np.frombuffer(want_bytes, dtype).reshape(ref.shape[0], -1).astype(np.float64)
+        got = np.frombuffer(got_bytes, dtype).reshape(ref.shape[0], -1).astype(np.float64)
+        difference = np.abs(got - want)
+        if difference.size:
+            max_abs = max(max_abs, float(difference.max()))
+            max_rel = max(max_rel, float((difference / np.maximum(np.abs(want), np.finfo(np.float64).tiny)).max()))
+        close &= np.logical_and.reduceat((difference <= ATOL + RTOL * np.abs(want)).all(axis=1), starts)
+    return Comparison(len(samples), int(close.sum()), max_abs, max_rel)

@@ -1,0 +1,294 @@
+"""Canary, shadow and their guard against the real daemon: splits, comparisons, rollbacks, restarts."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import models
+import numpy as np
+import pytest
+from conftest import RELOAD_MLP, Daemon, base_config, requests_accounted, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+from test_reload import Traffic, expected, inferctl
+from wire import RawPeer
+
+from inferd.harness import free_port
+
+
+def versions_of(records) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for _, header, _, _ in records:
+        counts[header.get("version")] = counts.get(header.get("version"), 0) + 1
+    return counts
+
+
+def send_each(daemon: Daemon, arrays: list[np.ndarray], **header) -> list[tuple[dict, list[np.ndarray]]]:
+    """One request after the other, each waiting for its reply."""
+    replies = []
+    with RawPeer(daemon.endpoint) as peer:
+        for i, x in enumerate(arrays):
+            peer.send(i, "mlp", [x], **header)
+            replies.append(peer.recv())
+    return replies
+
+
+def rows(count: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, models.MLP_IN), dtype=np.float32) for _ in range(count)]
+
+
+def test_a_canary_takes_its_weight_and_requests_that_name_a_version_keep_it(reload_daemon, references):
+    daemon = reload_daemon(workers={"devices": ["cpu", "cpu"]})
+    result = inferctl(daemon, "reload", "--version", "v2", "--canary", "20")
+    assert result.returncode == 0, result.stderr
+    assert "mlp v2 is a canary at 20 % beside v1" in result.stdout
+    status = daemon.status()["models"]["mlp"]
+    assert status["live_version"] == "v1" and status["candidate"]["version"] == "v2"
+    assert status["candidate"]["mode"] == "canary" and status["candidate"]["weight"] == 20
+    assert "canary v2 at 20 %" in inferctl(daemon, "status").stdout
+    with Traffic(daemon, threads=4) as traffic:
+        traffic.wait_for_more(1500)
+    traffic.check(references)  # every reply ok and equal to the model it names, in this process
+    counts = versions_of(traffic.records)
+    assert set(counts) == {"v1", "v2"}
+    share = counts["v2"] / len(traffic.records)
+    assert 0.15 <= share <= 0.25, counts
+    routed = daemon.call("stats")["models"]["mlp"]["candidate"]["routed_share"]
+    assert abs(routed - 0.2) < 0.02, routed
+
+    for named in ("v1", "v2"):
+        replies = send_each(daemon, rows(30, seed=1), version=named)
+        assert {h["status"] for h, _ in replies} == {"ok"} and {h["version"] for h, _ in replies} == {named}
+    header, _ = send_each(daemon, rows(1), version="v3")[0]
+    assert header["status"] == "invalid"
+    assert "version 'v3' of mlp is not live; the live version is 'v1' (and 'v2' is its canary)" in header["error"]
+
+    result = inferctl(daemon, "canary", "--weight", "100")
+    assert result.returncode == 0 and "mlp canary v2 now at 100 % (was 20 %)" in result.stdout, result.stderr
+    assert {h["version"] for h, _ in send_each(daemon, rows(40, seed=2))} == {"v2"}
+    result = inferctl(daemon, "canary", "--weight", "0")
+    assert result.returncode == 0, result.stderr
+    assert {h["version"] for h, _ in send_each(daemon, rows(40, seed=3))} == {"v1"}
+
+
+def test_trial_commands_refuse_what_does_not_fit_in_one_sentence(reload_daemon):
+    daemon = reload_daemon()
+    for argv, sentence in [
+        (("canary", "--weight", "10"), "mlp has no canary or shadow; start one with inferctl reload"),
+        (("promote",), "mlp has no canary or shadow to promote"),
+        (("reload", "--version", "v2", "--canary", "120"), "120.0 is not in the range 0<=x<=100"),
+        (("reload", "--version", "v2", "--canary", "5", "--shadow", "5"), "as a canary or as a shadow, not both"),
+        (("reload", "--version", "v2", "--shadow", "5", "--auto-rollback"), "a shadow serves no client"),
+        (("reload", "--version", "v2", "--auto-rollback"), "--auto-rollback and --promote-after go with --canary"),
+        (("reload", "--version", "v2", "--canary", "5", "--promote-after", "soon"), "'soon' is not a duration"),
+        (("reload", "--version", "corrupt", "--canary", "5"), "corrupt was not made live"),
+    ]:
+        result = inferctl(daemon, *argv)
+        assert result.returncode != 0 and sentence in result.stderr, (argv, result.stderr)
+        assert "Traceback" not in result.stderr
+    assert inferctl(daemon, "reload", "--version", "v2", "--canary", "5").returncode == 0
+    result = inferctl(daemon, "reload", "--version", "v3")
+    assert result.returncode == 1 and "mlp has a canary v2 at 5 %; promote it or roll it back first" in result.stderr
+    assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
+
+
+def test_a_shadow_compares_outputs_and_clients_get_only_the_live_replies(workdir, reload_repo, references):
+    metrics = f"127.0.0.1:{free_port()}"
+    daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": RELOAD_MLP}, server={"metrics": metrics}))
+    try:
+        daemon.start()
+        for version, same in (("v1_twin", True), ("v2", False)):
+            result = inferctl(daemon, "reload", "--version", version, "--shadow", "50")
+            assert result.returncode == 0 and f"mlp {version} is a shadow at 50 % beside v1" in result.stdout
+            arrays = rows(200, seed=4)
+            replies = send_each(daemon, arrays)  # one at a time: executors are idle between requests
+            for (header, outputs), x in zip(replies, arrays):
+                assert header["status"] == "ok" and header["version"] == "v1"
+                np.testing.assert_allclose(outputs[0], expected(references, "v1", x), rtol=1e-5, atol=1e-6)
+            shadow = wait_for(lambda v=version: (s := daemon.call("stats")["models"]["mlp"]["shadow"].get(v))
+                              and s["compared"] + s["failed"] + sum(s["dropped"].values()) >= s["chosen"] >= 80 and s,
+                              what="the shadow jobs settled")
+            assert shadow["chosen"] <= 120, "about half the requests are shadowed"
+            assert shadow["compared"] >= 0.8 * shadow["chosen"], shadow
+            assert shadow["compute_ms"]["shadow"]["p50"] > 0 and shadow["compute_ms"]["live"]["p50"] > 0
+            if same:
+                assert shadow["allclose_share"] == 1.0 and shadow["max_abs_difference"] < 1e-5, shadow
+            else:
+                assert shadow["allclose_share"] < 0.05 and shadow["max_abs_difference"] > 0.05, shadow
+            result = inferctl(daemon, "rollback")
+            assert result.returncode == 0 and f"the shadow {version} at 50 % of mlp ended" in result.stdout
+        table = inferctl(daemon, "stats").stdout
+        assert "mlp shadow v2:" in table and "allclose" in table
+        with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as response:
+            families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+        compared = {tuple(sorted(s.labels.items())): s.value for s in families["inferd_shadow_requests"].samples
+                    if s.name.endswith("_total")}
+        assert compared[(("model", "mlp"), ("outcome", "compared"), ("version", "v2"))] == shadow["compared"]
+        ratio = {s.labels["version"]: s.value for s in families["inferd_shadow_allclose_ratio"].samples}
+        assert ratio["v1_twin"] == 1.0 and ratio["v2"] < 0.05
+        outcomes = {s.labels["outcome"]: s.value for s in families["inferd_trials_ended"].samples
+                    if s.name.endswith("_total")}
+        assert outcomes == {"rolled_back": 2}
+        durations = {s.labels["version"] for s in families["inferd_request_duration_seconds"].samples}
+        assert durations == {"v1"}, "every figure is split by version; no client reply came from a shadow"
+    finally:
+        daemon.kill_all()
+
+
+def test_a_failing_canary_is_rolled_back_by_its_guard(reload_daemon):
+    guard = {"window_s": 10, "min_requests": 10}
+    daemon = reload_daemon(model={**RELOAD_MLP, "canary_guard": guard}, workers={"devices": ["cpu", "cpu"]})
+    result = inferctl(daemon, "reload", "--version", "fails_some", "--canary", "10")
+    assert result.returncode == 0 and ", guarded" in result.stdout, result.stdout + result.stderr
+    with Traffic(daemon, threads=4) as traffic:
+        wait_for(lambda: daemon.status()["models"]["mlp"]["candidate"] is None, what="the guard's rollback")
+        ended = len(traffic.records)
+        traffic.wait_for_more(300)
+    assert not traffic.errors
+    statuses = [h["status"] for _, h, _, _ in traffic.records]
+    canary = [h for _, h, _, _ in traffic.records if h.get("version") == "fails_some"]
+    failed = [h for h in canary if h["status"] == "internal"]
+    assert failed and set(statuses) == {"ok", "internal"}
+    assert len(canary) <= 0.15 * len(traffic.records[:ended]) + 16, "no more went to the canary than its weight"
+    assert all("above 1" in h["error"] for h in failed)
+    after = [h for _, h, _, _ in traffic.records[ended + 32:]]
+    assert after and all(h["status"] == "ok" and h["version"] == "v1" for h in after)
+    lines = [line for line in daemon.log().splitlines() if "ended by its guard" in line]
+    assert len(lines) == 1 and "its share of internal replies" in lines[0], lines
+    wait_for(lambda: all(w["loaded"] == ["mlp v1"] for w in daemon.status()["workers"]), what="the canary freed")
+    assert daemon.call("stats")["models"]["mlp"]["versions"]["fails_some"]["requests"]["internal"] == len(failed)
+
+
+def test_promote_and_rollback_under_load_drop_nothing(reload_daemon, references):
+    daemon = reload_daemon(workers={"devices": ["cpu", "cpu"]})
+    with Traffic(daemon) as traffic:
+        assert daemon.call("reload", timeout=60, version="v2", canary=30)["mode"] == "canary"
+        traffic.wait_for_more(200)
+        assert daemon.call("canary", weight=70)["was"] == 30
+        traffic.wait_for_more(200)
+        result = inferctl(daemon, "promote")
+        assert result.returncode == 0, result.stderr
+        assert "mlp v2 is live (was v1), promoted from its canary v2 at 70 %" in result.stdout
+        promoted = time.monotonic()
+        traffic.wait_for_more(200)
+        trial_began = time.monotonic()
+        assert daemon.call("reload", timeout=60, version="v3", canary=50)["live"] == "v2"
+        traffic.wait_for_more(200)
+        result = inferctl(daemon, "rollback")
+        assert result.returncode == 0 and "the canary v3 at 50 % of mlp ended; v2 serves everything" in result.stdout
+        rolled_back = time.monotonic()
+        traffic.wait_for_more(200)
+    traffic.check(references)  # nothing dropped: every reply ok, each from the version it names
+    assert requests_accounted(daemon) == len(traffic.records), "every request the daemon read was answered"
+    # A batch sent before a switch returned may answer from the version before it; none sent after.
+    promoted_only = {h["version"] for sent, h, _, _ in traffic.records if promoted < sent < trial_began}
+    after_rollback = {h["version"] for sent, h, _, _ in traffic.records if sent > rolled_back}
+    assert promoted_only == {"v2"} and after_rollback == {"v2"}
+    assert versions_of(traffic.records).keys() == {"v1", "v2", "v3"}
+    wait_for(lambda: all(w["loaded"] == ["mlp v2"] for w in daemon.status()["workers"]), what="v1 and v3 freed")
+
+
+def test_a_restart_keeps_the_canary(reload_daemon):
+    daemon = reload_daemon()
+    result = inferctl(daemon, "reload", "--version", "v2", "--canary", "25", "--promote-after", "1h")
+    assert result.returncode == 0 and "promoted after 3600 s if it stays clean" in result.stdout, result.stderr
+    assert daemon.stop() == 0
+    daemon.start()
+    candidate = daemon.status()["models"]["mlp"]["candidate"]
+    assert candidate["version"] == "v2" and candidate["weight"] == 25 and candidate["guarded"]
+    assert 3000 < candidate["promote_in_s"] <= 3600
+    wait_for(lambda: daemon.status()["workers"][0]["loaded"] == ["mlp v1", "mlp v2"], what="v2 loaded again")
+    counts: dict[str, int] = {}
+    for header, _ in send_each(daemon, rows(200, seed=5)):
+        counts[header["version"]] = counts.get(header["version"], 0) + 1
+    assert 30 <= counts.get("v2", 0) <= 70, counts
+    assert "resuming the canary v2 at 25 %" in daemon.log()
+    assert inferctl(daemon, "promote").returncode == 0
+    assert daemon.stop() == 0
+    daemon.start()
+    status = daemon.status()["models"]["mlp"]
+    assert status["live_version"] == "v2" and status["candidate"] is None
+
+
+@pytest.fixture
+def variable_repo(workdir: Path, repo: Path) -> Path:
+    """`variable` (the first value of a batch says how long it computes) as v1 and v2."""
+    root = workdir / "repo"
+    for version in ("v1", "v2"):
+        (root / "variable" / version).mkdir(parents=True)
+        shutil.copy(repo / "variable" / "v1" / "model.pt", root / "variable" / version / "model.pt")
+    return root
+
+
+def test_shadow_work_under_overload_is_dropped_and_never_runs_ahead_of_live_requests(workdir, variable_repo):
+    model = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1],
+             "version": "v1"}
+    daemon = Daemon(workdir, base_config(workdir, variable_repo, {"variable": model}, workers={"streams": 1}))
+    try:
+        daemon.start()
+        assert daemon.call("reload", timeout=60, version="v2", shadow=100)["mode"] == "shadow"
+        count = 40
+        x = np.array([[20_000.0, 0.0]], dtype=np.float32)  # some milliseconds each
+        replies: list[dict] = []
+        with RawPeer(daemon.endpoint) as peer:
+            for i in range(count):  # all at once: the queue holds work until the last is computed
+                peer.send(i, "variable", [x], timeout_ms=60_000)
+            for _ in range(count):
+                replies.append(peer.recv(timeout=60)[0])
+        assert [h["status"] for h in replies] == ["ok"] * count
+        assert {h["version"] for h in replies} == {"v1"}
+
+        def settled():
+            shadow = daemon.call("stats")["models"]["variable"]["shadow"].get("v2")
+            done = shadow and shadow["compared"] + shadow["failed"] + sum(shadow["dropped"].values())
+            return shadow if shadow and done == shadow["chosen"] == count else None
+
+        shadow = wait_for(settled, what="every shadow job settled")
+        assert shadow["dropped"].get("queue full", 0) >= count - 8, shadow
+        assert shadow["compared"] <= 8, "shadow work ran only once the queue was empty"
+    finally:
+        daemon.kill_all()
+
+
+def test_systemd_status_names_the_trial(workdir, reload_repo):
+    from test_notify import FakeSystemd
+
+    systemd = FakeSystemd(workdir / "notify.sock", abstract=False)
+    daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": RELOAD_MLP}))
+    daemon.env = {"NOTIFY_SOCKET": systemd.address}
+    try:
+        daemon.start()
+        daemon.call("reload", timeout=60, version="v2", canary=10)
+
+        def announced() -> bool:
+            return any("STATUS=" in m and "mlp v1 (canary v2 at 10 %)" in m for m in systemd.drain())
+
+        wait_for(announced, what="a STATUS= naming the canary")
+    finally:
+        daemon.kill_all()
+        systemd.close()
+
+
+def test_the_guard_promotes_a_clean_canary_after_its_time(reload_daemon):
+    daemon = reload_daemon(model={**RELOAD_MLP, "canary_guard": {"window_s": 10, "min_requests": 10}})
+    result = inferctl(daemon, "reload", "--version", "v2", "--canary", "50", "--promote-after", "2s")
+    assert result.returncode == 0, result.stderr
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            send_each(daemon, rows(10, seed=6))
+
+    sender = threading.Thread(target=load)
+    sender.start()
+    try:
+        wait_for(lambda: daemon.status()["models"]["mlp"]["live_version"] == "v2", what="the promotion")
+    finally:
+        stop.set()
+        sender.join()
+    assert "promoted by --promote-after: its window stayed clean" in daemon.log()
+    assert daemon.status()["models"]["mlp"]["candidate"] is None
