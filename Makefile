@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs proto bench bench-curve bench-priority bench-reload bench-soak clean
+.PHONY: demo test docs proto bench bench-canary bench-curve bench-priority bench-reload bench-soak clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -41,6 +41,9 @@ bench-priority: $(STAMP)
 
 bench-reload: $(STAMP)
 	$(PY) -m bench.reload
+
+bench-canary: $(STAMP)
+	$(PY) -m bench.reload --canary
 
 bench-soak: $(STAMP)
 	$(PY) -m bench.soak

@@ -1,6 +1,8 @@
-"""Latency and throughput in steady state and during reloads, from one run, side by side.
+"""Latency and throughput in steady state and during reloads, from one run, side by side; or, with
+--canary, live traffic without a trial, beside a 10 % canary, and beside a 5 % shadow.
 
     python -m bench.reload [--concurrency 16] [--seconds 30] [--every 2]
+    python -m bench.reload --canary [--concurrency 16] [--seconds 10] [--rounds 3]
 
 One daemon (one CPU worker, 2 streams, 1 torch thread) serves the benchmark
 `mlp`. One load generator run drives it at the given concurrency while this
@@ -8,6 +10,13 @@ script reloads v2, v1, v2, ... one reload every `--every` seconds. Each request
 is then put in the phase its send time fell in: inside a reload (from the
 command to its answer) or steady. Goal: zero failures, and p99 during reloads
 at most 2x the steady p99.
+
+With --canary, the same daemon runs `--rounds` rounds of three phases, one load
+generator run of `--seconds` each: no trial, v2 as a 10 % canary, v2 as a 5 %
+shadow (a trial starts and ends between phases, outside the measurement). Each
+phase's latencies are pooled over the rounds. Goal: live p99 with the shadow at
+most 1.2x the p99 without; the canary phase shows what the canary's share costs
+(v2 computes as fast as v1, so: nothing but its split).
 """
 
 from __future__ import annotations
@@ -43,12 +52,75 @@ def phase_row(name: str, sent: np.ndarray, latency: np.ndarray, ok: np.ndarray, 
     }
 
 
+TRIALS = (("no trial", {}), ("canary 10 %", {"canary": 10}), ("shadow 5 %", {"shadow": 5}))
+
+
+def trials(args: argparse.Namespace) -> int:
+    """Live traffic without a trial, beside a canary and beside a shadow, interleaved over rounds."""
+    workdir = Path(tempfile.mkdtemp(prefix="inferd-bench-"))
+    models.build(workdir / "repo")
+    daemon = start_daemon(workdir, {"mlp": {**MLP, "repository": str(workdir / "repo" / "mlp")}})
+    pooled: dict[str, list[np.ndarray]] = {name: [] for name, _ in TRIALS}
+    notes: dict[str, list[dict]] = {name: [] for name, _ in TRIALS}
+    try:
+        with ControlClient(daemon.control, timeout=120) as control:
+            for round_ in range(args.rounds):
+                for index, (name, trial) in enumerate(TRIALS):
+                    if trial:
+                        control.call("reload", version="v2", model="mlp", **trial)
+                    trace = workdir / f"trace-{round_}-{index}.npz"
+                    subprocess.run(loadgen_command(daemon.endpoint, "mlp", models.MLP_SHAPE, args.concurrency,
+                                                   args.seconds, 1.0, trace), cwd=ROOT, check=True,
+                                   stdout=subprocess.DEVNULL)
+                    data = np.load(trace)
+                    pooled[name].append(np.stack([data["latency"], data["ok"]]))
+                    stats = control.call("stats")["models"]["mlp"]
+                    notes[name].append({"candidate": stats["candidate"], "shadow": stats["shadow"].get("v2")})
+                    if trial:
+                        control.call("rollback", model="mlp")
+    finally:
+        daemon.stop()
+    rows = []
+    for name, _ in TRIALS:
+        latency, ok = np.concatenate(pooled[name], axis=1)
+        ok = ok.astype(bool)
+        row = {"phase": name, "concurrency": args.concurrency, "model": "mlp", "rounds": args.rounds,
+               "requests": len(ok), "not_ok": int((~ok).sum()),
+               "samples_per_s": round(float(ok.sum()) / (args.seconds * args.rounds), 1),
+               "latency_ms": percentiles(list(latency[ok]))}
+        if name.startswith("shadow"):
+            shadow = notes[name][-1]["shadow"]  # cumulative since start: the last round's holds them all
+            row["shadow"] = {key: shadow[key] for key in ("chosen", "compared", "dropped", "allclose_share")}
+        if name.startswith("canary"):
+            row["routed_share"] = [n["candidate"]["routed_share"] for n in notes[name]]
+        rows.append(row)
+    record("canary", rows)
+    print()
+    print(table(
+        ["phase", "concurrency", "requests", "samples/s", "p50 ms", "p99 ms", "max ms", "not ok"],
+        [[r["phase"], r["concurrency"], r["requests"], r["samples_per_s"], r["latency_ms"]["p50"],
+          r["latency_ms"]["p99"], r["latency_ms"]["max"], r["not_ok"]] for r in rows],
+    ))
+    base, canary, shadow = (r["latency_ms"]["p99"] for r in rows)
+    print(f"\nshadow work: {rows[2]['shadow']}")
+    print(f"p99 with a 10 % canary / without = {canary / base:.2f}; "
+          f"p99 with a 5 % shadow / without = {shadow / base:.2f} (goal: at most 1.2)")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--seconds", type=float, default=30.0)
+    parser.add_argument("--seconds", type=float, default=None, help="the run's length [30]; with --canary, "
+                        "each phase's [10]")
     parser.add_argument("--every", type=float, default=2.0, help="seconds from one reload's start to the next")
+    parser.add_argument("--canary", action="store_true", help="measure canary and shadow, not reloads")
+    parser.add_argument("--rounds", type=int, default=3, help="with --canary: rounds of the three phases")
     args = parser.parse_args()
+    if args.canary:
+        args.seconds = args.seconds or 10.0
+        return trials(args)
+    args.seconds = args.seconds or 30.0
     workdir = Path(tempfile.mkdtemp(prefix="inferd-bench-"))
     models.build(workdir / "repo")
     daemon = start_daemon(workdir, {"mlp": {**MLP, "repository": str(workdir / "repo" / "mlp")}})

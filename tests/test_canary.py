@@ -292,3 +292,40 @@ def test_the_guard_promotes_a_clean_canary_after_its_time(reload_daemon):
         sender.join()
     assert "promoted by --promote-after: its window stayed clean" in daemon.log()
     assert daemon.status()["models"]["mlp"]["candidate"] is None
+
+
+def test_over_the_open_inference_protocol_both_versions_may_be_named_during_a_canary(workdir, reload_repo,
+                                                                                      references):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    http = f"127.0.0.1:{free_port()}"
+    daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": RELOAD_MLP}, server={"http": http}))
+    try:
+        daemon.start()
+        daemon.call("reload", timeout=60, version="v2", canary=0)
+        client = httpclient.InferenceServerClient(http)
+        x = rows(1, seed=7)[0]
+
+        def infer(version: str = "") -> httpclient.InferResult:
+            given = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+            given.set_data_from_numpy(x)
+            return client.infer("mlp", [given], model_version=version)
+
+        def named_canary_served() -> httpclient.InferResult | None:
+            try:
+                return infer("v2")
+            except InferenceServerException:  # the gateway reads the models' state once a second
+                return None
+
+        result = wait_for(named_canary_served, what="the gateway taking the canary's version")
+        assert result.get_response()["model_version"] == "v2"
+        np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected(references, "v2", x), rtol=1e-5, atol=1e-6)
+        for version in ("v1", ""):
+            assert infer(version).get_response()["model_version"] == "v1", "weight 0: nothing else goes to v2"
+        assert client.get_model_metadata("mlp")["versions"] == ["v1", "v2"]
+        with pytest.raises(InferenceServerException, match="version 'v3' of mlp is not served"):
+            infer("v3")
+        client.close()
+    finally:
+        daemon.kill_all()

@@ -113,6 +113,7 @@ class ModelView:
         self.name = name
         self.config = config
         self.version: str = state["live_version"]
+        self.canary: str | None = state.get("canary_version")  # may be named too while it runs
         self.ready: bool = state["ready"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
         self.inputs = input_names(config)
@@ -124,7 +125,8 @@ class ModelView:
     def metadata(self) -> dict[str, Any]:
         """The model metadata response."""
         return {
-            "name": self.name, "versions": [self.version], "platform": "pytorch_libtorch",
+            "name": self.name, "versions": [self.version, *([self.canary] if self.canary else [])],
+            "platform": "pytorch_libtorch",
             "inputs": [tensors.metadata(n, s.dtype, s.shape) for n, s in zip(self.inputs, self.config.inputs)],
             "outputs": [tensors.metadata(name, dtype, shape)
                         for name, (dtype, shape) in zip(self.output_names, self.outputs)],
@@ -225,7 +227,7 @@ class Catalog:
         self._reading = asyncio.Lock()  # one read at a time, and those who waited take its answer
 
     async def model(self, name: str, version: str | None) -> ModelView:
-        """The model `name`, at `version` if one is named: NotFound unless it is the live one."""
+        """The model `name`, at `version` if one is named: NotFound unless it is the live one (or its canary)."""
         if name not in self.config.models:
             raise NotFound(f"unknown model {name!r}; this daemon serves {', '.join(sorted(self.config.models))}")
         if time.monotonic() - self._read_at > FRESH_S:
@@ -237,7 +239,7 @@ class Catalog:
                                    for model in state if model in self.config.models}
                     self._read_at = time.monotonic()
         view = self._views[name]
-        if version is not None and version != view.version:
+        if version is not None and version not in (view.version, view.canary):
             raise NotFound(f"version {version!r} of {name} is not served; the live version is {view.version!r}")
         return view
 

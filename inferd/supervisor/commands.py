@@ -104,6 +104,7 @@ class Commands:
             outputs = self.daemon.workers.signature(name, live) or ()
             result[name] = {
                 "live_version": live,
+                "canary_version": self.daemon.candidates.canary_version(name),
                 "ready": any(w.serves(name, live) for w in self.daemon.workers.workers),
                 "outputs": [[spec.dtype, list(spec.shape)] for spec in outputs],
                 "versions": versions,

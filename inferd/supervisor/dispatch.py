@@ -239,7 +239,9 @@ class Dispatcher:
             if not idle or (len(live) > 1 and sum(e.inflight == 0 for e in live) < 2):
                 return
             self.shadow.jobs.popleft()
-            executor = max(idle, key=lambda e: e.last_used)
+            # The coldest idle executor: the warm one is left to the next live request (a cold executor
+            # doubles batch-1 latency on the CPU), so shadow compute times read high there.
+            executor = min(idle, key=lambda e: e.last_used)
             worker = executor.worker
             slot = worker.slots.acquire()
             if slot is None:
