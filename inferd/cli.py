@@ -182,14 +182,21 @@ def _outcome(result: dict[str, Any]) -> str:
         if result["promote_after_s"] is not None:
             extra += f", promoted after {result['promote_after_s']:g} s if it stays clean"
         return (f"{name} {result['version']} is a {result['mode']} at {result['weight']:g} % beside {result['live']}"
-                f"{extra}: load {result['load_s']:.2f} s, warm-up {result['warm_s']:.2f} s, "
-                f"{result['total_s']:.2f} s in all")
+                f"{extra}: {_steps(result)}")
     if "promoted" in result:
         return (f"{name} {result['version']} is live (was {result['previous']}), promoted from its "
-                f"{result['promoted']}: switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
-    return (f"{name} {result['version']} is live (was {result['previous']}): "
-            f"load {result['load_s']:.2f} s, warm-up {result['warm_s']:.2f} s, "
-            f"switch {result['switch_ms']:.3f} ms, {result['total_s']:.2f} s in all")
+                f"{result['promoted']}: {_steps(result)}")
+    return f"{name} {result['version']} is live (was {result['previous']}): {_steps(result)}"
+
+
+def _steps(result: dict[str, Any]) -> str:
+    """What a switch's steps took, of those it had."""
+    steps = []
+    if "load_s" in result:
+        steps += [f"load {result['load_s']:.2f} s", f"warm-up {result['warm_s']:.2f} s"]
+    if "switch_ms" in result:
+        steps.append(f"switch {result['switch_ms']:.3f} ms")
+    return ", ".join([*steps, f"{result['total_s']:.2f} s in all"])
 
 
 class Duration(click.ParamType):

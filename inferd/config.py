@@ -286,8 +286,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = "fp32"
     canary_guard: Annotated[
         CanaryGuard | None,
-        _doc("With this table every canary of the model is guarded, as with `inferctl reload --auto-rollback`: "
-             "rolled back by itself when it fails more often or answers slower than the live version.",
+        _doc("With this table every canary of the model started from now on is guarded, as with `inferctl reload "
+             "--auto-rollback`: rolled back by itself when it fails more often or answers slower than the live "
+             "version. A SIGHUP's new margins apply to a running guarded canary at its next check.",
              "none (guarded only with --auto-rollback, by the defaults below)", live=True),
     ] = None
 

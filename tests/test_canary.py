@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
+import signal
 import threading
 import time
 import urllib.request
@@ -17,6 +20,7 @@ from test_reload import Traffic, expected, inferctl
 from wire import RawPeer
 
 from inferd.harness import free_port
+from inferd.ipc.control import ControlError
 
 
 def versions_of(records) -> dict[str, int]:
@@ -77,20 +81,25 @@ def test_a_canary_takes_its_weight_and_requests_that_name_a_version_keep_it(relo
 
 def test_trial_commands_refuse_what_does_not_fit_in_one_sentence(reload_daemon):
     daemon = reload_daemon()
-    for argv, sentence in [
-        (("canary", "--weight", "10"), "mlp has no canary or shadow; start one with inferctl reload"),
-        (("promote",), "mlp has no canary or shadow to promote"),
+    for argv, sentence in [  # refused by inferctl itself
         (("reload", "--version", "v2", "--canary", "120"), "120.0 is not in the range 0<=x<=100"),
-        (("reload", "--version", "v2", "--canary", "5", "--shadow", "5"), "as a canary or as a shadow, not both"),
-        (("reload", "--version", "v2", "--shadow", "5", "--auto-rollback"), "a shadow serves no client"),
-        (("reload", "--version", "v2", "--auto-rollback"), "--auto-rollback and --promote-after go with --canary"),
         (("reload", "--version", "v2", "--canary", "5", "--promote-after", "soon"), "'soon' is not a duration"),
-        (("reload", "--version", "corrupt", "--canary", "5"), "corrupt was not made live"),
+        (("promote",), "mlp has no canary or shadow to promote"),
     ]:
         result = inferctl(daemon, *argv)
         assert result.returncode != 0 and sentence in result.stderr, (argv, result.stderr)
         assert "Traceback" not in result.stderr
-    assert inferctl(daemon, "reload", "--version", "v2", "--canary", "5").returncode == 0
+    for command, args, sentence in [  # refused by the daemon, each in one sentence
+        ("canary", {"weight": 10}, "mlp has no canary or shadow; start one with inferctl reload"),
+        ("reload", {"version": "v2", "canary": 5, "shadow": 5}, "as a canary or as a shadow, not both"),
+        ("reload", {"version": "v2", "shadow": 5, "auto_rollback": True}, "a shadow serves no client"),
+        ("reload", {"version": "v2", "auto_rollback": True}, "--auto-rollback and --promote-after go with --canary"),
+        ("reload", {"version": "v2", "canary": 5, "promote_after_s": -1}, "a duration above zero, not -1 s"),
+        ("reload", {"version": "corrupt", "canary": 5}, "corrupt was not made live"),
+    ]:
+        with pytest.raises(ControlError, match=re.escape(sentence)):
+            daemon.call(command, timeout=60, **args)
+    assert daemon.call("reload", timeout=60, version="v2", canary=5)["mode"] == "canary"
     result = inferctl(daemon, "reload", "--version", "v3")
     assert result.returncode == 1 and "mlp has a canary v2 at 5 %; promote it or roll it back first" in result.stderr
     assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
@@ -207,11 +216,18 @@ def test_a_restart_keeps_the_canary(reload_daemon):
         counts[header["version"]] = counts.get(header["version"], 0) + 1
     assert 30 <= counts.get("v2", 0) <= 70, counts
     assert "resuming the canary v2 at 25 %" in daemon.log()
-    assert inferctl(daemon, "promote").returncode == 0
-    assert daemon.stop() == 0
-    daemon.start()
-    status = daemon.status()["models"]["mlp"]
-    assert status["live_version"] == "v2" and status["candidate"] is None
+
+
+def test_a_crashed_worker_comes_back_with_the_live_version_and_the_canary(reload_daemon):
+    daemon = reload_daemon()
+    assert daemon.call("reload", timeout=60, version="v2", canary=50)["mode"] == "canary"
+    os.kill(daemon.status()["workers"][0]["pid"], signal.SIGKILL)
+    wait_for(lambda: (w := daemon.status()["workers"][0])["restarts"] == 1 and w["state"] == "ready"
+             and w["loaded"] == ["mlp v1", "mlp v2"], timeout=60, what="the replacement with both versions")
+    replies = [header for header, _ in send_each(daemon, rows(40, seed=8))]
+    assert {h["status"] for h in replies} == {"ok"}, replies[:2]
+    assert versions_of([(0, h, 0, 0) for h in replies]) == {"v1": 20, "v2": 20}
+    assert daemon.status()["models"]["mlp"]["candidate"]["version"] == "v2"
 
 
 @pytest.fixture

@@ -19,9 +19,16 @@ from inferd.supervisor.stats import Series
 def test_the_split_keeps_the_candidates_share_of_samples_at_its_weight(weight):
     split = Split(Candidate("v2", Mode.CANARY, weight, False, None, 0.0))
     sizes = np.random.default_rng(weight).integers(1, 9, 2000)
-    taken = sum(int(size) for size in sizes if split.take(int(size), weight))
+    taken = sum(int(size) for size in sizes if split.take(int(size)))
     assert abs(taken / sizes.sum() - weight / 100) <= 8 / sizes.sum() + 1e-9, "within one batch of the weight"
     assert split.share() == taken / sizes.sum()
+
+
+def test_what_the_candidate_could_not_take_is_made_up_by_later_batches():
+    split = Split(Candidate("v2", Mode.CANARY, 20, False, None, 0.0))
+    assert not any(split.take(1, room=False) for _ in range(50)), "no executor of the candidate had room"
+    assert sum(split.take(1) for _ in range(10)) == 10, "the 10 samples it was owed go first"
+    assert split.share() == 10 / 60
 
 
 def series(ok: int, internal: int = 0, latency_s: float = 0.01) -> Series:
@@ -71,7 +78,7 @@ def test_the_comparison_counts_requests_whose_outputs_all_agree_and_the_largest_
 def test_a_candidate_survives_its_trip_through_the_state_file_and_a_bad_one_says_why():
     candidate = Candidate("v3", Mode.SHADOW, 5.0, False, None, 1234.5)
     assert Candidate.from_json(candidate.to_json()) == candidate
-    with pytest.raises(ValueError, match="not a percentage"):
+    with pytest.raises(ValueError, match="weight is a percentage from 0 to 100, not 150"):
         Candidate.from_json({**candidate.to_json(), "weight": 150})
     with pytest.raises(ValueError, match="unreadable"):
         Candidate.from_json({"version": "v3"})

@@ -242,12 +242,17 @@ class BatchQueue:
         self.nbytes += nbytes
         self._per_client[client] += 1
         self._bytes_per_client[client] += nbytes
-        heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
-        if len(self._deadlines) > 2 * bounds.max_size + 1024:
-            # Long deadlines of requests long gone pile up below the top; rebuild.
-            self._deadlines = [entry for entry in self._deadlines if entry[2].state == WAITING]
-            heapq.heapify(self._deadlines)
+        self._watch_deadline(request)
         return None
+
+    def _watch_deadline(self, request: QueuedRequest) -> None:
+        heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+        if len(self._deadlines) > 2 * self.bounds.max_size + 1024:
+            # Long deadlines of requests long gone pile up below the top (and a request put back has
+            # its entry twice); rebuild with one entry per waiting request.
+            waiting = {id(entry[2]): entry for entry in self._deadlines if entry[2].state == WAITING}
+            self._deadlines = list(waiting.values())
+            heapq.heapify(self._deadlines)
 
     def put_back(self, requests: list[QueuedRequest]) -> None:
         """Return taken requests to the head of their levels, in order: the dispatcher could not send them
@@ -263,7 +268,7 @@ class BatchQueue:
             self._per_client[request.client] += 1
             self._bytes_per_client[request.client] += request.nbytes
             request.state = WAITING
-            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+            self._watch_deadline(request)
 
     def displace_for(self, request: QueuedRequest) -> list[QueuedRequest] | None:
         """Make room in a full queue for `request` by removing the newest waiting requests of less urgent

@@ -15,6 +15,7 @@ one `inferctl stats` shows.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -23,12 +24,12 @@ from typing import Any
 
 from inferd.config import CanaryGuard, Config
 from inferd.repository import RepositoryError, model_file
-from inferd.supervisor.candidates import Candidate, Candidates, Mode
+from inferd.supervisor.candidates import Candidate, Candidates, Mode, weight_problem
 from inferd.supervisor.control import LoggedReply, Reply
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.reload import Reload, ReloadManager
-from inferd.supervisor.stats import WINDOW_S, Series, Stats
+from inferd.supervisor.stats import Series, Stats
 from inferd.supervisor.workers import WorkerTable
 
 log = logging.getLogger("inferd.canary")
@@ -115,8 +116,9 @@ class CanaryManager:
     def start(self, model: str, version: str, mode: Mode, weight: float, guarded: bool,
               promote_after_s: float | None, allow_signature_change: bool, reply: Reply) -> None:
         """Load `version` beside the live one as reload does, then try it as `mode` at `weight` percent."""
-        if not 0 <= weight <= 100:
-            reply.fail(f"a {mode} weight is a percentage from 0 to 100, not {weight:g}")
+        problem = weight_problem(mode, weight)
+        if problem is not None:
+            reply.fail(f"a {problem}")
             return
         if promote_after_s is not None and promote_after_s <= 0:
             reply.fail(f"--promote-after needs a duration above zero, not {promote_after_s:g} s")
@@ -131,14 +133,13 @@ class CanaryManager:
         def loaded(reload: Reload) -> None:
             now = time.time()
             candidate = Candidate(version, mode, weight, guarded,
-                                  None if promote_after_s is None else now + promote_after_s, now)
+                                  None if promote_after_s is None else now + promote_after_s, now,
+                                  allow_signature_change)
             self.candidates.set(model, candidate)
             log.info("%s: %s beside %s%s", model, candidate.describe(), reload.previous,
                      ", guarded" if guarded else "")
             result = {"model": model, "version": version, "live": reload.previous, "mode": str(mode),
-                      "weight": weight, "guarded": guarded, "promote_after_s": promote_after_s,
-                      "load_s": round(max(m.load_s for m in reload.loaded.values()), 3),
-                      "warm_s": round(max(m.warm_s for m in reload.loaded.values()), 3)}
+                      "weight": weight, "guarded": guarded, "promote_after_s": promote_after_s, **reload.timings()}
             self.reloads.save_then_answer(reload.reply, result, reload.started)
 
         self.reloads.start(model, version, allow_signature_change, reply, on_loaded=loaded)
@@ -149,11 +150,11 @@ class CanaryManager:
         if candidate is None:
             reply.fail(f"{model} has no canary or shadow; start one with inferctl reload --canary or --shadow")
             return
-        if not 0 <= weight <= 100:
-            reply.fail(f"a {candidate.mode} weight is a percentage from 0 to 100, not {weight:g}")
+        problem = weight_problem(candidate.mode, weight)
+        if problem is not None:
+            reply.fail(f"a {problem}")
             return
-        moved = Candidate(candidate.version, candidate.mode, weight, candidate.guarded, candidate.promote_at,
-                          candidate.started)
+        moved = dataclasses.replace(candidate, weight=weight)
         self.candidates.set(model, moved)
         log.info("%s: %s (was %g %%)", model, moved.describe(), candidate.weight)
         self.reloads.save_then_answer(reply, {"model": model, "version": moved.version, "mode": str(moved.mode),
@@ -165,11 +166,9 @@ class CanaryManager:
         if candidate is None:
             reply.fail(f"{model} has no canary or shadow to promote")
             return
-        live = self.live[model]
-        lacking = [w.index for w in self.workers.workers
-                   if w.serves(model, live) and (model, candidate.version) not in w.loaded]
-        if lacking:
-            reply.fail(f"worker{lacking[0]} has not loaded {candidate.version} yet; promote once it has "
+        lacking = self._lacking(model, candidate)
+        if lacking is not None:
+            reply.fail(f"worker{lacking} has not loaded {candidate.version} yet; promote once it has "
                        "(inferctl status lists what each worker loaded)")
             return
         self._ended(model, "promoted")
@@ -199,23 +198,33 @@ class CanaryManager:
                 self.end(model, LoggedReply(f"rollback of {model} {candidate.version}"),
                          f"by its guard: {judgement.reason}", "rolled_back_by_guard")
             elif candidate.promote_at is not None and time.time() >= candidate.promote_at:
-                if judgement.verdict == "clean":
+                lacking = self._lacking(model, candidate)
+                if judgement.verdict == "clean" and lacking is None:
                     self._waiting_noted.discard(model)
                     self.promote(model, LoggedReply(f"promotion of {model} {candidate.version}"),
                                  "by --promote-after: its window stayed clean")
                 elif model not in self._waiting_noted:
                     self._waiting_noted.add(model)
-                    log.info("%s: promotion of %s waits: %s", model, candidate.version, judgement.reason)
+                    why = judgement.reason if lacking is None else f"worker{lacking} has not loaded it yet"
+                    log.info("%s: promotion of %s waits: %s", model, candidate.version, why)
 
     def judgement(self, model: str, now: float) -> Judgement:
         """The guard's judgement of `model`'s candidate now."""
         candidate = self.candidates[model]
         guard = self.guard(model)
-        # Not before the trial began (but for part of one stats window): an earlier trial of the
-        # same version must not judge this one.
-        window, _ = self.stats.recent(now, min(guard.window_s, time.time() - candidate.started + WINDOW_S))
+        # Only the stats windows that began after the trial did: an earlier trial of the same version
+        # must not judge this one (so a trial is judged from its first whole window, WINDOW_S at most in).
+        window, _ = self.stats.recent(now, min(guard.window_s, time.time() - candidate.started))
         return judge(guard, window.get((model, candidate.version), Series()),
                      window.get((model, self.live[model]), Series()))
+
+    def _lacking(self, model: str, candidate: Candidate) -> int | None:
+        """A ready worker serving `model` that has not loaded its candidate (by index), if one has not."""
+        live = self.live[model]
+        for worker in self.workers.workers:
+            if worker.serves(model, live) and (model, candidate.version) not in worker.loaded:
+                return worker.index
+        return None
 
     def _candidate_failed(self, model: str, version: str, why: str) -> None:
         candidate = self.candidates.get(model)

@@ -36,6 +36,7 @@ class Candidate:
     guarded: bool  # rolled back by itself when it does worse than the live version
     promote_at: float | None  # wall-clock time (time.time()) it is promoted at if still clean
     started: float  # wall-clock time the trial began
+    allow_signature_change: bool = False  # else a worker catching up checks its outputs against live's
 
     def describe(self) -> str:
         """How logs, status and systemd name it: "canary v3 at 10 %"."""
@@ -44,7 +45,8 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         """What the state file keeps of it."""
         return {"version": self.version, "mode": str(self.mode), "weight": self.weight, "guarded": self.guarded,
-                "promote_at": self.promote_at, "started": self.started}
+                "promote_at": self.promote_at, "started": self.started,
+                "allow_signature_change": self.allow_signature_change}
 
     @classmethod
     def from_json(cls, data: Any) -> Candidate:
@@ -52,12 +54,19 @@ class Candidate:
         try:
             promote_at = data["promote_at"]
             candidate = cls(str(data["version"]), Mode(data["mode"]), float(data["weight"]), bool(data["guarded"]),
-                            None if promote_at is None else float(promote_at), float(data["started"]))
+                            None if promote_at is None else float(promote_at), float(data["started"]),
+                            bool(data.get("allow_signature_change", False)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"a saved candidate is unreadable ({exc!r})") from None
-        if not 0 <= candidate.weight <= 100:
-            raise ValueError(f"a saved candidate's weight {candidate.weight:g} is not a percentage")
+        problem = weight_problem(candidate.mode, candidate.weight)
+        if problem is not None:
+            raise ValueError(f"a saved candidate's {problem}")
         return candidate
+
+
+def weight_problem(mode: Mode, weight: float) -> str | None:
+    """The sentence for a weight that is not a percentage; None for one that is."""
+    return None if 0 <= weight <= 100 else f"{mode} weight is a percentage from 0 to 100, not {weight:g}"
 
 
 class Candidates(dict[str, Candidate]):
@@ -105,11 +114,13 @@ class Split:
         self.samples = 0
         self.taken = 0
 
-    def take(self, samples: int, weight: float) -> bool:
-        """Whether a batch of `samples` goes to the candidate at `weight` percent; counts it either way."""
+    def take(self, samples: int, room: bool = True) -> bool:
+        """Whether a batch of `samples` goes to the candidate; counts it either way. Without `room`
+        (no executor of the candidate can take it now) it goes to the live version, and the share
+        owed is made up by later batches."""
         self.samples += samples
-        owed = weight / 100 * self.samples - self.taken
-        if owed * 2 >= samples:
+        owed = self.candidate.weight / 100 * self.samples - self.taken
+        if room and owed * 2 >= samples:
             self.taken += samples
             return True
         return False

@@ -35,6 +35,7 @@ from inferd.supervisor.batcher import Capacity, QueuedRequest
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
 from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.guard import failure
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.regions import Region, RegionSlice
 from inferd.supervisor.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare
@@ -153,14 +154,15 @@ class Dispatcher:
         if candidate.mode == Mode.SHADOW:
             kept = self._keep_version(requests, model, live)
             serving = bool(self.workers.executors_serving(model, candidate.version))
-            return [(live, kept, serving and split.take(sum(r.samples for r in kept), candidate.weight))]
+            return [(live, kept, split.take(sum(r.samples for r in kept), room=serving))]
         canary = candidate.version
         free = [r for r in requests if r.header.version is None]
         # Only to a canary executor with room: a busy one (a worker still loading the canary has
         # none) sends the batch to the live version, and the split makes it up later.
+        samples = sum(r.samples for r in free)
         chosen = live
-        if free and self._pick_executor(model, canary) is not None:
-            chosen = canary if split.take(sum(r.samples for r in free), candidate.weight) else live
+        if free and split.take(samples, room=self._pick_executor(model, canary) is not None):
+            chosen = canary
         groups: dict[str, list[QueuedRequest]] = {chosen: [], canary if chosen == live else live: []}
         for request in requests:
             named = request.header.version
@@ -238,7 +240,6 @@ class Dispatcher:
             live = self.workers.executors_serving(job.model, self.live[job.model])
             if not idle or (len(live) > 1 and sum(e.inflight == 0 for e in live) < 2):
                 return
-            self.shadow.jobs.popleft()
             # The coldest idle executor: the warm one is left to the next live request (a cold executor
             # doubles batch-1 latency on the CPU), so shadow compute times read high there.
             executor = min(idle, key=lambda e: e.last_used)
@@ -246,6 +247,7 @@ class Dispatcher:
             slot = worker.slots.acquire()
             if slot is None:
                 return
+            self.shadow.jobs.popleft()
             base = worker.slots.offset(slot)
             offsets, _ = place(base, [len(data) for _, data in job.inputs])
             refs = []
@@ -260,7 +262,8 @@ class Dispatcher:
                 worker.slots.release(slot)
                 self.stats.shadow_series(job.model, job.version).dropped["worker unreachable"] += len(job.samples)
                 continue
-            self.workers.batch_sent(executor, 0, now, 0.0)
+            # The candidate's time for it is not known; the live version's is the nearest guess.
+            self.workers.batch_sent(executor, 0, now, job.live_compute_s)
             self.inflight[batch.id] = batch
             self._shadowing.add(executor)
 
@@ -288,8 +291,10 @@ class Dispatcher:
         if batch.shadow is not None:
             self._shadowing.discard(executor)
             self.workers.batch_returned(executor, 0, True, now)
-            self._compared(batch, batch.shadow, result)
-            worker.slots.release(batch.slot)
+            try:
+                self._compared(batch, batch.shadow, result)
+            finally:
+                worker.slots.release(batch.slot)
             return
         if isinstance(result, BatchFailed):
             self.workers.batch_returned(executor, len(batch.requests), True, now)
@@ -306,9 +311,12 @@ class Dispatcher:
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
             by_reference = not any(w is worker for w, _, _ in self.sending)
-            if batch.shadowed:
-                self._keep_for_shadow(batch, result, now)
             trackers = self._reply_outputs(batch, result, by_reference)
+            if batch.shadowed:  # the slot is still held: copy it for the candidate once clients have theirs
+                try:
+                    self._keep_for_shadow(batch, result, now)
+                except Exception:  # noqa: BLE001 - shadow work must never cost live work its slot
+                    failure("copying a batch for its shadow")
             if computed:
                 self._watch_slow(batch, result.compute_us / 1e6)
         if trackers:
@@ -331,8 +339,7 @@ class Dispatcher:
         buf = batch.executor.worker.arena.buf
 
         def copied(ref: TensorRef) -> tuple[TensorRef, bytes]:
-            size = math.prod(ref.shape) * protocol.DTYPES[ref.dtype].itemsize
-            return ref, bytes(buf[ref.offset:ref.offset + size])
+            return ref, bytes(buf[ref.offset:ref.offset + _nbytes(ref)])
 
         self.shadow.add(ShadowJob(batch.model, candidate.version, [copied(r) for r in batch.inputs],
                                   [copied(r) for r in result.outputs], tuple(r.samples for r in batch.requests),
@@ -350,8 +357,7 @@ class Dispatcher:
             series.dropped["stale"] += requests
             return
         buf = batch.executor.worker.arena.buf
-        outputs = [(ref, buf[ref.offset:ref.offset + math.prod(ref.shape) * protocol.DTYPES[ref.dtype].itemsize])
-                   for ref in result.outputs]
+        outputs = [(ref, buf[ref.offset:ref.offset + _nbytes(ref)]) for ref in result.outputs]
         comparison = compare(job.outputs, outputs, job.samples)
         series.compared += comparison.requests
         series.allclose += comparison.allclose
@@ -533,6 +539,11 @@ class Dispatcher:
         log.error("%s (%d requests) failed: %s", batch.describe(), len(batch.requests), reason)
         for request in batch.requests:
             self.frontend.reply_error(request, status, reason, batch.version)
+
+
+def _nbytes(ref: TensorRef) -> int:
+    """Bytes of the tensor `ref` points at."""
+    return math.prod(ref.shape) * protocol.DTYPES[ref.dtype].itemsize
 
 
 def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[TensorMeta, ...],

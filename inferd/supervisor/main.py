@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import signal
 import time
@@ -37,7 +38,7 @@ from inferd.logs import set_level
 from inferd.oip.spec import PROTOCOLS
 from inferd.paths import RuntimeFiles, runtime_dir
 from inferd.repository import RepositoryError, SavedVersions
-from inferd.supervisor.batcher import BatchQueue, queue_settings
+from inferd.supervisor.batcher import BatchQueue, Capacity, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.commands import Commands
@@ -69,6 +70,7 @@ REPLY_FLUSH_MS = 1000  # at exit, how long replies still queued to clients may t
 SENDING_CHECK_S = 0.001  # how often slots held by replies still being sent are checked
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 SIGNAL_NAMES = {int(s): s.name[3:].lower() for s in SIGNALS}
+NO_ROOM = Capacity(idle=False, spare=False, free_at=math.inf)
 
 
 class Supervisor:
@@ -262,14 +264,19 @@ class Supervisor:
 
     def _dispatch(self) -> None:
         now = time.monotonic()
+        blocked: set[str] = set()  # models whose requests wait for an executor of their version
+
+        def capacity(model: str) -> Capacity:
+            return NO_ROOM if model in blocked else self.dispatcher.capacity(model)
+
         while True:
-            batch = self.queue.take(self.dispatcher.capacity, now)
+            batch = self.queue.take(capacity, now)
             if batch is None:
                 break
             left = self.dispatcher.dispatch(*batch)
-            if left:  # they wait for an executor of their version; its answer wakes the loop
+            if left:  # that executor's answer wakes the loop; the other models go on meanwhile
                 self.queue.put_back(left)
-                break
+                blocked.add(batch[0])
         # Shadow work only on executor time no request wants.
         if self.dispatcher.shadow and not len(self.queue) and self.state == DaemonState.SERVING:
             self.dispatcher.run_shadow(now)
@@ -292,7 +299,10 @@ class Supervisor:
                 log.warning("drain timeout passed; stopping with work left")
                 self._force_stop()
         elif self.state == DaemonState.SERVING and self.candidates:
-            self.canaries.check(now)
+            try:
+                self.canaries.check(now)
+            except Exception:  # noqa: BLE001 - the last guard: trials are judged again next tick
+                failure("the canary guard")
         self._check_stopped()
         self.frontend.admit(self.state, self.workers)
 

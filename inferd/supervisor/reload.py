@@ -56,6 +56,11 @@ class Reload:
     failure: str | None = None
     on_loaded: Callable[[Reload], None] | None = None  # a trial's start, instead of the flip
 
+    def timings(self) -> dict[str, float]:
+        """The slowest worker's load and warm-up, in seconds."""
+        return {"load_s": round(max(m.load_s for m in self.loaded.values()), 3),
+                "warm_s": round(max(m.warm_s for m in self.loaded.values()), 3)}
+
 
 class ReloadManager:
     """Runs reloads and rollbacks, keeps every worker on the live versions, and is the one writer of them."""
@@ -200,7 +205,11 @@ class ReloadManager:
             if model in self.active and worker in self.active[model].pending:
                 continue
             self.retiring.discard((worker, model, version))
-            if self.workers.load(worker, model, version, None, time.monotonic()):
+            candidate = self.candidates.get(model)
+            expect = None
+            if candidate is not None and candidate.version == version and not candidate.allow_signature_change:
+                expect = self.workers.signature(model, self.live[model])
+            if self.workers.load(worker, model, version, expect, time.monotonic()):
                 self.catching_up.add((worker, model, version))
                 role = "live version" if self.live.get(model) == version else "candidate"
                 log.info("worker%d: catching up %s to the %s %s", worker.index, model, role, version)
@@ -255,10 +264,7 @@ class ReloadManager:
             notify("READY=1")
             reload.on_loaded(reload)
             return
-        self.flip(reload.model, reload.version, reload.reply, reload.started, "reload", {
-            "load_s": round(max(m.load_s for m in reload.loaded.values()), 3),
-            "warm_s": round(max(m.warm_s for m in reload.loaded.values()), 3),
-        })
+        self.flip(reload.model, reload.version, reload.reply, reload.started, "reload", reload.timings())
 
     def flip(self, model: str, version: str, reply: Reply, started: float, what: str, result: dict[str, Any]) -> None:
         """Make `version` (loaded on every ready worker) live, retire the version it replaces once its last
@@ -318,9 +324,13 @@ class ReloadManager:
         model, version = message.model, message.loaded.version
         problem = self.workers.version_loaded(worker, model, message.loaded)
         if problem is not None:  # a model added by SIGHUP, whose outputs were not known before
+            self.workers.version_unloaded(worker, model, version)
+            candidate = self.candidates.get(model)
+            if candidate is not None and candidate.version == version:
+                self.on_candidate_failed(model, version, f"worker{worker.index} cannot serve it: {problem}")
+                return
             log.error("%s; it will not serve %s", problem, model)
             self.workers.note_error(worker, problem)
-            self.workers.version_unloaded(worker, model, version)
             return
         for _, other in [k for k in worker.loaded if k[0] == model]:
             if not self._wanted(worker, model, other):

@@ -84,9 +84,10 @@ def candidate_status(candidate: Candidate | None) -> dict[str, Any] | None:
 def candidate_report(daemon: DaemonView, model: str, now: float) -> dict[str, Any] | None:
     """`model`'s trial: as status says, with the share of samples routed so far and the guard's judgement."""
     candidate = daemon.candidates.get(model)
-    report = candidate_status(candidate)
-    if candidate is None or report is None:
+    if candidate is None:
         return None
+    report = candidate_status(candidate)
+    assert report is not None
     share = daemon.dispatcher.split_share(model)
     report["routed_share"] = None if share is None else round(share, 4)
     if candidate.mode == Mode.CANARY:
