@@ -141,7 +141,8 @@ def test_services_budget_and_autoscalers_all_point_at_the_deployment():
 
 
 def recorded_series() -> set[str]:
-    return {rule["record"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]}
+    return {rule["record"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+            if "record" in rule}
 
 
 def quantity(value: str) -> float:
@@ -160,17 +161,19 @@ def test_both_autoscalers_scale_on_the_same_recorded_signals_and_thresholds():
            for m in manifest("HorizontalPodAutoscaler")["spec"]["metrics"]}
     keda = {}
     for trigger in manifest("ScaledObject")["spec"]["triggers"]:
-        (series,) = [name for name in recorded if name in trigger["metadata"]["query"]]
+        (series,) = [name for name in recorded if f"{name}{{" in trigger["metadata"]["query"]]
         keda[series] = float(trigger["metadata"]["threshold"])
     assert {exposed[name]: target for name, target in hpa.items()} == keda == {
         "pod:inferd_queue_depth:sum": 50.0,
-        "pod:inferd_gpu_utilization:min2m": 0.8,
-        "pod:inferd_request_duration_seconds:p99_1m": 0.2,
+        "pod:inferd_gpu_utilization:avg5m_held2m": 0.8,
+        "pod:inferd_request_duration_seconds:p99_1m_held1m": 0.2,
     }
     hpa_behavior = manifest("HorizontalPodAutoscaler")["spec"]["behavior"]
     keda_behavior = manifest("ScaledObject")["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert hpa_behavior == keda_behavior
     assert hpa_behavior["scaleDown"]["stabilizationWindowSeconds"] >= 300  # no flapping
+    # Up at once: the triggers' "held for" is in the recorded series, not in a window that would add to it.
+    assert hpa_behavior["scaleUp"]["stabilizationWindowSeconds"] == 0
 
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian: prometheus)")
@@ -186,46 +189,83 @@ def test_the_recording_rules_and_keda_queries_are_valid_promql(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@needs_promtool
-def test_the_recording_rules_compute_the_signals(tmp_path):
-    pod = 'namespace="inferd",pod="a"'
-    bucket = "inferd_request_duration_seconds_bucket"
-    other = 'namespace="inferd",pod="b"'
-    cases = {
-        "rule_files": [str(RULES)],
-        "evaluation_interval": "15s",
-        "tests": [{
-            "interval": "15s",
-            "input_series": [
-                {"series": f'inferd_queue_depth{{{pod},model="mlp"}}', "values": "30x20"},
-                {"series": f'inferd_queue_depth{{{pod},model="cnn"}}', "values": "40x20"},
-                {"series": f'inferd_gpu_utilization_ratio{{{pod},device="cuda:0"}}', "values": "0.9x20"},
-                {"series": f'inferd_gpu_utilization_ratio{{{other},device="cuda:0"}}', "values": "0.9x3 0.3 0.9x16"},
-                # 90 % of requests under 100 ms, the rest under 500 ms.
-                {"series": f'{bucket}{{{pod},model="mlp",le="0.1"}}', "values": "0+90x20"},
-                {"series": f'{bucket}{{{pod},model="mlp",le="0.5"}}', "values": "0+100x20"},
-                {"series": f'{bucket}{{{pod},model="mlp",le="+Inf"}}', "values": "0+100x20"},
-            ],
-            "promql_expr_test": [
-                {"expr": "pod:inferd_queue_depth:sum", "eval_time": "2m",
-                 "exp_samples": [{"labels": f"pod:inferd_queue_depth:sum{{{pod}}}", "value": 70}]},
-                # At 2 minutes pod b's dip (at 45 s) is inside the window; at 4 minutes it is not.
-                {"expr": "pod:inferd_gpu_utilization:min2m", "eval_time": "2m",
-                 "exp_samples": [{"labels": f"pod:inferd_gpu_utilization:min2m{{{pod}}}", "value": 0.9},
-                                 {"labels": f"pod:inferd_gpu_utilization:min2m{{{other}}}", "value": 0.3}]},
-                {"expr": "pod:inferd_gpu_utilization:min2m", "eval_time": "4m",
-                 "exp_samples": [{"labels": f"pod:inferd_gpu_utilization:min2m{{{pod}}}", "value": 0.9},
-                                 {"labels": f"pod:inferd_gpu_utilization:min2m{{{other}}}", "value": 0.9}]},
-                # 0.1 + 0.9 of the way from 0.1 to 0.5, rounded off the float noise.
-                {"expr": "round(pod:inferd_request_duration_seconds:p99_1m, 0.001)", "eval_time": "3m",
-                 "exp_samples": [{"labels": f"{{{pod}}}", "value": 0.46}]},
-            ],
-        }],
-    }
+def promtool_test(tmp_path: Path, input_series: list[dict[str, str]], exprs: list[dict[str, Any]],
+                  alerts: list[dict[str, Any]]) -> None:
+    """Run promtool's unit tests of the rules on `input_series` (15 s apart); fail with its output."""
+    cases = {"rule_files": [str(RULES)], "evaluation_interval": "15s",
+             "tests": [{"interval": "15s", "input_series": input_series, "promql_expr_test": exprs,
+                        "alert_rule_test": alerts}]}
     unit = tmp_path / "inferd-rules.test.yml"
     unit.write_text(yaml.safe_dump(cases))
     done = subprocess.run(["promtool", "test", "rules", str(unit)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def held(expr: str, at: str, pods: dict[str, float]) -> dict[str, Any]:
+    """An expression test: each pod's value of `expr` at `at`, rounded to 0.001."""
+    return {"expr": f"round({expr}, 0.001)", "eval_time": at,
+            "exp_samples": [{"labels": f'{{namespace="inferd",pod="{pod}"}}', "value": value}
+                            for pod, value in pods.items()]}
+
+
+def firing(alert: str, at: str, pods: list[str]) -> dict[str, Any]:
+    """An alert test: `alert` fires at `at` for `pods` and no other (its annotations as the rules say)."""
+    (annotations,) = [rule.get("annotations", {}) for group in yaml.safe_load(RULES.read_text())["groups"]
+                      for rule in group["rules"] if rule.get("alert") == alert]
+    return {"eval_time": at, "alertname": alert,
+            "exp_alerts": [{"exp_labels": {"namespace": "inferd", **({"pod": pod} if pod else {})},
+                            "exp_annotations": annotations} for pod in pods]}
+
+
+@needs_promtool
+def test_the_gpu_trigger_fires_when_the_5_minute_average_held_over_80_percent_for_2_minutes(tmp_path):
+    gpu = 'inferd_gpu_utilization_ratio{namespace="inferd",pod="%s",device="cuda:0"}'
+    # From 10 m on, "steady" is at 1.0: its 5-minute average (21 samples, 15 s apart) is
+    # 0.5 + k/42 with k samples at 1.0, over 0.8 from k = 13, i.e. from 13 m; held 2 m at 15 m.
+    # "blip" is at 1.0 for 13 samples, then 0: its average is over 0.8 at 13 m only, (13 + 0.5 z) / 21
+    # after z zeros. "spiky" alternates 1.0 and 0.5 (over 0.8 every other sample): its average
+    # never passes 0.75.
+    series = [{"series": gpu % "steady", "values": "0.5x39 1x60"},
+              {"series": gpu % "blip", "values": "0.5x39 1x12 0x47"},
+              {"series": gpu % "spiky", "values": "0.5x39 " + " ".join(["1 0.5"] * 30)}]
+    promtool_test(tmp_path, series, [
+        held("pod:inferd_gpu_utilization:avg5m", "13m", {"steady": 0.81, "blip": 0.81, "spiky": 0.667}),
+        held("pod:inferd_gpu_utilization:avg5m_held2m", "14m45s", {"steady": 0.786, "blip": 0.643, "spiky": 0.643}),
+        held("pod:inferd_gpu_utilization:avg5m_held2m", "15m", {"steady": 0.81, "blip": 0.619, "spiky": 0.667}),
+    ], [firing("InferdGpuBusy", "14m45s", []), firing("InferdGpuBusy", "15m", ["steady"]),
+        firing("InferdGpuBusy", "20m", ["steady"])])
+
+
+@needs_promtool
+def test_the_latency_trigger_fires_when_p99_held_over_200_ms_for_a_minute(tmp_path):
+    bucket = 'inferd_request_duration_seconds_bucket{namespace="inferd",pod="%s",model="mlp",le="%s"}'
+    # 100 requests each 15 s. "slow" puts 10 of them between 100 and 500 ms from 5 m on (its p99 over
+    # a minute is then 0.46 s); "blip" does so for one 15-s step only, which a one-minute rate holds for
+    # less than a minute.
+    series = []
+    for pod, fast in (("slow", "0+100x20 2000+90x40"), ("blip", "0+100x20 2000+90x1 2090+100x40")):
+        series += [{"series": bucket % (pod, "0.1"), "values": fast},
+                   {"series": bucket % (pod, "0.5"), "values": "0+100x61"},
+                   {"series": bucket % (pod, "+Inf"), "values": "0+100x61"}]
+    promtool_test(tmp_path, series, [
+        held("pod:inferd_request_duration_seconds:p99_1m", "4m", {"slow": 0.099, "blip": 0.099}),
+        held("pod:inferd_request_duration_seconds:p99_1m", "8m", {"slow": 0.46, "blip": 0.099}),
+        held("pod:inferd_request_duration_seconds:p99_1m_held1m", "8m", {"slow": 0.46, "blip": 0.099}),
+    ], [firing("InferdSlow", "5m30s", []), firing("InferdSlow", "8m", ["slow"]),
+        firing("InferdSlow", "15m", ["slow"])])
+
+
+@needs_promtool
+def test_the_queue_trigger_fires_when_more_than_50_wait_per_pod(tmp_path):
+    queue = 'inferd_queue_depth{namespace="inferd",pod="%s",model="%s"}'
+    series = [{"series": queue % ("a", "mlp"), "values": "30x20"}, {"series": queue % ("a", "cnn"), "values": "40x20"},
+              {"series": queue % ("b", "mlp"), "values": "20x10 40x10"}]
+    # (70 + 20) / 2 pods = 45 until 2 m 30 s; from 2 m 45 s (70 + 40) / 2 = 55.
+    promtool_test(tmp_path, series, [
+        {"expr": "pod:inferd_queue_depth:sum", "eval_time": "2m",
+         "exp_samples": [{"labels": 'pod:inferd_queue_depth:sum{namespace="inferd",pod="a"}', "value": 70},
+                         {"labels": 'pod:inferd_queue_depth:sum{namespace="inferd",pod="b"}', "value": 20}]},
+    ], [firing("InferdQueueDeep", "2m", []), firing("InferdQueueDeep", "3m", [""])])
 
 
 # -- deploy/kserve -----------------------------------------------------------------------
