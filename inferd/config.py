@@ -236,6 +236,11 @@ class CanaryGuard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         _doc("How far the candidate's p99 latency may exceed the live version's, as a fraction (0.5: 50 % "
              "slower) before it is rolled back; judged once each has 100 ok replies in the window.", live=True),
     ] = 0.5
+    min_p99_increase_ms: Annotated[
+        float, Meta(ge=0),
+        _doc("The least p99 increase over the live version's, in milliseconds, that counts as slower (beside "
+             "max_p99_increase): 1.6 ms against 1 ms is noise, not a slower version.", live=True),
+    ] = 5
     min_requests: Annotated[
         int, Meta(ge=1),
         _doc("Replies of the candidate in the window before it is judged at all (or promoted).", live=True),

@@ -302,10 +302,12 @@ def test_the_guard_promotes_a_clean_canary_after_its_time(reload_daemon):
     sender = threading.Thread(target=load)
     sender.start()
     try:
-        wait_for(lambda: daemon.status()["models"]["mlp"]["live_version"] == "v2", what="the promotion")
+        wait_for(lambda: daemon.status()["models"]["mlp"]["live_version"] == "v2"
+                 or "ended by its guard" in daemon.log(), what="the promotion")
     finally:
         stop.set()
         sender.join()
+    assert "ended by its guard" not in daemon.log(), daemon.log()
     assert "promoted by --promote-after: its window stayed clean" in daemon.log()
     assert daemon.status()["models"]["mlp"]["candidate"] is None
 

@@ -54,6 +54,9 @@ def test_the_guard_compares_p99_only_once_each_side_has_enough_ok_replies():
     assert failing.verdict == "failing" and "p99 latency" in failing.reason
     assert judge(guard, series(P99_MIN_OK - 1, latency_s=0.1), fast).verdict == "clean"
     assert judge(guard, series(P99_MIN_OK, latency_s=0.014), fast).verdict == "clean", "40 % slower is within 50 %"
+    quick, quicker = series(P99_MIN_OK, latency_s=0.002), series(P99_MIN_OK, latency_s=0.001)
+    assert judge(guard, quick, quicker).verdict == "clean", "twice as slow, but by 1 ms: under the 5 ms floor"
+    assert judge(CanaryGuard(min_p99_increase_ms=0.5), quick, quicker).verdict == "failing"
 
 
 def refs_and_bytes(array: np.ndarray) -> list:

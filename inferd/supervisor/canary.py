@@ -67,9 +67,11 @@ def judge(guard: CanaryGuard, candidate: Series, live: Series) -> Judgement:
                          f"{live_errors:.1%} by more than {guard.max_error_increase:.1%}", mine, theirs)
     if mine["ok"] >= P99_MIN_OK and theirs["ok"] >= P99_MIN_OK:
         p99, live_p99 = candidate.total.quantile(0.99), live.total.quantile(0.99)
-        if p99 > live_p99 * (1 + guard.max_p99_increase):
+        if (p99 > live_p99 * (1 + guard.max_p99_increase)
+                and (p99 - live_p99) * 1000 > guard.min_p99_increase_ms):
             return Judgement("failing", f"its p99 latency, {p99 * 1000:.1f} ms, exceeds the live version's "
-                             f"{live_p99 * 1000:.1f} ms by more than {guard.max_p99_increase:.0%}", mine, theirs)
+                             f"{live_p99 * 1000:.1f} ms by more than {guard.max_p99_increase:.0%} and "
+                             f"{guard.min_p99_increase_ms:g} ms", mine, theirs)
     return Judgement("clean", "no worse than the live version within the guard's margins", mine, theirs)
 
 
@@ -136,6 +138,7 @@ class CanaryManager:
                                   None if promote_after_s is None else now + promote_after_s, now,
                                   allow_signature_change)
             self.candidates.set(model, candidate)
+            self.stats.new_window(time.monotonic())
             log.info("%s: %s beside %s%s", model, candidate.describe(), reload.previous,
                      ", guarded" if guarded else "")
             result = {"model": model, "version": version, "live": reload.previous, "mode": str(mode),
@@ -212,8 +215,8 @@ class CanaryManager:
         """The guard's judgement of `model`'s candidate now."""
         candidate = self.candidates[model]
         guard = self.guard(model)
-        # Only the stats windows that began after the trial did: an earlier trial of the same version
-        # must not judge this one (so a trial is judged from its first whole window, WINDOW_S at most in).
+        # Only the stats windows that began after the trial did (one begins with it): an earlier trial of
+        # the same version must not judge this one.
         window, _ = self.stats.recent(now, min(guard.window_s, time.time() - candidate.started))
         return judge(guard, window.get((model, candidate.version), Series()),
                      window.get((model, self.live[model]), Series()))

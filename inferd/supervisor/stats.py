@@ -195,6 +195,11 @@ class Stats:
             series = self.shadow[(model, version)] = ShadowSeries()
         return series
 
+    def new_window(self, now: float) -> None:
+        """Start a new window now (a trial begins: its guard judges only what came after)."""
+        if self._windows[-1].start < now:
+            self._windows.append(_Window(now))
+
     def _level(self, model: str, priority: int) -> LevelSeries:
         level = self.levels.get((model, priority))
         if level is None:
