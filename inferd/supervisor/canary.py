@@ -43,15 +43,15 @@ class Judgement:
 
     verdict: str  # "waiting" (too few replies to judge), "clean" or "failing"
     reason: str  # one sentence
-    candidate: dict[str, Any]  # requests, internal_share, p99_ms
+    candidate: dict[str, Any]  # requests, ok, failed_share, p99_ms
     live: dict[str, Any]
 
 
 def _figures(series: Series) -> dict[str, Any]:
     requests = sum(series.replies.values())
     ok = series.replies["ok"]
-    return {"requests": requests, "ok": ok,
-            "internal_share": round(series.replies["internal"] / requests, 4) if requests else 0.0,
+    failed = series.replies["internal"] + series.replies["timeout"]
+    return {"requests": requests, "ok": ok, "failed_share": round(failed / requests, 4) if requests else 0.0,
             "p99_ms": round(series.total.quantile(0.99) * 1000, 3) if ok else None}
 
 
@@ -61,17 +61,21 @@ def judge(guard: CanaryGuard, candidate: Series, live: Series) -> Judgement:
     if mine["requests"] < guard.min_requests:
         return Judgement("waiting", f"{mine['requests']} of the {guard.min_requests} replies it needs to be judged",
                          mine, theirs)
-    errors, live_errors = mine["internal_share"], theirs["internal_share"]
+    # A timeout is a failure too: a version too slow for its clients' deadlines answers few of them ok.
+    errors, live_errors = mine["failed_share"], theirs["failed_share"]
     if errors - live_errors > guard.max_error_increase:
-        return Judgement("failing", f"its share of internal replies, {errors:.1%}, exceeds the live version's "
-                         f"{live_errors:.1%} by more than {guard.max_error_increase:.1%}", mine, theirs)
-    if mine["ok"] >= P99_MIN_OK and theirs["ok"] >= P99_MIN_OK:
-        p99, live_p99 = candidate.total.quantile(0.99), live.total.quantile(0.99)
-        if (p99 > live_p99 * (1 + guard.max_p99_increase)
-                and (p99 - live_p99) * 1000 > guard.min_p99_increase_ms):
-            return Judgement("failing", f"its p99 latency, {p99 * 1000:.1f} ms, exceeds the live version's "
-                             f"{live_p99 * 1000:.1f} ms by more than {guard.max_p99_increase:.0%} and "
-                             f"{guard.min_p99_increase_ms:g} ms", mine, theirs)
+        return Judgement("failing", f"its share of failed replies (internal or timeout), {errors:.1%}, exceeds "
+                         f"the live version's {live_errors:.1%} by more than {guard.max_error_increase:.1%}",
+                         mine, theirs)
+    if mine["ok"] < P99_MIN_OK or theirs["ok"] < P99_MIN_OK:
+        # Not clean yet, only not failing: a promotion waits for the latency to be compared too.
+        return Judgement("waiting", f"it fails no more often than the live version; the p99s are compared once "
+                         f"each has {P99_MIN_OK} ok replies in the window", mine, theirs)
+    p99, live_p99 = candidate.total.quantile(0.99), live.total.quantile(0.99)
+    if p99 > live_p99 * (1 + guard.max_p99_increase) and (p99 - live_p99) * 1000 > guard.min_p99_increase_ms:
+        return Judgement("failing", f"its p99 latency, {p99 * 1000:.1f} ms, exceeds the live version's "
+                         f"{live_p99 * 1000:.1f} ms by more than {guard.max_p99_increase:.0%} and "
+                         f"{guard.min_p99_increase_ms:g} ms", mine, theirs)
     return Judgement("clean", "no worse than the live version within the guard's margins", mine, theirs)
 
 
@@ -101,6 +105,7 @@ class CanaryManager:
 
     def restore(self, saved: dict[str, Any]) -> None:
         """At start: take up the trials the state file kept, dropping (and logging) any that cannot go on."""
+        dropped = False
         for model, data in saved.items():
             try:
                 candidate = Candidate.from_json(data)
@@ -111,9 +116,12 @@ class CanaryManager:
                 model_file(self.config.models[model].repository or "", candidate.version)
             except (ValueError, RepositoryError) as exc:
                 log.warning("the saved trial of %s is dropped: %s", model, exc)
+                dropped = True
                 continue
             self.candidates.set(model, candidate)
             log.info("%s: resuming the %s beside %s", model, candidate.describe(), self.live[model])
+        if dropped:
+            self.reloads.save_then_answer(LoggedReply("saving the trials that go on"), {}, time.monotonic())
 
     def start(self, model: str, version: str, mode: Mode, weight: float, guarded: bool,
               promote_after_s: float | None, allow_signature_change: bool, reply: Reply) -> None:
@@ -236,6 +244,7 @@ class CanaryManager:
                      "failed_to_load")
 
     def _ended(self, model: str, outcome: str) -> None:
+        self._waiting_noted.discard(model)
         self.candidates.end(model)
         self.dispatcher.end_trial(model)
         self.outcomes[(model, outcome)] += 1

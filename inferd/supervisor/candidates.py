@@ -114,17 +114,15 @@ class Split:
         self.samples = 0
         self.taken = 0
 
-    def take(self, samples: int, room: bool = True) -> bool:
-        """Whether a batch of `samples` goes to the candidate; counts it either way. Without `room`
-        (no executor of the candidate can take it now) it goes to the live version, and the share
-        owed is made up by later batches."""
+    def take(self, samples: int) -> bool:
+        """Whether a batch of `samples` goes to the candidate; counts it either way."""
         self.samples += samples
         owed = self.candidate.weight / 100 * self.samples - self.taken
-        if room and owed * 2 >= samples:
+        if owed * 2 >= samples:
             self.taken += samples
             return True
         return False
 
     def share(self) -> float:
-        """The share of samples routed to the candidate so far."""
+        """The share of samples routed to the candidate so far, of those it could have taken."""
         return self.taken / self.samples if self.samples else 0.0

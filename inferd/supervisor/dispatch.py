@@ -154,14 +154,14 @@ class Dispatcher:
         if candidate.mode == Mode.SHADOW:
             kept = self._keep_version(requests, model, live)
             serving = bool(self.workers.executors_serving(model, candidate.version))
-            return [(live, kept, split.take(sum(r.samples for r in kept), room=serving))]
+            return [(live, kept, serving and split.take(sum(r.samples for r in kept)))]
         canary = candidate.version
         free = [r for r in requests if r.header.version is None]
         # Only to a canary executor with room: a busy one (a worker still loading the canary has
-        # none) sends the batch to the live version, and the split makes it up later.
-        samples = sum(r.samples for r in free)
+        # none) sends the batch to the live version, uncounted: made up later, it would come as a
+        # burst of canary traffic once the canary is back (after a restart, seconds of it).
         chosen = live
-        if free and split.take(samples, room=self._pick_executor(model, canary) is not None):
+        if free and self._pick_executor(model, canary) is not None and split.take(sum(r.samples for r in free)):
             chosen = canary
         groups: dict[str, list[QueuedRequest]] = {chosen: [], canary if chosen == live else live: []}
         for request in requests:

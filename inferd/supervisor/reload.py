@@ -317,6 +317,8 @@ class ReloadManager:
                 self.on_candidate_failed(message.model, message.version,
                                          f"worker{worker.index} cannot load it: {message.error}")
                 return
+            if self.live.get(message.model) != message.version:  # wanted no more (its trial ended meanwhile)
+                return
             log.error("worker%d cannot load the live %s %s: %s; it will not serve %s",
                       worker.index, message.model, message.version, message.error, message.model)
             self.workers.note_error(worker, message.error)
