@@ -40,16 +40,26 @@ MLP = {"inputs": [{"dtype": "float32", "shape": list(models.MLP_SHAPE)}], "max_b
 WARMUP_S = 2.0
 
 
-def phase_row(name: str, sent: np.ndarray, latency: np.ndarray, ok: np.ndarray, seconds: float, **extra) -> dict:
+def phase_row(name: str, latency: np.ndarray, ok: np.ndarray, seconds: float, **extra) -> dict:
     """Measurements of the requests selected for one phase."""
     return {
         "phase": name,
         **extra,
-        "requests": len(sent),
+        "requests": len(ok),
         "not_ok": int((~ok).sum()),
         "samples_per_s": round(float(ok.sum()) / seconds, 1) if seconds else 0.0,
         "latency_ms": percentiles(list(latency[ok])),
     }
+
+
+def print_phases(rows: list[dict]) -> None:
+    """The phases' rows as a table."""
+    print()
+    print(table(
+        ["phase", "concurrency", "requests", "samples/s", "p50 ms", "p99 ms", "max ms", "not ok"],
+        [[r["phase"], r["concurrency"], r["requests"], r["samples_per_s"], r["latency_ms"]["p50"],
+          r["latency_ms"]["p99"], r["latency_ms"]["max"], r["not_ok"]] for r in rows],
+    ))
 
 
 TRIALS = (("no trial", {}), ("canary 10 %", {"canary": 10}), ("shadow 5 %", {"shadow": 5}))
@@ -84,10 +94,8 @@ def trials(args: argparse.Namespace) -> int:
     for name, _ in TRIALS:
         latency, ok = np.concatenate(pooled[name], axis=1)
         ok = ok.astype(bool)
-        row = {"phase": name, "concurrency": args.concurrency, "model": "mlp", "rounds": args.rounds,
-               "requests": len(ok), "not_ok": int((~ok).sum()),
-               "samples_per_s": round(float(ok.sum()) / (args.seconds * args.rounds), 1),
-               "latency_ms": percentiles(list(latency[ok]))}
+        row = phase_row(name, latency, ok, args.seconds * args.rounds, concurrency=args.concurrency, model="mlp",
+                        rounds=args.rounds)
         if name.startswith("shadow"):
             shadow = notes[name][-1]["shadow"]  # cumulative since start: the last round's holds them all
             row["shadow"] = {key: shadow[key] for key in ("chosen", "compared", "dropped", "allclose_share")}
@@ -95,12 +103,7 @@ def trials(args: argparse.Namespace) -> int:
             row["routed_share"] = [n["candidate"]["routed_share"] for n in notes[name]]
         rows.append(row)
     record("canary", rows)
-    print()
-    print(table(
-        ["phase", "concurrency", "requests", "samples/s", "p50 ms", "p99 ms", "max ms", "not ok"],
-        [[r["phase"], r["concurrency"], r["requests"], r["samples_per_s"], r["latency_ms"]["p50"],
-          r["latency_ms"]["p99"], r["latency_ms"]["max"], r["not_ok"]] for r in rows],
-    ))
+    print_phases(rows)
     base, canary, shadow = (r["latency_ms"]["p99"] for r in rows)
     print(f"\nshadow work: {rows[2]['shadow']}")
     print(f"p99 with a 10 % canary / without = {canary / base:.2f}; "
@@ -149,17 +152,12 @@ def main() -> int:
     for began, ended, _ in windows:
         inside |= (sent >= began) & (sent < ended)
     reload_s = sum(min(e, sent.max()) - b for b, e, _ in windows if b < sent.max())
-    steady = phase_row("steady", sent[~inside], latency[~inside], ok[~inside], args.seconds - reload_s)
-    during = phase_row("reloading", sent[inside], latency[inside], ok[inside], reload_s, reloads=len(windows),
+    steady = phase_row("steady", latency[~inside], ok[~inside], args.seconds - reload_s)
+    during = phase_row("reloading", latency[inside], ok[inside], reload_s, reloads=len(windows),
                        mean_reload_s=round(float(np.mean([e - b for b, e, _ in windows])), 3))
     rows = [{**row, "concurrency": args.concurrency, "model": "mlp"} for row in (steady, during)]
     record("reload", rows)
-    print()
-    print(table(
-        ["phase", "concurrency", "requests", "samples/s", "p50 ms", "p99 ms", "max ms", "not ok"],
-        [[r["phase"], r["concurrency"], r["requests"], r["samples_per_s"], r["latency_ms"]["p50"],
-          r["latency_ms"]["p99"], r["latency_ms"]["max"], r["not_ok"]] for r in rows],
-    ))
+    print_phases(rows)
     print(f"\n{len(windows)} reloads, {during['mean_reload_s']} s each on average; whole run: {overall['statuses']}")
     print("per reload (total s, load s, warm s, save ms): "
           + ", ".join(f"({r['total_s']}, {r['load_s']}, {r['warm_s']}, {r['save_ms']})" for _, _, r in windows))
