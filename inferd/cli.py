@@ -31,9 +31,10 @@ class CliError(click.ClickException):
     """An error printed as one sentence."""
 
 
-def _run(group: click.Group, prog: str) -> None:
+def run_command(command: click.Command, prog: str) -> None:
+    """Run a click command as a program: its errors are one sentence on stderr and a non-zero exit."""
     try:
-        code = group.main(prog_name=prog, standalone_mode=False)
+        code = command.main(prog_name=prog, standalone_mode=False)
     except click.exceptions.Abort:
         click.echo(f"{prog}: interrupted", err=True)
         sys.exit(130)
@@ -505,6 +506,14 @@ def rollback(ctx: click.Context, model: str | None) -> None:
 
 
 @inferctl.command()
+@click.pass_context
+def trim(ctx: click.Context) -> None:
+    """Every ready worker returns its GPU allocator's unused cached memory to the device now."""
+    asked = _call(ctx, "trim")["workers"]
+    click.echo(f"asked {len(asked)} workers to return their unused GPU memory")
+
+
+@inferctl.command()
 @click.option("--model", help="Model name (default: every model).")
 @click.pass_context
 def versions(ctx: click.Context, model: str | None) -> None:
@@ -562,12 +571,12 @@ def infer(ctx: click.Context, model: str, inputs: tuple[str, ...], output: str |
 
 def main_inferd() -> None:
     """Entry point of `inferd`."""
-    _run(inferd, "inferd")
+    run_command(inferd, "inferd")
 
 
 def main_inferctl() -> None:
     """Entry point of `inferctl`."""
-    _run(inferctl, "inferctl")
+    run_command(inferctl, "inferctl")
 
 
 if __name__ == "__main__":

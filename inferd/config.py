@@ -147,6 +147,12 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
         Meta(ge=0, le=1),
         _doc("A GPU worker that sits idle with more than this share of its reserved memory unused returns it."),
     ] = 0.25
+    trim_request_file: Annotated[
+        str,
+        _doc("In a Kubernetes pod: the downward-API file of the pod's annotations; each new value of its "
+             "inferd.io/trim-requested annotation (set by inferd-fleet) has every worker return its unused "
+             'GPU memory, as `inferctl trim` does. "" turns it off.', live=True),
+    ] = ""
     start_timeout_s: Annotated[
         float, Meta(gt=0),
         _doc("How long a worker may take to load and warm its models before it counts as failed.", live=True),

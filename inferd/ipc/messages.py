@@ -149,9 +149,13 @@ class SetLogLevel(msgspec.Struct, frozen=True, tag=True, array_like=True):
     level: str
 
 
+class TrimMemory(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Return the GPU allocator's unused cached memory to the device now, busy or not."""
+
+
 Message = (
     Hello | Ready | BootFailed | RunBatch | BatchDone | BatchFailed | Shutdown
-    | LoadVersion | VersionLoaded | VersionFailed | UnloadVersion | SetLogLevel
+    | LoadVersion | VersionLoaded | VersionFailed | UnloadVersion | SetLogLevel | TrimMemory
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -194,6 +194,10 @@ class Commands:
             return
         self.daemon.reloads.start(name, previous, True, reply)
 
+    def command_trim(self) -> dict[str, Any]:
+        """Every ready worker returns its GPU allocator's unused memory now, busy or not."""
+        return {"workers": self.daemon.workers.trim_memory("inferctl trim")}
+
     def command_versions(self, model: str | None = None) -> dict[str, Any]:
         """The versions in each repository, with file sizes and dates, and which is live."""
         names = [self._model(model)] if model is not None or len(self.daemon.live) == 1 else sorted(self.daemon.live)

@@ -59,6 +59,7 @@ from inferd.supervisor.regions import Regions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DaemonState, StartupError
 from inferd.supervisor.stats import Stats
+from inferd.supervisor.trim_requests import TRIM_ANNOTATION, TrimRequests
 from inferd.supervisor.wakeup import Wakeup
 from inferd.supervisor.workers import STOP_TIMEOUT_S, WorkerHandle, WorkerState, WorkerTable
 from inferd.systemd import StatusReport, notify
@@ -124,6 +125,8 @@ class Supervisor:
                                       self.stats)
         self.canaries.restore(saved_candidates)
         self.liveness = Liveness(self.workers, self.dispatcher, self.reloads)
+        self.trim_requests = TrimRequests()
+        self.trim_requests.configure(config.workers.trim_request_file)
         self.reconfigurer = Reconfigurer(self.workers, self.reloads, self.live, saved_live, self._configure)
         self.control = ControlServer(self.context, config.server.control or "", Commands(self), self.frontend,
                                      self.curve)
@@ -303,6 +306,8 @@ class Supervisor:
                 self.canaries.check(now)
             except Exception:  # noqa: BLE001 - the last guard: trials are judged again next tick
                 failure("the canary guard")
+        if self.state == DaemonState.SERVING and (request := self.trim_requests.due()) is not None:
+            self.workers.trim_memory(f"the pod annotation {TRIM_ANNOTATION}={request}")
         self._check_stopped()
         self.frontend.admit(self.state, self.workers)
 
@@ -466,6 +471,7 @@ class Supervisor:
         self.workers.configure(config)
         self.reloads.configure(config)
         self.canaries.configure(config)
+        self.trim_requests.configure(config.workers.trim_request_file)
         set_level(config.server.log_level)
         for worker in self.workers.workers:
             self.workers.send_control(worker, messages.SetLogLevel(config.server.log_level))

@@ -170,6 +170,8 @@ def _worker_families(daemon: DaemonView) -> list[Metric]:
                                  labels=["device"])
     fragmentation = GaugeMetricFamily("inferd_gpu_memory_fragmentation_ratio",
                                       "Reserved but unallocated GPU memory over reserved memory.", labels=["worker"])
+    reserved = GaugeMetricFamily("inferd_gpu_memory_reserved_bytes", "GPU memory the worker's allocator reserves.",
+                                 labels=["worker"])
     for entry in worker_report(daemon):
         worker = str(entry["worker"])
         restarts.add_metric([worker], entry["restarts"])
@@ -183,7 +185,8 @@ def _worker_families(daemon: DaemonView) -> list[Metric]:
             gpu_util.add_metric([entry["device"]], entry["gpu_utilization"])
         if "fragmentation" in entry:
             fragmentation.add_metric([worker], entry["fragmentation"])
-    return [restarts, up, rss, growth, gpu_used, gpu_total, gpu_util, fragmentation]
+            reserved.add_metric([worker], entry["torch_reserved_bytes"])
+    return [restarts, up, rss, growth, gpu_used, gpu_total, gpu_util, fragmentation, reserved]
 
 
 class _LoopCollector:

@@ -350,6 +350,13 @@ class WorkerTable:
         """Send to a worker's main thread (load, unload, shutdown)."""
         return self.send(worker.control, message)
 
+    def trim_memory(self, why: str) -> list[int]:
+        """Ask every ready worker to return its unused GPU memory now; the indexes of those asked."""
+        asked = [w.index for w in self.workers
+                 if w.state == WorkerState.READY and self.send_control(w, messages.TrimMemory())]
+        log.info("trim asked by %s: %d workers asked to return unused GPU memory", why, len(asked))
+        return asked
+
     def worker_of(self, identity: bytes) -> WorkerHandle | None:
         """The worker behind a socket identity, if it belongs to a live generation."""
         role = self._live_role(identity)

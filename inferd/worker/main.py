@@ -163,7 +163,7 @@ def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, 
 
 
 def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) -> None:
-    """Load and unload versions as the supervisor asks, until it says Shutdown.
+    """Load and unload versions, and trim, as the supervisor asks, until it says Shutdown.
 
     Loading runs here, in the main thread, while the executors go on serving the
     live version; a version becomes usable only once the supervisor flips to it.
@@ -206,3 +206,8 @@ def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) ->
             runner.unload(message.model, message.version)
         elif isinstance(message, messages.SetLogLevel):
             set_level(message.level)
+        elif isinstance(message, messages.TrimMemory):
+            if runner.device.type == "cuda":
+                log.info("asked to trim: returned %.1f MiB of unused GPU memory to the device", runner.trim() / 2**20)
+            else:
+                log.info("asked to trim: nothing to return on the CPU")
