@@ -22,7 +22,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 STATUS_TIMEOUT_S = 30  # inferctl status answers at once; only a wedged daemon takes this long
@@ -40,7 +39,6 @@ class Daemon:
     name: str
     inferctl: list[str]
     was_live: str = ""
-    label_node: Callable[[str, str], None] | None = None  # (model, version): mark the node as holding it
 
     def run(self, *argv: str, timeout: float) -> str:
         """Run one inferctl command; its output, or RolloutError with what it said."""
@@ -71,10 +69,7 @@ class Daemon:
 
     def reload(self, model: str, version: str, timeout: float) -> str:
         """Make `version` live; what inferctl reported."""
-        said = self.run("reload", "--model", model, "--version", version, timeout=timeout)
-        if self.label_node is not None:
-            self.label_node(model, version)
-        return said
+        return self.run("reload", "--model", model, "--version", version, timeout=timeout)
 
 
 def kubernetes_daemons(namespace: str, selector: str, container: str, kubectl: str) -> list[Daemon]:
@@ -83,27 +78,13 @@ def kubernetes_daemons(namespace: str, selector: str, container: str, kubectl: s
                              check=False, capture_output=True, text=True)
     if listing.returncode != 0:
         raise RolloutError(f"kubectl get pods failed: {listing.stderr.strip()}")
-    pods = sorted((item["metadata"]["name"], item["spec"].get("nodeName", ""))
+    pods = sorted(item["metadata"]["name"]
                   for item in json.loads(listing.stdout)["items"] if item["status"].get("phase") == "Running")
     if not pods:
         raise RolloutError(f"no running pod in namespace {namespace} matches {selector}")
-    return [Daemon(f"pod/{pod}", [kubectl, "exec", "-n", namespace, pod, "-c", container, "--", "inferctl"],
-                   label_node=node_labeller(kubectl, node)) for pod, node in pods]
-
-
-def node_labeller(kubectl: str, node: str) -> Callable[[str, str], None]:
-    """Label `node` inferd.io/model-MODEL=VERSION, which the Deployment's node affinity prefers.
-
-    A label that cannot be set (no RBAC right to patch nodes) costs only the
-    preference, so it is reported and the rollout goes on.
-    """
-    def label(model: str, version: str) -> None:
-        done = subprocess.run([kubectl, "label", "node", node, f"inferd.io/model-{model}={version}", "--overwrite"],
-                              check=False, capture_output=True, text=True)
-        if done.returncode != 0:
-            print(f"node/{node}: could not label it: {done.stderr.strip()}", file=sys.stderr, flush=True)
-
-    return label
+    # No labels here: inferd-fleet labels each pod with the versions it serves.
+    return [Daemon(f"pod/{pod}", [kubectl, "exec", "-n", namespace, pod, "-c", container, "--", "inferctl"])
+            for pod in pods]
 
 
 def roll_out(daemons: list[Daemon], model: str, version: str, timeout: float) -> None:

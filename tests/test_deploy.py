@@ -25,6 +25,8 @@ import yaml
 
 from inferd import config, paths, repository
 from inferd.cli import inferctl, inferd
+from inferd.fleet.decisions import FRAGMENTED_LABEL, version_label
+from inferd.fleet.main import fleet
 from inferd.harness import DaemonProcess, free_port
 
 KUBERNETES = "1.30.0"  # the oldest release still widely run; the manifests use nothing newer
@@ -138,6 +140,76 @@ def test_services_budget_and_autoscalers_all_point_at_the_deployment():
     assert manifest("HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == "inferd"
     assert manifest("ScaledObject")["spec"]["scaleTargetRef"]["name"] == "inferd"
     assert manifest("NetworkPolicy")["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_pods_prefer_the_nodes_serving_the_version_the_configmap_pins():
+    affinity = pod_spec()["affinity"]
+    (same_version,) = affinity["podAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    pinned = {version_label(name): body["version"] for name, body in daemon_config()["models"].items()}
+    assert same_version["podAffinityTerm"]["labelSelector"]["matchLabels"] == pinned
+    assert same_version["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    (spread,) = affinity["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert same_version["weight"] < spread["weight"], "same-version affinity must not outweigh the spread"
+    (fragmented,) = affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert fragmented["preference"]["matchExpressions"] == [
+        {"key": FRAGMENTED_LABEL, "operator": "In", "values": ["true"]}]
+
+
+def fleet_container() -> dict[str, Any]:
+    (only,) = manifest("Deployment", "inferd-fleet")["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def test_the_fleet_deployment_runs_inferd_fleet_on_the_inference_pods():
+    spec = manifest("Deployment", "inferd-fleet")["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate", "two controllers would both evict"
+    assert fleet_container()["image"] == container()["image"]
+    assert fleet_container()["command"] == ["inferd-fleet"]
+    parsed = fleet.make_context("inferd-fleet", list(fleet_container()["args"])).params
+    inferd_deployment = manifest("Deployment")
+    assert parsed["namespace"] == inferd_deployment["metadata"]["namespace"]
+    selector = dict(term.split("=") for term in parsed["selector"].split(","))
+    assert selector == inferd_deployment["spec"]["selector"]["matchLabels"]
+    assert (parsed["fragmentation_threshold"], parsed["hold"]) == (0.25, 300)  # the seed's rule
+    ports = {p["name"]: p["containerPort"] for p in fleet_container()["ports"]}
+    assert parsed["metrics_at"] == f"0.0.0.0:{ports['metrics']}"
+    assert fleet_container()["livenessProbe"]["httpGet"]["port"] == "metrics"
+    # The controller finds each pod's metrics by the port's name.
+    daemon_port = int(daemon_config()["server"]["metrics"].rsplit(":")[1])
+    assert {"name": "metrics", "containerPort": daemon_port} in container()["ports"]
+
+
+def test_the_fleet_has_its_own_account_with_only_the_rights_it_uses():
+    account = manifest("ServiceAccount", "inferd-fleet")
+    pod = manifest("Deployment", "inferd-fleet")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account["metadata"]["name"]
+    for binding, role in (("RoleBinding", "Role"), ("ClusterRoleBinding", "ClusterRole")):
+        bound = manifest(binding, "inferd-fleet")
+        assert bound["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role, "name": "inferd-fleet"}
+        assert bound["subjects"] == [{"kind": "ServiceAccount", "name": "inferd-fleet",
+                                      "namespace": account["metadata"]["namespace"]}]
+    rights = {(verb, resource) for kind in ("Role", "ClusterRole") for rule in manifest(kind, "inferd-fleet")["rules"]
+              for verb in rule["verbs"] for resource in rule["resources"]}
+    assert rights == {("list", "pods"), ("watch", "pods"), ("patch", "pods"), ("create", "pods/eviction"),
+                      ("list", "nodes"), ("patch", "nodes")}
+    assert manifest("Role", "inferd-fleet")["metadata"]["namespace"] == manifest("Deployment")["metadata"]["namespace"]
+
+
+def test_trim_requests_reach_the_daemon_through_the_downward_api():
+    parsed = config.parse(daemon_config())
+    volume = next(v for v in pod_spec()["volumes"] if "downwardAPI" in v)
+    (item,) = volume["downwardAPI"]["items"]
+    assert item["fieldRef"]["fieldPath"] == "metadata.annotations"
+    mount = next(m for m in container()["volumeMounts"] if m["name"] == volume["name"])
+    assert parsed.workers.trim_request_file == f"{mount['mountPath']}/{item['path']}"
+
+
+def test_the_network_policy_lets_the_fleet_read_the_pods_metrics():
+    metrics_port = int(daemon_config()["server"]["metrics"].rsplit(":")[1])
+    (rule,) = [r for r in manifest("NetworkPolicy")["spec"]["ingress"] if r["ports"][0]["port"] == metrics_port]
+    fleet_labels = manifest("Deployment", "inferd-fleet")["spec"]["template"]["metadata"]["labels"]
+    assert any("namespaceSelector" not in peer and peer["podSelector"]["matchLabels"].items() <= fleet_labels.items()
+               for peer in rule["from"])
 
 
 def recorded_series() -> set[str]:

@@ -1,0 +1,1 @@
+"""inferd-fleet: a Kubernetes controller for a fleet of inferd pods (README, "Kubernetes")."""
