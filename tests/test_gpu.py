@@ -15,6 +15,8 @@ from conftest import BF16, MLP, PAIR, wait_for
 from wire import RawPeer
 
 from inferd.arrays import from_numpy, to_numpy
+from inferd.fleet.scrape import scrape
+from inferd.harness import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -54,6 +56,23 @@ def test_an_idle_gpu_worker_returns_fragmented_cache(start_daemon):
     assert worker["torch_reserved_bytes"] >= 512 * 2**20 and worker["fragmentation"] > 0.9
     assert "gpu_memory_used_bytes" in worker and 0 <= worker["gpu_utilization"] <= 1
     wait_for(lambda: "of reserved GPU memory unused; returned" in daemon.log(), timeout=15, what="the trim")
+
+
+def test_a_requested_trim_returns_the_cache_and_the_metrics_inferd_fleet_reads_show_it(start_daemon):
+    two = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
+    metrics = f"127.0.0.1:{free_port()}"
+    # fragmentation_trim 1: the worker never trims by itself, so only the request can.
+    daemon = start_daemon({"bigtemp": two}, workers={"devices": ["cuda:0"], "fragmentation_trim": 1.0},
+                          server={"metrics": metrics})
+    with daemon.client() as client:
+        client.infer("bigtemp", np.ones((1, 2), dtype=np.float32))
+    before = scrape(metrics, 5)
+    assert before.reserved_bytes >= 512 * 2**20 and before.unused_bytes > 0.9 * before.reserved_bytes
+    assert daemon.call("trim") == {"workers": [0]}
+    wait_for(lambda: "asked to trim: returned" in daemon.log(), timeout=15, what="the trim")
+    after = wait_for(lambda: (m := scrape(metrics, 5)).reserved_bytes < before.reserved_bytes / 2 and m,
+                     timeout=15, what="the metrics to show the trim")
+    assert after.unused_bytes < before.unused_bytes / 2
 
 
 @pytest.mark.parametrize("precision, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])

@@ -153,9 +153,20 @@ class TrimMemory(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """Return the GPU allocator's unused cached memory to the device now, busy or not."""
 
 
+class Trimmed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A GPU worker trimmed (asked, or idle): its allocator's bytes in use and reserved now.
+
+    Batches report these too, but an idle worker runs none, and its metrics
+    would show the memory it just returned.
+    """
+
+    memory: int
+    reserved: int
+
+
 Message = (
     Hello | Ready | BootFailed | RunBatch | BatchDone | BatchFailed | Shutdown
-    | LoadVersion | VersionLoaded | VersionFailed | UnloadVersion | SetLogLevel | TrimMemory
+    | LoadVersion | VersionLoaded | VersionFailed | UnloadVersion | SetLogLevel | TrimMemory | Trimmed
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -391,6 +391,8 @@ class WorkerTable:
         if isinstance(message, messages.BootFailed):
             worker.last_error = message.error
             log.error("worker%d failed to boot: %s", worker.index, message.error)
+        elif isinstance(message, messages.Trimmed):
+            worker.memory, worker.reserved = message.memory, message.reserved
         return None
 
     def _on_hello(self, identity: bytes, hello: messages.Hello) -> None:

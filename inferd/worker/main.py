@@ -162,6 +162,13 @@ def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, 
     return arena, pinned, executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
 
 
+def _trim(control: zmq.Socket, runner) -> int:
+    """Trim a GPU worker's allocator and tell the supervisor what it holds now; the bytes freed."""
+    freed = runner.trim()
+    control.send(messages.encode(messages.Trimmed(*runner.allocator_memory())))
+    return freed
+
+
 def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) -> None:
     """Load and unload versions, and trim, as the supervisor asks, until it says Shutdown.
 
@@ -181,7 +188,7 @@ def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) ->
                 fragmented_checks = fragmented_checks + 1 if ratio > trim_above else 0
                 if fragmented_checks >= 2:
                     log.info("idle with %.0f%% of reserved GPU memory unused; returned %.1f MiB to the device",
-                             ratio * 100, runner.trim() / 2**20)
+                             ratio * 100, _trim(control, runner) / 2**20)
                     fragmented_checks = 0
             continue
         message = messages.decode(control.recv())
@@ -208,6 +215,7 @@ def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) ->
             set_level(message.level)
         elif isinstance(message, messages.TrimMemory):
             if runner.device.type == "cuda":
-                log.info("asked to trim: returned %.1f MiB of unused GPU memory to the device", runner.trim() / 2**20)
+                log.info("asked to trim: returned %.1f MiB of unused GPU memory to the device",
+                         _trim(control, runner) / 2**20)
             else:
                 log.info("asked to trim: nothing to return on the CPU")

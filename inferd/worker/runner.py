@@ -176,6 +176,10 @@ class ModelRunner:
         reserved = torch.cuda.memory_reserved(self.device)
         return (reserved - torch.cuda.memory_allocated(self.device)) / reserved if reserved else 0.0
 
+    def allocator_memory(self) -> tuple[int, int]:
+        """The GPU allocator's (bytes in use, bytes reserved)."""
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
     def trim(self) -> int:
         """Give the GPU allocator's unused cached blocks back to the device; return the bytes freed."""
         before = torch.cuda.memory_reserved(self.device)
