@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
 from inferd.fleet.cluster import Cluster, EvictionRefused, PodRecord, describe_error
@@ -33,6 +34,7 @@ from inferd.supervisor.trim_requests import TRIM_ANNOTATION
 log = logging.getLogger("inferd.fleet")
 
 RETRY_S = 5.0
+SCRAPERS = 16
 
 
 class Controller:
@@ -48,6 +50,8 @@ class Controller:
         self.watch = FragmentationWatch(policy)
         self.pods: dict[str, PodRecord] = {}
         self._unreadable: set[str] = set()
+        # A fleet is thousands of pods; one slow or unreachable pod must not hold up the others.
+        self._readers = ThreadPoolExecutor(SCRAPERS, thread_name_prefix="scrape")
 
     def run(self) -> None:
         """Follow and act until the process is stopped; API errors are logged and retried."""
@@ -71,11 +75,10 @@ class Controller:
 
     def tick(self) -> None:
         """Read every pod, make its labels true, and step and carry out the fragmentation rule."""
-        views = []
-        for record in list(self.pods.values()):
-            view = self._view(record)
+        records = list(self.pods.values())
+        views = list(self._readers.map(self._view, records))
+        for record, view in zip(records, views):
             self._label(record, view)
-            views.append(view)
         self.metrics.pods.set(len(views))
         self.metrics.nodes(node_fragmentation(v for v in views if v.scraped))
         labelled = self.cluster.labelled_nodes(FRAGMENTED_LABEL)
