@@ -6,9 +6,10 @@ Kubernetes client: list and watch of pods (resource versions, timeoutSeconds,
 410 Gone for a version too old), merge patches of pods and nodes (415 for
 any other patch type), node lists by label, and the Eviction API with the
 budget's arithmetic (429 when it allows no disruption; an evicted pod gets a
-deletionTimestamp, turns unready and is deleted a moment later). Every request
-is recorded as (verb, resource, subresource), so a test can hold it against
-the controller's RBAC.
+deletionTimestamp, turns unready and is deleted a moment later), and field
+selectors on the pod's phase. Every request
+is recorded as (verb, resource, subresource, namespaced), so a test can hold
+it against the controller's RBAC.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -72,6 +73,19 @@ def kubeconfig(folder: Path, url: str) -> Path:
     return path
 
 
+def fields_select(selector: str, pod: dict[str, Any]) -> bool:
+    """Field selectors on the pod's phase: `status.phase!=Failed,status.phase=Running`."""
+    phase = pod["status"].get("phase")
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        negated = "!=" in term
+        field, value = term.split("!=" if negated else "=", 1)
+        if field != "status.phase":
+            raise ValueError(f"field label not supported: {field}")
+        if (phase == value) == negated:
+            return False
+    return True
+
+
 def status(code: int, reason: str, message: str) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
             "reason": reason, "code": code}
@@ -85,8 +99,9 @@ class FakeKube:
         self.pods: dict[str, dict[str, Any]] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.budgets: list[dict[str, Any]] = []
-        self.requests: list[tuple[str, str, str]] = []
+        self.requests: list[tuple[str, str, str, bool]] = []  # verb, resource, subresource, namespaced
         self.evictions: list[str] = []
+        self.on_deleted: Callable[[str], None] | None = None  # as a ReplicaSet would: make a replacement
         self.refused: list[str] = []
         self._version = 100
         self._events: list[tuple[int, str, dict[str, Any]]] = []
@@ -101,10 +116,6 @@ class FakeKube:
     def url(self) -> str:
         return f"http://127.0.0.1:{self._server.server_address[1]}"
 
-    def kubeconfig(self, folder: Path) -> Path:
-        """A kubeconfig that reaches this server without credentials."""
-        return kubeconfig(folder, self.url)
-
     # -- what a test does to the cluster ---------------------------------------------
 
     def add_node(self, name: str, labels: dict[str, str] | None = None) -> None:
@@ -114,7 +125,7 @@ class FakeKube:
                                              "resourceVersion": self._bump()}}
 
     def add_pod(self, name: str, node: str, metrics: str | None, labels: dict[str, str] | None = None,
-                ready: bool = True) -> None:
+                ready: bool = True, phase: str = "Running") -> None:
         """A pod on `node` whose container port `metrics` is at `metrics` (host:port; None: no IP yet)."""
         host, port = metrics.rsplit(":", 1) if metrics else (None, "9464")
         pod = {
@@ -123,7 +134,7 @@ class FakeKube:
                          "labels": {"app.kubernetes.io/name": "inferd", **(labels or {})}},
             "spec": {"nodeName": node, "containers": [{"name": "inferd", "image": "inferd:0.1.0", "ports": [
                 {"name": "data", "containerPort": 5555}, {"name": "metrics", "containerPort": int(port)}]}]},
-            "status": {"phase": "Running", "podIP": host, "conditions": []},
+            "status": {"phase": phase, "podIP": host, "conditions": []},
         }
         self._set_ready(pod, ready)
         with self._changed:
@@ -231,17 +242,24 @@ class FakeKube:
         with self._changed:
             if name in self.pods:
                 self._store("DELETED", copy.deepcopy(self.pods[name]))
+        if self.on_deleted is not None:
+            self.on_deleted(name)
+
+    @staticmethod
+    def _matches(query: dict[str, str], pod: dict[str, Any]) -> bool:
+        return (selects(query.get("labelSelector", ""), pod["metadata"]["labels"])
+                and fields_select(query.get("fieldSelector", ""), pod))
 
     def _list_pods(self, query: dict[str, str]) -> dict[str, Any]:
-        selector = query.get("labelSelector", "")
         with self._changed:
-            items = [copy.deepcopy(p) for p in self.pods.values() if selects(selector, p["metadata"]["labels"])]
+            items = [copy.deepcopy(p) for p in self.pods.values() if self._matches(query, p)]
             return {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self._version)},
                     "items": items}
 
     def _watch_pods(self, query: dict[str, str], write) -> None:
-        selector = query.get("labelSelector", "")
         since = int(query.get("resourceVersion") or self._version)
+        with self._changed:
+            matching = {name for name, p in self.pods.items() if self._matches(query, p)}
         deadline = time.monotonic() + float(query.get("timeoutSeconds", 1800))
         generation = self._generation
         while True:
@@ -258,8 +276,13 @@ class FakeKube:
                     continue
             for version, kind, pod in fresh:
                 since = version
-                if selects(selector, pod["metadata"]["labels"]):
-                    write({"type": kind, "object": pod})
+                name = pod["metadata"]["name"]
+                if kind != "DELETED" and self._matches(query, pod):
+                    write({"type": "MODIFIED" if name in matching else "ADDED", "object": pod})
+                    matching.add(name)
+                elif name in matching:  # deleted, or no longer selected: gone, as far as this watch knows
+                    write({"type": "DELETED", "object": pod})
+                    matching.discard(name)
 
     def _patch(self, store: dict[str, dict[str, Any]], name: str, body: Any, kind: str) -> tuple[int, Any]:
         with self._changed:
@@ -277,6 +300,8 @@ class FakeKube:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args: Any) -> None:
                 pass
 
@@ -306,7 +331,8 @@ class FakeKube:
                 resource = "pods" if pod else "nodes" if node else parsed.path
                 subresource = pod["sub"] or "" if pod else ""
                 # Recorded as RBAC names the request's verb.
-                fake.requests.append(({"post": "create", "put": "update"}.get(verb, verb), resource, subresource))
+                fake.requests.append(({"post": "create", "put": "update"}.get(verb, verb), resource, subresource,
+                                      bool(pod)))
                 if verb == "patch" and self.headers.get("Content-Type") != MERGE_PATCH:
                     self._answer(415, status(415, "UnsupportedMediaType",
                                              f"the body of the request was in an unknown format: "
@@ -314,16 +340,20 @@ class FakeKube:
                 elif pod and verb == "list":
                     self._answer(200, fake._list_pods(query))
                 elif pod and verb == "watch":
+                    # Chunked, as the API server streams a watch: each event reaches the client as it happens.
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
+                    self.send_header("Transfer-Encoding", "chunked")
                     self.end_headers()
 
                     def write(event: dict[str, Any]) -> None:
-                        self.wfile.write(json.dumps(event).encode() + b"\n")
+                        line = json.dumps(event).encode() + b"\n"
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
                         self.wfile.flush()
 
                     try:
                         fake._watch_pods(query, write)
+                        self.wfile.write(b"0\r\n\r\n")
                     except (BrokenPipeError, ConnectionResetError):
                         pass
                     self.close_connection = True

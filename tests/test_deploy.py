@@ -174,6 +174,10 @@ def test_the_fleet_deployment_runs_inferd_fleet_on_the_inference_pods():
     ports = {p["name"]: p["containerPort"] for p in fleet_container()["ports"]}
     assert parsed["metrics_at"] == f"0.0.0.0:{ports['metrics']}"
     assert fleet_container()["livenessProbe"]["httpGet"]["port"] == "metrics"
+    scraped = manifest("Service", "inferd-fleet-metrics")["spec"]
+    assert scraped["selector"].items() <= manifest("Deployment", "inferd-fleet")["spec"]["template"]["metadata"][
+        "labels"].items()
+    assert scraped["ports"][0]["targetPort"] == "metrics" and scraped["ports"][0]["port"] == ports["metrics"]
     # The controller finds each pod's metrics by the port's name.
     daemon_port = int(daemon_config()["server"]["metrics"].rsplit(":")[1])
     assert {"name": "metrics", "containerPort": daemon_port} in container()["ports"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -86,9 +87,21 @@ def test_a_node_is_labelled_and_trimmed_only_once_it_held_over_the_threshold():
     assert watch.step(0, pods, set()) == []
     assert watch.step(299, pods, set()) == []
     assert watch.step(300, pods, set()) == [LabelNode("n1", True, 0.3), Trim("n1", ("a", "b"), 0.3)]
-    # Labelled now, and the trim was asked: nothing more until the grace has passed.
+    watch.trimmed("n1", 300)
+    # Labelled now, and the trim reached the pods: nothing more until the grace has passed.
     assert watch.step(400, pods, {"n1"}) == []
     assert watch.step(420, pods, {"n1"}) == [Evict("n1", "a", 0.3)]
+
+
+def test_a_trim_that_reached_no_pod_is_asked_again_and_starts_no_grace():
+    watch = FragmentationWatch(POLICY)
+    pods = [pod("a", "n1", 10, 5)]
+    watch.step(0, pods, set())
+    assert watch.step(300, pods, {"n1"}) == [Trim("n1", ("a",), 0.5)]
+    assert watch.step(500, pods, {"n1"}) == [Trim("n1", ("a",), 0.5)]  # not delivered: no eviction yet
+    watch.trimmed("n1", 500)
+    assert watch.step(600, pods, {"n1"}) == []
+    assert watch.step(620, pods, {"n1"}) == [Evict("n1", "a", 0.5)]
 
 
 def test_a_dip_under_the_threshold_starts_the_hold_again_and_clears_the_label():
@@ -101,24 +114,49 @@ def test_a_dip_under_the_threshold_starts_the_hold_again_and_clears_the_label():
     assert watch.step(800, under, {"n1"}) == [LabelNode("n1", False, 0.1)]
 
 
+def test_a_node_whose_pods_were_not_read_keeps_its_hold_and_its_label():
+    watch = FragmentationWatch(POLICY)
+    over = [pod("a", "n1", 10, 5)]
+    watch.step(0, over, set())
+    assert watch.step(200, [PodView("a", "n1", scraped=False)], {"n1"}) == []
+    assert watch.step(300, over, {"n1"}) == [Trim("n1", ("a",), 0.5)]  # still held since 0
+
+
+def test_a_labelled_node_without_inference_pods_is_cleared():
+    assert FragmentationWatch(POLICY).step(0, [pod("a", "n1", 10, 0)], {"gone"}) == [LabelNode("gone", False, 0.0)]
+
+
+def test_a_node_stranding_little_memory_is_not_fragmented_whatever_its_share():
+    watch = FragmentationWatch(POLICY)
+    small = [pod("a", "n1", 1, 0.5)]  # 50 %, but 0.5 GiB: a restart's cold start costs more
+    assert watch.step(0, small, set()) == [] and watch.step(1000, small, set()) == []
+
+
 def test_a_trim_that_worked_means_no_eviction():
     watch = FragmentationWatch(POLICY)
     watch.step(0, [pod("a", "n1", 10, 5)], set())
     assert isinstance(watch.step(300, [pod("a", "n1", 10, 5)], set())[-1], Trim)
+    watch.trimmed("n1", 300)
     assert watch.step(500, [pod("a", "n1", 6, 1)], {"n1"}) == [LabelNode("n1", False, pytest.approx(1 / 6))]
+
+
+def held_and_trimmed(watch: FragmentationWatch, pods: list[PodView]) -> None:
+    watch.step(0, pods, set())
+    for action in watch.step(300, pods, set()):
+        if isinstance(action, Trim):
+            watch.trimmed(action.node, 300)
 
 
 def test_evictions_are_one_at_a_time_and_take_the_pod_stranding_most():
     watch = FragmentationWatch(POLICY)
     pods = [pod("a", "n1", 10, 3), pod("b", "n1", 10, 4), pod("c", "n2", 10, 9), pod("d", "n3", 10, 0)]
-    watch.step(0, pods, set())
-    watch.step(300, pods, set())
+    held_and_trimmed(watch, pods)
     actions = watch.step(420, pods, {"n1", "n2"})
     assert actions == [Evict("n2", "c", 0.9)]  # n2 strands 9 GiB, n1 7 GiB: one eviction only
     watch.evicted("n2")
     # The evicted pod is on its way out: nothing else is evicted until it is gone and its replacement ready.
-    going = [*pods[:2], pod("c", "n2", 10, 9, moving=True), pods[3]]
-    assert not [a for a in watch.step(450, going, {"n1", "n2"}) if isinstance(a, Evict)]
+    going = [*pods[:2], PodView("c", "n2", scraped=False, moving=True), pods[3]]
+    assert watch.step(450, going, {"n1", "n2"}) == []
     settled = [*pods[:2], pod("e", "n2", 10, 0), pods[3]]
     assert watch.step(480, settled, {"n1", "n2"}) == [LabelNode("n2", False, 0.0), Evict("n1", "b", 0.35)]
 
@@ -126,8 +164,7 @@ def test_evictions_are_one_at_a_time_and_take_the_pod_stranding_most():
 def test_a_refused_eviction_is_asked_again_and_an_evicted_node_starts_over():
     watch = FragmentationWatch(POLICY)
     pods = [pod("a", "n1", 10, 5), pod("b", "n1", 10, 5)]
-    watch.step(0, pods, set())
-    watch.step(300, pods, set())
+    held_and_trimmed(watch, pods)
     assert watch.step(420, pods, {"n1"}) == [Evict("n1", "b", 0.5)]
     assert watch.step(450, pods, {"n1"}) == [Evict("n1", "b", 0.5)]  # refused: not reported as evicted
     watch.evicted("n1")
@@ -227,14 +264,19 @@ class Fleet:
     def log(self) -> str:
         return self.log_path.read_text()
 
-    def actions(self) -> dict[tuple[str, str], float]:
+    def samples(self, name: str) -> list:
         try:
             with urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5) as response:
                 text = response.read().decode()
         except OSError:
-            return {}
-        return {(s.labels["action"], s.labels["outcome"]): s.value for f in text_string_to_metric_families(text)
-                for s in f.samples if s.name == "inferd_fleet_actions_total"}
+            return []
+        return [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == name]
+
+    def actions(self) -> dict[tuple[str, str], float]:
+        return {(s.labels["action"], s.labels["outcome"]): s.value for s in self.samples("inferd_fleet_actions_total")}
+
+    def ticks(self) -> float:
+        return sum(s.value for s in self.samples("inferd_fleet_ticks_total"))
 
     def stop(self) -> None:
         self.process.terminate()
@@ -256,15 +298,17 @@ def fleet(tmp_path) -> Iterator:
             process.process.wait()
 
 
-def granted(kind: str) -> set[tuple[str, str, str]]:
-    """(verb, resource, subresource) that the fleet's Role or ClusterRole grants."""
-    rules = [doc for path in FLEET.glob("*.yaml") for doc in yaml.safe_load_all(path.read_text())
-             if doc and doc["kind"] == kind]
+def rights() -> set[tuple[str, str, str, bool]]:
+    """(verb, resource, subresource, namespaced) that the fleet's Role (namespaced) and ClusterRole grant."""
     found = set()
-    for rule in (r for doc in rules for r in doc["rules"]):
-        for resource in rule["resources"]:
-            base, _, sub = resource.partition("/")
-            found |= {(verb, base, sub) for verb in rule["verbs"]}
+    for doc in (d for path in FLEET.glob("*.yaml") for d in yaml.safe_load_all(path.read_text()) if d):
+        if doc["kind"] not in ("Role", "ClusterRole"):
+            continue
+        for rule in doc["rules"]:
+            assert rule["apiGroups"] == [""], "the controller calls only the core API"
+            for resource in rule["resources"]:
+                base, _, sub = resource.partition("/")
+                found |= {(verb, base, sub, doc["kind"] == "Role") for verb in rule["verbs"]}
     return found
 
 
@@ -280,37 +324,53 @@ def test_version_labels_follow_a_reload_of_a_real_daemon(reload_daemon, workdir,
         daemon.call("reload", version="v2", timeout=60)
         wait_for(lambda: kube.labels("inferd-0").get("inferd.io/mlp-version") == "v2", 30, "the v2 label")
         assert kube.labels("inferd-0")["app.kubernetes.io/name"] == "inferd"  # a merge patch, not a replace
-        assert "labelled pod inferd-0: inferd.io/mlp-version=v2" in controller.log()
-        assert controller.actions()[("label_pod", "done")] == 2
+        wait_for(lambda: "labelled pod inferd-0: inferd.io/mlp-version=v2" in controller.log(), 10, "the log line")
+        wait_for(lambda: controller.actions().get(("label_pod", "done")) == 2, 10, "two counted labellings")
         controller.stop()
-    assert set(kube.requests) <= granted("Role") | granted("ClusterRole")
+    assert set(kube.requests) <= rights()
 
 
-def test_a_pod_turning_ready_is_labelled_from_the_watch(reload_daemon, fleet):
+def test_a_pod_turning_ready_is_labelled_from_the_watch_and_after_the_watch_expires(reload_daemon, fleet):
     metrics = f"127.0.0.1:{free_port()}"
     reload_daemon(server={"metrics": metrics})
     kube = FakeKube()
     kube.add_pod("inferd-0", "node-a", metrics)
+    kube.add_pod("inferd-dead", "node-a", metrics, phase="Failed", ready=False)
+
+    def lists() -> int:
+        return kube.requests.count(("list", "pods", "", True))
+
     with kube.running():
-        # An hour between ticks: only the watch can see the second pod.
+        # An hour between ticks: only the watch can see the pods that come later.
         controller = fleet(kube, "--interval", "1h")
         wait_for(lambda: kube.labels("inferd-0").get("inferd.io/mlp-version") == "v1", 30, "the first label")
         kube.add_pod("inferd-1", "node-b", None, ready=False)
-        kube.expire_watches()  # the controller must list again and go on watching
         kube.add_pod("inferd-2", "node-b", metrics, ready=False)
         kube.set_ready("inferd-2", True)
         wait_for(lambda: kube.labels("inferd-2").get("inferd.io/mlp-version") == "v1", 30, "the watched pod's label")
+        assert lists() == 1, "labelled from a new list, not from the watch"
+        kube.expire_watches()
+        wait_for(lambda: lists() == 2 and "listing again" in controller.log(), 30, "the list after the expiry")
+        kube.add_pod("inferd-3", "node-b", metrics, ready=False)
+        kube.set_ready("inferd-3", True)
+        wait_for(lambda: kube.labels("inferd-3").get("inferd.io/mlp-version") == "v1", 30, "the next watch's label")
+        assert lists() == 2
         assert "inferd.io/mlp-version" not in kube.labels("inferd-1")  # not ready, no metrics: left alone
-        assert "listing again" in controller.log()
+        assert "inferd.io/mlp-version" not in kube.labels("inferd-dead")  # ended: not the controller's
         controller.stop()
 
 
-def test_a_fragmented_node_is_trimmed_then_one_pod_evicted_within_its_budget(fleet):
+def test_a_fragmented_node_is_trimmed_then_its_pods_evicted_one_at_a_time_within_the_budget(fleet):
     kube = FakeKube()
-    pages = {name: MetricsPage(ratio) for name, ratio in [("a", 0.5), ("b", 0.4), ("c", 0.05)]}
+    pages = {name: MetricsPage(ratio) for name, ratio in [("a", 0.5), ("b", 0.4), ("c", 0.05), ("new", 0.0)]}
     for name, node in [("a", "node-1"), ("b", "node-1"), ("c", "node-2")]:
         kube.add_node(node)
         kube.add_pod(f"inferd-{name}", node, pages[name].address)
+    kube.add_node("node-3")
+    # A pod the kubelet evicted stays in the API, never ready: it must not hold the evictions back.
+    kube.add_pod("inferd-dead", "node-2", None, ready=False, phase="Failed")
+    # As the ReplicaSet would: each evicted pod is replaced by one that is not ready at first.
+    kube.on_deleted = lambda name: kube.add_pod(f"{name}-new", "node-3", pages["new"].address, ready=False)
     kube.add_budget("inferd", {"app.kubernetes.io/name": "inferd"}, expected=3, minAvailable=3)
     try:
         with kube.running():
@@ -323,35 +383,39 @@ def test_a_fragmented_node_is_trimmed_then_one_pod_evicted_within_its_budget(fle
             # minAvailable 3 of 3: the budget refuses, and the controller asks again later.
             wait_for(lambda: kube.refused.count("inferd-a") >= 2, 30, "two refused evictions")
             assert kube.evictions == [] and "inferd-a" in kube.pods
-            pages["b"].ratio = 0.1  # its trim worked; the node (18 of 60 GiB unused) is still over
             kube.add_budget("inferd", {"app.kubernetes.io/name": "inferd"}, expected=3, maxUnavailable=1)
-            wait_for(lambda: kube.evictions == ["inferd-a"], 30, "the eviction")
-            wait_for(lambda: "inferd-a" not in kube.pods, 10, "the evicted pod's deletion")
+            wait_for(lambda: kube.evictions == ["inferd-a"], 30, "the first eviction, of the pod stranding most")
+            # node-1 (b: 40 %) starts over: held, trimmed again, its grace passes; but a's replacement is not
+            # ready, so nothing more is evicted, however many ticks go by.
+            wait_for(lambda: controller.actions().get(("trim", "done")) == 3, 30, "b's second trim")
+            ticks = controller.ticks()
+            wait_for(lambda: controller.ticks() >= ticks + 4, 30, "four ticks past b's second trim")
+            assert kube.evictions == ["inferd-a"]
+            kube.set_ready("inferd-a-new", True)
+            wait_for(lambda: kube.evictions == ["inferd-a", "inferd-b"], 30, "the second eviction")
             wait_for(lambda: FRAGMENTED_LABEL not in kube.node_labels("node-1"), 30, "the node label's removal")
-            assert kube.evictions == ["inferd-a"]  # one pod, the one stranding most
-            log = controller.log()
-            assert "node node-1 is fragmented (45% of reserved GPU memory unused)" in log
-            assert "asked pod inferd-a to trim" in log and "asked pod inferd-b to trim" in log
-            assert "eviction of pod inferd-a refused" in log and "disruption budget" in log
-            assert "evicted pod inferd-a to restart clean" in log
+            for line in ("node node-1 is fragmented (45% of reserved GPU memory unused)",
+                         "asked pod inferd-a to trim", "asked pod inferd-b to trim",
+                         "eviction of pod inferd-a refused", "disruption budget",
+                         "evicted pod inferd-a to restart clean", "evicted pod inferd-b to restart clean",
+                         "node node-1 is no longer fragmented"):
+                wait_for(lambda line=line: line in controller.log(), 10, f"the log line {line!r}")
+            wait_for(lambda: controller.actions().get(("unlabel_node", "done")) == 1, 10, "the counted unlabel")
             actions = controller.actions()
-            assert actions[("trim", "done")] == 2 and actions[("evict", "done")] == 1
-            assert actions[("evict", "refused")] >= 2
-            assert actions[("label_node", "done")] == 1 and actions[("unlabel_node", "done")] == 1
+            assert actions[("trim", "done")] == 3 and actions[("evict", "done")] == 2
+            assert actions[("evict", "refused")] >= 2 and actions[("label_node", "done")] == 1
             controller.stop()
     finally:
         for page in pages.values():
             page.close()
-    # Every right the controller holds is one it used here, and it used no other.
-    assert set(kube.requests) == granted("Role") | granted("ClusterRole")
+    # Every right the controller holds is one it used here, in its scope, and it used no other.
+    assert set(kube.requests) == rights()
 
 
 def test_the_controller_rides_out_an_api_outage(fleet):
     controller = fleet(f"http://127.0.0.1:{free_port()}", "--interval", "1s")  # nothing listens there
-    wait_for(lambda: "cannot reach the Kubernetes API" in controller.log(), 30, "the outage's log line")
+    wait_for(lambda: "a Kubernetes API call failed" in controller.log(), 30, "the outage's log line")
     assert controller.process.poll() is None
-    controller.process.kill()
-    controller.process.wait()
 
 
 def test_a_bad_kubeconfig_is_one_sentence(tmp_path):
@@ -366,10 +430,23 @@ def test_a_bad_kubeconfig_is_one_sentence(tmp_path):
 # -- a trim request reaching a real daemon ------------------------------------------------
 
 
-def test_the_annotation_and_inferctl_trim_reach_every_worker(workdir, reload_repo):
+def kubelet_writes(volume: Path, annotations: str) -> None:
+    """Write a downward-API volume as the kubelet's atomic writer does: the files in a fresh timestamped
+    folder, then the ..data link swung over to it by a rename; `annotations` is a link through ..data."""
+    fresh = volume / f"..{time.monotonic_ns()}"
+    fresh.mkdir()
+    (fresh / "annotations").write_text(annotations)
+    (volume / "..data_tmp").symlink_to(fresh.name)
+    (volume / "..data_tmp").replace(volume / "..data")
+    if not (volume / "annotations").is_symlink():
+        (volume / "annotations").symlink_to("..data/annotations")
 
-    annotations = workdir / "annotations"
-    annotations.write_text(f'{TRIM_ANNOTATION}="before"\n')
+
+def test_the_annotation_and_inferctl_trim_reach_every_worker(workdir, reload_repo):
+    volume = workdir / "podinfo"
+    volume.mkdir()
+    kubelet_writes(volume, f'{TRIM_ANNOTATION}="before"\n')
+    annotations = volume / "annotations"
     config = base_config(workdir, reload_repo, {"mlp": RELOAD_MLP},
                          workers={"devices": ["cpu", "cpu"], "trim_request_file": str(annotations)})
     daemon = Daemon(workdir, config).start()
@@ -379,10 +456,7 @@ def test_the_annotation_and_inferctl_trim_reach_every_worker(workdir, reload_rep
                               capture_output=True, text=True, timeout=60)
         assert (done.returncode, done.stdout) == (0, "asked 2 workers to return their unused GPU memory\n")
         wait_for(lambda: daemon.log().count(asked) == 2, 30, "both workers' trims")
-        # As the kubelet refreshes the downward-API file: written aside, then moved over.
-        fresh = workdir / "annotations.new"
-        fresh.write_text(f'{TRIM_ANNOTATION}="2026-12-01T10:00:00Z"\n')
-        fresh.replace(annotations)
+        kubelet_writes(volume, f'{TRIM_ANNOTATION}="2026-12-01T10:00:00Z"\n')
         wait_for(lambda: daemon.log().count(asked) == 4, 30, "the annotation's trims")
         assert f"trim asked by the pod annotation {TRIM_ANNOTATION}=2026-12-01T10:00:00Z" in daemon.log()
         assert daemon.log().count("trim asked by") == 2  # the value there at start asked nothing

@@ -13,10 +13,18 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import urllib3
 from kubernetes import client, config, watch
 
 MERGE_PATCH = "application/merge-patch+json"
 METRICS_PORT = "metrics"
+# Pods that ended (evicted by the kubelet, refused at admission) stay in the API, never ready: left out,
+# or they would hold every eviction back as pods still on their way.
+RUNNING = "status.phase!=Failed,status.phase!=Succeeded"
+# (connect, read) seconds: without a read timeout a half-open connection would hang the controller.
+CALL_TIMEOUT = (5, 30)
+WATCH_SLACK_S = 15
+API_ERRORS = (client.ApiException, urllib3.exceptions.HTTPError, OSError)
 
 
 @dataclass(frozen=True)
@@ -67,7 +75,8 @@ class Cluster:
 
     def list_pods(self) -> tuple[list[PodRecord], str]:
         """Every inference pod now, and the resource version to watch from."""
-        listed: Any = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector)
+        listed: Any = self.core.list_namespaced_pod(self.namespace, label_selector=self.selector,
+                                                    field_selector=RUNNING, _request_timeout=CALL_TIMEOUT)
         return [pod_record(p) for p in listed.items], listed.metadata.resource_version
 
     def watch_pods(self, resource_version: str, timeout_s: int) -> Iterator[tuple[str, PodRecord | None, Any]]:
@@ -76,17 +85,15 @@ class Cluster:
         An ERROR event (its record None) means the version is too old: list again.
         """
         stream = watch.Watch().stream(self.core.list_namespaced_pod, self.namespace, label_selector=self.selector,
-                                      resource_version=resource_version, timeout_seconds=timeout_s,
-                                      allow_watch_bookmarks=True)
+                                      field_selector=RUNNING, resource_version=resource_version,
+                                      timeout_seconds=timeout_s, allow_watch_bookmarks=True,
+                                      _request_timeout=(CALL_TIMEOUT[0], timeout_s + WATCH_SLACK_S))
         try:
             for event in stream:
                 kind = event["type"]
-                if kind == "ERROR":
-                    yield kind, None, event["raw_object"]
-                    return
                 yield kind, pod_record(event["object"]) if kind != "BOOKMARK" else None, event["raw_object"]
         except client.ApiException as exc:
-            # The client raises the watch's 410 Gone itself.
+            # The client raises a watch's ERROR event (410 Gone: the version is too old) itself.
             if exc.status != 410:
                 raise
             yield "ERROR", None, {"message": _reason(exc)}
@@ -99,13 +106,14 @@ class Cluster:
             metadata["labels"] = dict(labels)
         if annotations:
             metadata["annotations"] = dict(annotations)
-        self.core.patch_namespaced_pod(name, self.namespace, {"metadata": metadata}, _content_type=MERGE_PATCH)
+        self.core.patch_namespaced_pod(name, self.namespace, {"metadata": metadata}, _content_type=MERGE_PATCH,
+                                       _request_timeout=CALL_TIMEOUT)
 
     def evict(self, name: str) -> None:
         """Evict a pod through the Eviction API; EvictionRefused when its budget allows no disruption now."""
         body = client.V1Eviction(metadata=client.V1ObjectMeta(name=name, namespace=self.namespace))
         try:
-            self.core.create_namespaced_pod_eviction(name, self.namespace, body)
+            self.core.create_namespaced_pod_eviction(name, self.namespace, body, _request_timeout=CALL_TIMEOUT)
         except client.ApiException as exc:
             if exc.status == 429:
                 raise EvictionRefused(_reason(exc)) from None
@@ -113,12 +121,13 @@ class Cluster:
 
     def labelled_nodes(self, label: str) -> set[str]:
         """The names of the nodes that carry `label`=true."""
-        nodes: Any = self.core.list_node(label_selector=f"{label}=true")
+        nodes: Any = self.core.list_node(label_selector=f"{label}=true", _request_timeout=CALL_TIMEOUT)
         return {n.metadata.name for n in nodes.items}
 
     def label_node(self, name: str, label: str, value: str | None) -> None:
         """Set a node label (None removes it)."""
-        self.core.patch_node(name, {"metadata": {"labels": {label: value}}}, _content_type=MERGE_PATCH)
+        self.core.patch_node(name, {"metadata": {"labels": {label: value}}}, _content_type=MERGE_PATCH,
+                             _request_timeout=CALL_TIMEOUT)
 
 
 def _reason(exc: Any) -> str:

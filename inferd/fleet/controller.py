@@ -9,13 +9,13 @@ carried out. Every action is one log line and one count in FleetMetrics.
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import logging
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 
-from inferd.fleet.cluster import Cluster, EvictionRefused, PodRecord, describe_error
+from inferd.fleet.cluster import API_ERRORS, METRICS_PORT, Cluster, EvictionRefused, PodRecord, describe_error
 from inferd.fleet.decisions import (
     FRAGMENTED_LABEL,
     Evict,
@@ -35,18 +35,22 @@ log = logging.getLogger("inferd.fleet")
 
 RETRY_S = 5.0
 SCRAPERS = 16
+SCRAPE_TIMEOUT_S = 5.0
+# A pod's page can fail in many ways (refused, cut short, not metrics, missing labels): each is one pod unread.
+SCRAPE_ERRORS = (OSError, ValueError, LookupError, http.client.HTTPException)
+
+
+def _turned_ready(before: PodRecord | None, now: PodRecord) -> bool:
+    return now.ready and not now.deleting and not (before is not None and before.ready and not before.deleting)
 
 
 class Controller:
     """Keeps version labels true and applies the fragmentation rule to the pods `cluster` selects."""
 
-    def __init__(self, cluster: Cluster, policy: Policy, metrics: FleetMetrics, interval_s: float,
-                 scrape_timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, cluster: Cluster, policy: Policy, metrics: FleetMetrics, interval_s: float) -> None:
         self.cluster = cluster
         self.metrics = metrics
         self.interval_s = interval_s
-        self.scrape_timeout_s = scrape_timeout_s
-        self.clock = clock
         self.watch = FragmentationWatch(policy)
         self.pods: dict[str, PodRecord] = {}
         self._unreadable: set[str] = set()
@@ -56,22 +60,23 @@ class Controller:
     def run(self) -> None:
         """Follow and act until the process is stopped; API errors are logged and retried."""
         version: str | None = None
-        next_tick = self.clock()
+        next_tick = time.monotonic()
         while True:
             try:
                 if version is None:
                     version = self._relist()
-                remaining = next_tick - self.clock()
+                remaining = next_tick - time.monotonic()
                 if remaining > 0:
                     version = self._follow(version, remaining)
                     continue
                 self.tick()
-            except Exception as exc:  # noqa: BLE001 - an API outage must not end the controller
-                log.warning("cannot reach the Kubernetes API: %s; retrying in %.0f s", describe_error(exc), RETRY_S)
+            except API_ERRORS as exc:
+                log.warning("a Kubernetes API call failed: %s; listing again in %.0f s", describe_error(exc),
+                            RETRY_S)
                 version = None
                 time.sleep(RETRY_S)
                 continue
-            next_tick = self.clock() + self.interval_s
+            next_tick = time.monotonic() + self.interval_s
 
     def tick(self) -> None:
         """Read every pod, make its labels true, and step and carry out the fragmentation rule."""
@@ -82,22 +87,22 @@ class Controller:
         self.metrics.pods.set(len(views))
         self.metrics.nodes(node_fragmentation(v for v in views if v.scraped))
         labelled = self.cluster.labelled_nodes(FRAGMENTED_LABEL)
-        for action in self.watch.step(self.clock(), views, labelled):
+        for action in self.watch.step(time.monotonic(), views, labelled):
             if isinstance(action, LabelNode):
                 self._label_node(action)
             elif isinstance(action, Trim):
                 self._trim(action)
             else:
                 self._evict(action)
+        self.metrics.ticks.inc()
 
     # -- following the pods --------------------------------------------------------
 
     def _relist(self) -> str:
         records, version = self.cluster.list_pods()
-        self.pods = {r.name: r for r in records}
-        for record in records:
-            if record.ready and not record.deleting:
-                self._label(record, self._view(record))
+        before, self.pods = self.pods, {r.name: r for r in records}
+        self._unreadable &= set(self.pods)
+        self._label_new([r for r in records if _turned_ready(before.get(r.name), r)])
         return version
 
     def _follow(self, version: str, remaining: float) -> str | None:
@@ -111,19 +116,27 @@ class Controller:
                 continue
             if kind == "DELETED":
                 self.pods.pop(record.name, None)
+                self._unreadable.discard(record.name)
                 continue
             before = self.pods.get(record.name)
             self.pods[record.name] = record
-            if record.ready and not record.deleting and not (before and before.ready):
-                self._label(record, self._view(record))
+            if _turned_ready(before, record):
+                self._label_new([record])
         return version
 
+    def _label_new(self, records: list[PodRecord]) -> None:
+        """Label pods that just turned ready, without waiting for the tick."""
+        for record, view in zip(records, self._readers.map(self._view, records)):
+            self._label(record, view)
+
     def _view(self, record: PodRecord) -> PodView:
-        if not record.ready or record.deleting or record.address is None:
+        if not record.ready or record.deleting:
             return PodView(record.name, record.node, record.labels, scraped=False, moving=True)
         try:
-            found = scrape(record.address, self.scrape_timeout_s)
-        except (OSError, ValueError) as exc:
+            if record.address is None:
+                raise LookupError(f"it declares no container port named {METRICS_PORT!r}")
+            found = scrape(record.address, SCRAPE_TIMEOUT_S)
+        except SCRAPE_ERRORS as exc:
             self.metrics.scrape_failures.inc()
             if record.name not in self._unreadable:
                 log.warning("cannot read the metrics of pod %s at %s: %s", record.name, record.address, exc)
@@ -143,7 +156,7 @@ class Controller:
         said = ", ".join(f"{k}={v}" if v is not None else f"-{k}" for k, v in sorted(changes.items()))
         try:
             self.cluster.patch_pod(record.name, labels=changes)
-        except Exception as exc:  # noqa: BLE001 - one pod's patch failing must not stop the others
+        except API_ERRORS as exc:  # one pod's patch failing must not stop the others
             log.warning("cannot label pod %s (%s): %s", record.name, said, describe_error(exc))
             self.metrics.action("label_pod", "failed")
             return
@@ -156,7 +169,7 @@ class Controller:
         kind = "label_node" if action.fragmented else "unlabel_node"
         try:
             self.cluster.label_node(action.node, FRAGMENTED_LABEL, "true" if action.fragmented else None)
-        except Exception as exc:  # noqa: BLE001 - asked again at the next tick
+        except API_ERRORS as exc:  # asked again at the next tick
             log.warning("cannot %s node %s: %s", kind.replace("_", " "), action.node, describe_error(exc))
             self.metrics.action(kind, "failed")
             return
@@ -173,13 +186,14 @@ class Controller:
         for pod in action.pods:
             try:
                 self.cluster.patch_pod(pod, annotations={TRIM_ANNOTATION: stamp})
-            except Exception as exc:  # noqa: BLE001 - the eviction that follows does not depend on it
+            except API_ERRORS as exc:  # asked again at the next tick
                 log.warning("cannot ask pod %s to trim: %s", pod, describe_error(exc))
                 self.metrics.action("trim", "failed")
                 continue
             log.info("node %s is %.0f%% fragmented: asked pod %s to trim (%s=%s)", action.node,
                      action.fragmentation * 100, pod, TRIM_ANNOTATION, stamp)
             self.metrics.action("trim", "done")
+            self.watch.trimmed(action.node, time.monotonic())
 
     def _evict(self, action: Evict) -> None:
         try:
@@ -189,7 +203,7 @@ class Controller:
                      action.fragmentation * 100, exc)
             self.metrics.action("evict", "refused")
             return
-        except Exception as exc:  # noqa: BLE001 - asked again at the next tick
+        except API_ERRORS as exc:  # asked again at the next tick
             log.warning("cannot evict pod %s: %s", action.pod, describe_error(exc))
             self.metrics.action("evict", "failed")
             return

@@ -77,11 +77,16 @@ def node_fragmentation(pods: Iterable[PodView]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Policy:
-    """The fragmentation rule: over `threshold` for `hold_s`, trim; still over `trim_grace_s` later, evict."""
+    """The fragmentation rule: over `threshold` for `hold_s`, trim; still over `trim_grace_s` later, evict.
+
+    A node stranding less than `min_stranded_bytes` does not count as fragmented
+    whatever its share: a restart costs a cold start, which a few MiB do not pay for.
+    """
 
     threshold: float = 0.25
     hold_s: float = 300.0
     trim_grace_s: float = 120.0
+    min_stranded_bytes: int = 2**30
 
 
 @dataclass(frozen=True)
@@ -121,15 +126,17 @@ class _NodeWatch:
 
 
 class FragmentationWatch:
-    """The fragmentation rule over time, node by node; its state is only when each node went over.
+    """The fragmentation rule over time, node by node; its state is when each node went over and was trimmed.
 
     `step` is called with what was observed at `now` and returns what to do.
-    Trims are asked of every pod on a node; evictions are one at a time across
-    the fleet: none while a pod is `moving` (an earlier eviction's pod is still
-    going or its replacement not yet ready), and the one chosen is the pod that
-    strands the most memory on the node that strands the most. The caller
-    reports a done eviction with `evicted`, so a refused one (the budget says no)
-    is asked again at the next step.
+    A node hosting pods none of which could be read keeps its state until they
+    can. Trims are asked of every pod on a node, again at each step until the
+    caller reports one delivered (`trimmed`). Evictions are one at a time
+    across the fleet: none while a pod is `moving` (an earlier eviction's pod
+    is still going or its replacement not yet ready), and the one chosen is the
+    pod that strands the most memory on the node that strands the most. The
+    caller reports a done eviction with `evicted`, so a refused one (the budget
+    says no) is asked again at the next step.
     """
 
     def __init__(self, policy: Policy) -> None:
@@ -140,12 +147,16 @@ class FragmentationWatch:
         """What to do at `now`, given the pods as observed and the nodes that carry the fragmented label."""
         policy = self.policy
         fragmentation = node_fragmentation(p for p in pods if p.scraped)
+        stranded = _stranded(pods)
+        hosting = {p.node for p in pods}
         labelled = set(labelled)
         actions: list[Action] = []
         due: list[str] = []
-        for node in sorted(set(fragmentation) | labelled | set(self._nodes)):
+        for node in sorted(hosting | labelled | set(self._nodes)):
+            if node in hosting and node not in fragmentation:
+                continue  # not measured this time: neither over nor under
             ratio = fragmentation.get(node, 0.0)
-            if ratio <= policy.threshold:
+            if ratio <= policy.threshold or stranded.get(node, 0) < policy.min_stranded_bytes:
                 self._nodes.pop(node, None)
                 if node in labelled:
                     actions.append(LabelNode(node, False, ratio))
@@ -156,27 +167,31 @@ class FragmentationWatch:
             if node not in labelled:
                 actions.append(LabelNode(node, True, ratio))
             if watch.trimmed_at is None:
-                watch.trimmed_at = now
                 on_node = tuple(sorted(p.name for p in pods if p.node == node and p.scraped and p.unused_bytes))
                 actions.append(Trim(node, on_node, ratio))
             elif now - watch.trimmed_at >= policy.trim_grace_s:
                 due.append(node)
         if due and not any(p.moving for p in pods):
-            actions.extend(self._eviction(due, pods, fragmentation))
+            node = max(due, key=lambda n: (stranded[n], n))
+            pod = max((p for p in pods if p.node == node and p.scraped), key=lambda p: (p.unused_bytes, p.name))
+            actions.append(Evict(node, pod.name, fragmentation[node]))
         return actions
+
+    def trimmed(self, node: str, now: float) -> None:
+        """A trim request reached a pod on `node` at `now`: the grace before an eviction starts."""
+        watch = self._nodes.get(node)
+        if watch is not None and watch.trimmed_at is None:
+            watch.trimmed_at = now
 
     def evicted(self, node: str) -> None:
         """An eviction on `node` went through: the node starts over (held, trimmed, then evicted again)."""
         self._nodes.pop(node, None)
 
-    @staticmethod
-    def _eviction(due: list[str], pods: Sequence[PodView], fragmentation: Mapping[str, float]) -> list[Action]:
-        def stranded(node: str) -> int:
-            return sum(p.unused_bytes for p in pods if p.node == node and p.scraped)
 
-        node = max(due, key=lambda n: (stranded(n), n))
-        candidates = [p for p in pods if p.node == node and p.scraped and p.unused_bytes]
-        if not candidates:
-            return []
-        pod = max(candidates, key=lambda p: (p.unused_bytes, p.name))
-        return [Evict(node, pod.name, fragmentation[node])]
+def _stranded(pods: Iterable[PodView]) -> dict[str, int]:
+    """Unused reserved bytes per node, over the pods that were read."""
+    found: dict[str, int] = {}
+    for pod in pods:
+        if pod.scraped:
+            found[pod.node] = found.get(pod.node, 0) + pod.unused_bytes
+    return found

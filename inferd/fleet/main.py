@@ -35,6 +35,9 @@ def _host_port(value: str) -> tuple[str, int]:
               "fragmented.")
 @click.option("--fragmentation-for", "hold", type=Duration(), default="5m", show_default=True,
               help="How long a node stays fragmented before its pods are asked to trim.")
+@click.option("--fragmentation-min-stranded", "min_stranded", type=click.FloatRange(0), default=1.0,
+              show_default=True, help="GiB a node must strand before it counts as fragmented: a restart costs a "
+              "cold start, which a few MiB do not pay for.")
 @click.option("--trim-grace", type=Duration(), default="2m", show_default=True,
               help="How long after the trim a node may stay fragmented before a pod on it is evicted.")
 @click.option("--metrics", "metrics_at", default="0.0.0.0:9466", show_default=True,
@@ -42,7 +45,7 @@ def _host_port(value: str) -> tuple[str, int]:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"]))
 def fleet(namespace: str, selector: str, kubeconfig: str | None, interval: float, fragmentation_threshold: float,
-          hold: float, trim_grace: float, metrics_at: str, log_level: str) -> None:
+          hold: float, min_stranded: float, trim_grace: float, metrics_at: str, log_level: str) -> None:
     """Keep inference pods' version labels true and restart pods stranding GPU memory (README, "Kubernetes")."""
     from inferd.fleet.cluster import Cluster
     from inferd.fleet.controller import Controller
@@ -59,7 +62,7 @@ def fleet(namespace: str, selector: str, kubeconfig: str | None, interval: float
     except Exception as exc:  # noqa: BLE001 - the client's config errors are of many kinds; one sentence each
         raise CliError(f"cannot reach the Kubernetes API: {exc}") from None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    policy = Policy(fragmentation_threshold, hold, trim_grace)
+    policy = Policy(fragmentation_threshold, hold, trim_grace, int(min_stranded * 2**30))
     log.info("watching pods %s in %s every %g s; metrics on %s", selector, namespace, interval, metrics_at)
     Controller(cluster, policy, metrics, interval).run()
 

@@ -16,6 +16,8 @@ class FleetMetrics:
                                ["action", "outcome"], registry=self.registry)
         self.scrape_failures = Counter("inferd_fleet_scrape_failures", "Pod metrics endpoints that could not be "
                                        "read.", registry=self.registry)
+        self.ticks = Counter("inferd_fleet_ticks", "Times every pod was read and the rules applied.",
+                             registry=self.registry)
         self.pods = Gauge("inferd_fleet_pods", "Inference pods the controller watches.", registry=self.registry)
         self.fragmentation = Gauge("inferd_fleet_node_fragmentation_ratio", "Reserved but unused GPU memory over "
                                    "reserved memory, over the inference pods of each node.", ["node"],

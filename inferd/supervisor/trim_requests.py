@@ -14,6 +14,7 @@ import logging
 import os
 
 TRIM_ANNOTATION = "inferd.io/trim-requested"
+MISSING = (-1,)
 
 log = logging.getLogger("inferd.supervisor")
 
@@ -43,7 +44,7 @@ class TrimRequests:
 
     def __init__(self) -> None:
         self._path = ""
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, ...] | None = None
         self._value: str | None = None
 
     def configure(self, path: str) -> None:
@@ -63,10 +64,13 @@ class TrimRequests:
 
     def _read(self) -> str | None:
         try:
-            status = os.stat(self._path)
-        except OSError:
+            status = os.stat(self._path)  # follows the kubelet's ..data link to the file it last wrote
+        except OSError as exc:
+            if self._stamp != MISSING:
+                log.warning("cannot read the pod annotations in %s: %s", self._path, exc.strerror)
+                self._stamp = MISSING
             return self._value
-        stamp = (status.st_mtime_ns, status.st_size)
+        stamp = (status.st_ino, status.st_mtime_ns, status.st_size)
         if stamp == self._stamp:
             return self._value
         self._stamp = stamp
