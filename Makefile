@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs proto bench bench-canary bench-curve bench-priority bench-reload bench-soak clean
+.PHONY: demo test docs proto bench bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -47,6 +47,11 @@ bench-canary: $(STAMP)
 
 bench-soak: $(STAMP)
 	$(PY) -m bench.soak
+
+# The fleet simulation (deploy/sim/README.md): 16, 64 and 256 nodes, both GPU-sharing modes, the default
+# scheduler and inferd-fleet, a simulated day each (under a minute in all).
+sim: $(STAMP)
+	$(PY) -m deploy.sim.run
 
 # The gRPC messages, from inferd/oip/inference.proto (the generated code is checked in).
 proto: $(STAMP)
