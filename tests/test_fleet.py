@@ -374,7 +374,7 @@ def test_a_fragmented_node_is_trimmed_then_its_pods_evicted_one_at_a_time_within
     kube.add_budget("inferd", {"app.kubernetes.io/name": "inferd"}, expected=3, minAvailable=3)
     try:
         with kube.running():
-            controller = fleet(kube, "--interval", "1s", "--fragmentation-for", "2s", "--trim-grace", "2s")
+            controller = fleet(kube, "--interval", "0.5s", "--fragmentation-for", "1s", "--trim-grace", "1s")
             wait_for(lambda: kube.node_labels("node-1").get(FRAGMENTED_LABEL) == "true", 30, "the node label")
             wait_for(lambda: {TRIM_ANNOTATION} <= set(kube.annotations("inferd-a"))
                      and {TRIM_ANNOTATION} <= set(kube.annotations("inferd-b")), 30, "the trim requests")
@@ -389,7 +389,7 @@ def test_a_fragmented_node_is_trimmed_then_its_pods_evicted_one_at_a_time_within
             # ready, so nothing more is evicted, however many ticks go by.
             wait_for(lambda: controller.actions().get(("trim", "done")) == 3, 30, "b's second trim")
             ticks = controller.ticks()
-            wait_for(lambda: controller.ticks() >= ticks + 4, 30, "four ticks past b's second trim")
+            wait_for(lambda: controller.ticks() >= ticks + 3, 30, "three ticks past b's second trim")
             assert kube.evictions == ["inferd-a"]
             kube.set_ready("inferd-a-new", True)
             wait_for(lambda: kube.evictions == ["inferd-a", "inferd-b"], 30, "the second eviction")
