@@ -35,12 +35,19 @@ class Fleet:
         self.workdir = workdir
         self.daemons: list[Daemon] = []
 
-    def start(self, repo: Path, model: dict, **sections: dict) -> Daemon:
+    def start(self, repo: Path, model: dict, wait: bool = True, **sections: dict) -> Daemon:
         folder = self.workdir / f"node{len(self.daemons)}"
         folder.mkdir()
         daemon = Daemon(folder, base_config(folder, repo, {"mlp": model}, **sections))
         self.daemons.append(daemon)
-        return daemon.start()
+        return daemon.start(wait=wait)
+
+    @staticmethod
+    def serving(daemons: list[Daemon]) -> list[Daemon]:
+        """Daemons started with wait=False, once every one is healthy (their start-ups overlap)."""
+        for daemon in daemons:
+            daemon.wait_healthy()
+        return daemons
 
     def restart(self, daemon: Daemon) -> Daemon:
         """A new daemon with the same config (so the same port) as `daemon`, which is dead."""
@@ -95,7 +102,7 @@ def drive(client: Client, seconds: float, concurrency: int, stop: threading.Even
 
 
 def test_a_client_of_three_daemons_gives_each_a_fair_share(fleet, repo):
-    daemons = [fleet.start(repo, MLP) for _ in range(3)]
+    daemons = fleet.serving([fleet.start(repo, MLP, wait=False) for _ in range(3)])
     reference = mlp_reference(repo, daemons[0])
     with Client([d.endpoint for d in daemons], timeout=20) as client:
         sent = drive(client, seconds=4, concurrency=12)
@@ -107,7 +114,7 @@ def test_a_client_of_three_daemons_gives_each_a_fair_share(fleet, repo):
 
 
 def test_a_daemon_killed_mid_run_costs_nothing_and_is_used_again_once_back(fleet, repo):
-    daemons = [fleet.start(repo, MLP) for _ in range(3)]
+    daemons = fleet.serving([fleet.start(repo, MLP, wait=False) for _ in range(3)])
     victim = daemons[1]
     reference = mlp_reference(repo, daemons[0])
     stop = threading.Event()
@@ -133,8 +140,9 @@ def test_a_daemon_killed_mid_run_costs_nothing_and_is_used_again_once_back(fleet
 
 
 def test_a_daemon_that_sheds_load_gets_less_of_it(fleet, repo):
-    healthy = [fleet.start(repo, MLP) for _ in range(2)]
-    shedding = fleet.start(repo, MLP, queue={"max_size": 1024, "default_timeout_ms": 10000, "max_per_client": 1})
+    *healthy, shedding = fleet.serving([
+        fleet.start(repo, MLP, wait=False), fleet.start(repo, MLP, wait=False),
+        fleet.start(repo, MLP, wait=False, queue={"max_size": 1024, "default_timeout_ms": 10000, "max_per_client": 1})])
     with Client([d.endpoint for d in (*healthy, shedding)], timeout=20) as client:
         sent = drive(client, seconds=3, concurrency=24)
         assert all(future.result() is not None for _, future in sent)
@@ -202,8 +210,9 @@ def test_rollout_switches_every_daemon_or_none(fleet, reload_repo, workdir):
     odd_repo = workdir / "odd-repo"
     shutil.copytree(reload_repo, odd_repo)
     (odd_repo / "mlp" / "v3" / "model.pt").write_bytes(b"PK\x03\x04 not a TorchScript archive")
-    daemons = [fleet.start(reload_repo, RELOAD_MLP), fleet.start(odd_repo, RELOAD_MLP),
-               fleet.start(reload_repo, RELOAD_MLP)]
+    daemons = fleet.serving([fleet.start(reload_repo, RELOAD_MLP, wait=False),
+                             fleet.start(odd_repo, RELOAD_MLP, wait=False),
+                             fleet.start(reload_repo, RELOAD_MLP, wait=False)])
     controls = [arg for d in daemons for arg in ("--control", d.control)]
 
     done = rollout("--version", "v2", *controls)
@@ -251,7 +260,8 @@ def test_rollout_through_kubectl_reaches_each_pod(fleet, reload_repo, workdir, m
     odd_repo = workdir / "odd-repo"
     shutil.copytree(reload_repo, odd_repo)
     (odd_repo / "mlp" / "v3" / "model.pt").write_bytes(b"PK\x03\x04 not a TorchScript archive")
-    daemons = [fleet.start(reload_repo, RELOAD_MLP), fleet.start(odd_repo, RELOAD_MLP)]
+    daemons = fleet.serving([fleet.start(reload_repo, RELOAD_MLP, wait=False),
+                             fleet.start(odd_repo, RELOAD_MLP, wait=False)])
     kubectl = workdir / "kubectl"
     kubectl.write_text(FAKE_KUBECTL.format(python=sys.executable))
     kubectl.chmod(0o755)
