@@ -80,10 +80,7 @@ class Controller:
 
     def tick(self) -> None:
         """Read every pod, make its labels true, and step and carry out the fragmentation rule."""
-        records = list(self.pods.values())
-        views = list(self._readers.map(self._view, records))
-        for record, view in zip(records, views):
-            self._label(record, view)
+        views = self._read(list(self.pods.values()))
         self.metrics.pods.set(len(views))
         self.metrics.nodes(node_fragmentation(v for v in views if v.scraped))
         labelled = self.cluster.labelled_nodes(FRAGMENTED_LABEL)
@@ -102,7 +99,8 @@ class Controller:
         records, version = self.cluster.list_pods()
         before, self.pods = self.pods, {r.name: r for r in records}
         self._unreadable &= set(self.pods)
-        self._label_new([r for r in records if _turned_ready(before.get(r.name), r)])
+        # Pods that turned ready while no watch ran are labelled now, not at the next tick.
+        self._read([r for r in records if _turned_ready(before.get(r.name), r)])
         return version
 
     def _follow(self, version: str, remaining: float) -> str | None:
@@ -121,13 +119,15 @@ class Controller:
             before = self.pods.get(record.name)
             self.pods[record.name] = record
             if _turned_ready(before, record):
-                self._label_new([record])
+                self._read([record])  # labelled now, not at the next tick
         return version
 
-    def _label_new(self, records: list[PodRecord]) -> None:
-        """Label pods that just turned ready, without waiting for the tick."""
-        for record, view in zip(records, self._readers.map(self._view, records)):
+    def _read(self, records: list[PodRecord]) -> list[PodView]:
+        """Read these pods' metrics (16 at a time) and make their version labels true; what was read."""
+        views = list(self._readers.map(self._view, records))
+        for record, view in zip(records, views):
             self._label(record, view)
+        return views
 
     def _view(self, record: PodRecord) -> PodView:
         if not record.ready or record.deleting:
