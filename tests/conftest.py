@@ -55,31 +55,48 @@ def _inferd_processes() -> set[int]:
     return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("inferd:")}
 
 
-def _leftovers(before: dict[str, set]) -> list[str]:
-    now = {
+def _present() -> dict[str, set]:
+    runtime = paths.runtime_dir()
+    return {
         "/dev/shm": {p.name for p in SHM_DIR.glob("inferd-*")},
-        str(paths.runtime_dir()): {p.name for p in paths.runtime_dir().glob("*")} if paths.runtime_dir().is_dir()
-        else set(),
+        str(runtime): {p.name for p in runtime.glob("*")} if runtime.is_dir() else set(),
         "processes": _inferd_processes(),
     }
+
+
+def _leftovers(before: dict[str, set]) -> list[str]:
     return [f"{where}: {sorted(map(str, found - before.get(where, set())))}"
-            for where, found in now.items() if found - before.get(where, set())]
+            for where, found in _present().items() if found - before.get(where, set())]
 
 
-@pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind() -> Iterator[None]:
+_BEFORE = pytest.StashKey[dict[str, set]]()
+
+
+def _runs_tests_itself(config: pytest.Config) -> bool:
+    """Whether this process is the whole run: not one of pytest-xdist's workers, which see each other's
+    daemons and arenas; the process that started them checks after every one has ended."""
+    return not hasattr(config, "workerinput")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _runs_tests_itself(session.config):
+        session.config.stash[_BEFORE] = _present()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The suite leaves /dev/shm, the runtime folder and the process table as it found them."""
-    before = {"/dev/shm": {p.name for p in SHM_DIR.glob("inferd-*")},
-              str(paths.runtime_dir()): {p.name for p in paths.runtime_dir().glob("*")}
-              if paths.runtime_dir().is_dir() else set(),
-              "processes": _inferd_processes()}
-    yield
+    if not _runs_tests_itself(session.config):
+        return
+    before = session.config.stash[_BEFORE]
     # A killed daemon's reaper cleans up a moment after the kill; give it that moment.
     deadline = time.monotonic() + 15
     while (left := _leftovers(before)) and time.monotonic() < deadline:
         time.sleep(0.1)
     if left:
-        pytest.fail("the tests left these behind: " + "; ".join(left), pytrace=False)
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_sep("=", "the tests left these behind: " + "; ".join(left), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def requests_accounted(daemon: DaemonProcess) -> int:

@@ -79,7 +79,7 @@ def _sleeper(*argv: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv])
 
 
-def test_sweep_removes_arenas_of_dead_reused_or_foreign_pids_and_keeps_live_ones():
+def test_sweep_removes_arenas_of_dead_reused_or_foreign_pids_and_keeps_live_ones(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     live = _sleeper("inferd", "serve")  # an inferd process, as far as its command line says
@@ -88,17 +88,18 @@ def test_sweep_removes_arenas_of_dead_reused_or_foreign_pids_and_keeps_live_ones
     try:
         time.sleep(0.1)
         files = {
-            "dead": SHM_DIR / arena_name(f"{dead.pid}-abc", 0),
-            "live": SHM_DIR / arena_name(f"{live.pid}-abc", 0),
-            "reused": SHM_DIR / arena_name(f"{reused.pid}-abc", 0),
-            "foreign": SHM_DIR / arena_name(f"{foreign.pid}-abc", 0),
+            "dead": tmp_path / arena_name(f"{dead.pid}-abc", 0),
+            "live": tmp_path / arena_name(f"{live.pid}-abc", 0),
+            "reused": tmp_path / arena_name(f"{reused.pid}-abc", 0),
+            "foreign": tmp_path / arena_name(f"{foreign.pid}-abc", 0),
         }
         for path in files.values():
             path.write_bytes(b"x")
         # Made an hour before its "owner" started: that pid was reused.
         hour_ago = time.time() - 3600
         os.utime(files["reused"], (hour_ago, hour_ago))
-        removed = sweep_stale()
+        # A folder of its own: /dev/shm is shared with the daemons other tests run at the same time.
+        removed = sweep_stale(tmp_path)
         assert not files["dead"].exists() and files["dead"].name in removed
         assert not files["reused"].exists() and files["reused"].name in removed
         assert not files["foreign"].exists() and files["foreign"].name in removed
