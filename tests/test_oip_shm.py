@@ -324,10 +324,15 @@ def test_a_new_connection_from_an_old_ones_address_has_none_of_its_regions(daemo
     old.request("POST", "/v2/systemsharedmemory/region/old/register",
                 body=msgspec.json.encode({"key": key, "byte_size": 256}))
     answer = old.getresponse()
-    # The server closes (so the TIME_WAIT is its side's, and the client's port is free at once).
     assert answer.status == 200 and answer.read() == b""
+    # http.client closes as soon as it has read a reply; a second descriptor keeps the connection open until
+    # the server has closed its side, so the TIME_WAIT is the server's and the client's port is free at once.
+    keeper = old.sock.dup()
     assert [r["name"] for r in status(old, {"Connection": "close"})] == ["old"]
     old.close()
+    keeper.settimeout(20)
+    assert keeper.recv(1) == b"", "the server closes a connection that asked for it"
+    keeper.close()
     new = http.client.HTTPConnection(host, int(port), timeout=20, source_address=local)
     assert status(new) == [], "the new connection sees the old one's region"
     new.close()
