@@ -220,7 +220,8 @@ def test_two_workers_share_the_load(shared_daemon):
 def test_a_slow_model_does_not_hold_up_a_fast_one(shared_daemon):
     x_slow = np.ones((4, 64), dtype=np.float32)  # a whole batch each
     x_fast = np.ones((1, models.MLP_IN), dtype=np.float32)
-    with shared_daemon.client() as flood, RawPeer(shared_daemon.endpoint) as fast:
+    # A backlog of seconds, longer on a busy machine: 60 s for each of its requests, not the default 20.
+    with shared_daemon.client(timeout=60.0) as flood, RawPeer(shared_daemon.endpoint) as fast:
         started = time.monotonic()
         slow = [flood.submit("slow", x_slow) for _ in range(500)]  # under queue.max_per_client
         slow[0].result()  # the daemon is working through the backlog
@@ -331,7 +332,8 @@ def _supervisor_cpu_seconds(repo: Path, workdir: Path, spin_us: int) -> dict[str
         time.sleep(1.0)
         used = {"idle": _cpu_used(supervisor, lambda: time.sleep(2.0))}
         x = np.ones((4, models.SLOW_FEATURES), dtype=np.float32)
-        with daemon.client() as client:
+        # What is measured is CPU time, so a busy machine may stretch the backlog: 60 s, not the default 20.
+        with daemon.client(timeout=60.0) as client:
             def backlog() -> None:
                 for future in [client.submit("slow", x) for _ in range(300)]:
                     future.result(timeout=60)
