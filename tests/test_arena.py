@@ -17,7 +17,9 @@ from inferd.ipc.slots import SlotPool, align_up
 
 @pytest.fixture
 def arena():
-    a = Arena.create(f"inferd-{os.getpid()}-test{time.monotonic_ns()}", 1 << 20)
+    # Not `inferd-<pid>-`: the test process is no supervisor, so a daemon another test starts meanwhile
+    # would sweep such a name as stale.
+    a = Arena.create(f"inferd-test-{os.getpid()}-{time.monotonic_ns()}", 1 << 20)
     yield a
     a.close()
     a.unlink()
