@@ -5,6 +5,7 @@ Small fleets and few simulated hours, so the whole file takes a few seconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,6 +23,12 @@ from inferd.fleet.decisions import Policy
 FRAGMENTATION_PRONE = {"nodes": 16, "mode": SHARED, "hours": 2.0}
 EAGER = Policy(threshold=0.15)
 ROLLOUT = {"nodes": 16, "hours": 2.0, "rollout_hour": 0.5}
+
+
+def weighing(affinity: int, spread: int | None = None) -> Weights:
+    """The manifest's weights with this same-version affinity (and spread)."""
+    manifest = manifest_weights()
+    return dataclasses.replace(manifest, affinity=affinity, spread=manifest.spread if spread is None else spread)
 
 
 @pytest.mark.parametrize("mode", [EXCLUSIVE, SHARED])
@@ -74,29 +81,28 @@ def test_a_threshold_of_one_evicts_and_trims_nothing():
 
 @pytest.mark.parametrize("mode", [EXCLUSIVE, SHARED])
 def test_same_version_affinity_loads_no_more_than_none(mode):
-    weights = manifest_weights()
-    without = simulate(Scenario(mode=mode, controller=True, weights=Weights(0, weights.spread), **ROLLOUT))
-    full = simulate(Scenario(mode=mode, controller=True, weights=Weights(100, weights.spread), **ROLLOUT))
+    without = simulate(Scenario(mode=mode, controller=True, weights=weighing(0), **ROLLOUT))
+    full = simulate(Scenario(mode=mode, controller=True, weights=weighing(100), **ROLLOUT))
     assert without["rollouts_done"] == full["rollouts_done"] == "6/6"
     assert full["rollout_loads"] <= without["rollout_loads"]
 
 
 def test_without_the_spread_rule_affinity_loads_each_version_on_few_nodes():
-    without = simulate(Scenario(mode=EXCLUSIVE, controller=True, weights=Weights(0, 0), **ROLLOUT))
-    full = simulate(Scenario(mode=EXCLUSIVE, controller=True, weights=Weights(100, 0), **ROLLOUT))
+    without = simulate(Scenario(mode=EXCLUSIVE, controller=True, weights=weighing(0, spread=0), **ROLLOUT))
+    full = simulate(Scenario(mode=EXCLUSIVE, controller=True, weights=weighing(100, spread=0), **ROLLOUT))
     assert full["rollout_loads"] < without["rollout_loads"] / 2
     assert full["spread_pct"] > without["spread_pct"]
 
 
 def test_the_default_scheduler_leaves_version_labels_absent():
     # Without the controller nothing labels the pods, so the affinity weight changes nothing.
-    weighted = simulate(Scenario(mode=SHARED, controller=False, weights=Weights(100, 100), **ROLLOUT))
-    unweighted = simulate(Scenario(mode=SHARED, controller=False, weights=Weights(0, 100), **ROLLOUT))
+    weighted = simulate(Scenario(mode=SHARED, controller=False, weights=weighing(100, spread=100), **ROLLOUT))
+    unweighted = simulate(Scenario(mode=SHARED, controller=False, weights=weighing(0, spread=100), **ROLLOUT))
     assert weighted["rollout_loads"] == unweighted["rollout_loads"]
     assert weighted["slo_over"] == unweighted["slo_over"]
 
 
-def test_weights_come_from_the_manifest_and_defaults_fill_what_it_lacks(tmp_path: Path):
+def test_weights_come_from_the_manifest_and_a_term_it_lacks_weighs_nothing(tmp_path: Path):
     manifest = tmp_path / "deployment.yaml"
     manifest.write_text("""
 apiVersion: apps/v1
@@ -123,8 +129,12 @@ spec:
                     app.kubernetes.io/name: inferd
 """)
     weights = manifest_weights(manifest)
-    assert (weights.affinity, weights.spread, weights.fragmented) == (30, 70, Weights().fragmented)
-    assert "defaults for fragmented" in weights.source
+    assert (weights.affinity, weights.spread, weights.fragmented) == (30, 70, 0)
+    assert "no term for fragmented" in weights.source
+
+
+def test_a_scenario_runs_with_the_manifests_weights():
+    assert Scenario(16, SHARED, True).weights == manifest_weights()
 
 
 def test_nodes_scored_follow_the_schedulers_adaptive_percentage():

@@ -31,7 +31,7 @@ from deploy.sim.fleet import (
     request_gib,
 )
 from deploy.sim.memory import Memory
-from deploy.sim.scheduler import Scheduler, Weights
+from deploy.sim.scheduler import Scheduler, Weights, manifest_weights
 from deploy.sim.traffic import PEAK_FILL, ROLLOUT_HOUR, Autoscaler, late_share, trace
 from inferd.fleet.decisions import Policy, version_label
 
@@ -53,7 +53,7 @@ class Scenario:
     seed: int = 1
     hours: float = 24.0
     step_s: float = STEP_S
-    weights: Weights = field(default_factory=Weights)
+    weights: Weights = field(default_factory=manifest_weights)  # what the pods run with
     policy: Policy = field(default_factory=Policy)
     rollout_hour: float = ROLLOUT_HOUR
 

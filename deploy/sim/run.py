@@ -7,7 +7,7 @@ Without --sweep: for each node count and GPU-sharing mode, the default
 scheduler alone and with inferd-fleet. With --sweep: inferd-fleet with each
 podAffinity weight (the spread weight as the manifest has it, or --spread),
 for choosing the manifest's weight. The preferred terms' weights come from
-deploy/kubernetes/deployment.yaml where it has them. --threshold changes the
+deploy/kubernetes/deployment.yaml (0 for a term it lacks). --threshold changes the
 fragmentation rule's threshold, to see what the rule does where it fires.
 """
 

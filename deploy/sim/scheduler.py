@@ -31,11 +31,6 @@ from inferd.fleet.decisions import FRAGMENTED_LABEL, LABEL_PREFIX
 
 MANIFEST = Path(__file__).resolve().parent.parent / "kubernetes" / "deployment.yaml"
 
-# Used where the manifest has no such term: the values it carried when this was written.
-DEFAULT_AFFINITY_WEIGHT = 50
-DEFAULT_SPREAD_WEIGHT = 100
-DEFAULT_FRAGMENTED_WEIGHT = 20
-
 INTER_POD_AFFINITY, NODE_AFFINITY, NODE_RESOURCES_FIT = 2, 2, 1  # the default profile's plugin weights
 MAX_NODE_SCORE = 100
 NODE_GIB = GPUS_PER_NODE * GPU_GIB
@@ -43,12 +38,15 @@ NODE_GIB = GPUS_PER_NODE * GPU_GIB
 
 @dataclass(frozen=True)
 class Weights:
-    """The preferred terms' weights: same-version podAffinity, the model's spread, the fragmented-node pull."""
+    """The preferred terms' weights: same-version podAffinity, the model's spread, the fragmented-node pull.
 
-    affinity: int = DEFAULT_AFFINITY_WEIGHT
-    spread: int = DEFAULT_SPREAD_WEIGHT
-    fragmented: int = DEFAULT_FRAGMENTED_WEIGHT
-    source: str = "defaults"
+    0 is a term the pods do not have, as the scheduler scores it.
+    """
+
+    affinity: int
+    spread: int
+    fragmented: int
+    source: str = "given"
 
 
 def _selector_keys(term: dict[str, Any]) -> set[str]:
@@ -57,7 +55,7 @@ def _selector_keys(term: dict[str, Any]) -> set[str]:
 
 
 def manifest_weights(path: Path = MANIFEST) -> Weights:
-    """The weights deployment.yaml gives its preferred terms; a default for each term it lacks (`source` says)."""
+    """The weights deployment.yaml gives its preferred terms; 0 for each term it lacks (`source` says which)."""
     found: dict[str, int] = {}
     for doc in yaml.safe_load_all(path.read_text()):
         if not doc or doc.get("kind") != "Deployment":
@@ -77,8 +75,8 @@ def manifest_weights(path: Path = MANIFEST) -> Weights:
     missing = [name for name in ("affinity", "spread", "fragmented") if name not in found]
     source = f"{path.parent.name}/{path.name}"
     if missing:
-        source += " (defaults for " + ", ".join(missing) + ")"
-    return Weights(**found, source=source)
+        source += " (no term for " + ", ".join(missing) + ")"
+    return Weights(**{name: found.get(name, 0) for name in ("affinity", "spread", "fragmented")}, source=source)
 
 
 def nodes_to_find(nodes: int) -> int:
