@@ -182,6 +182,7 @@ NAMED_PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4], "name": "a"},
               "outputs": [{"name": "scaled"}, {"name": "doubled"}], "max_batch_size": 8}
 # `variable` with one sample at a time: BLOCKER keeps its one executor busy for ~3 s.
 ONE_AT_A_TIME = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
+BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
 FAILING = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
 BF16 = {"inputs": [{"dtype": "bfloat16", "shape": [models.BF16_FEATURES]}], "max_batch_size": 8,
         "warmup_batch_sizes": [1, 8]}

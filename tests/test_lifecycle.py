@@ -10,7 +10,7 @@ import models
 import numpy as np
 import psutil
 import pytest
-from conftest import FAILING, MLP, SLOW, requests_accounted, wait_for
+from conftest import BLOCKER, FAILING, MLP, ONE_AT_A_TIME, SLOW, requests_accounted, wait_for
 from wire import RawPeer
 
 from inferd import Client, RetryPolicy
@@ -87,24 +87,26 @@ def test_an_oversized_message_is_refused_and_the_daemon_keeps_serving(start_daem
 
 
 def test_sigterm_finishes_queued_work_and_leaves_nothing_behind(start_daemon):
-    daemon = start_daemon({"slow": ONE_SLOW}, workers={"streams": 1})
+    daemon = start_daemon({"slow": ONE_SLOW, "variable": ONE_AT_A_TIME}, workers={"streams": 1})
     pid = daemon.process.pid
     workers = [w["pid"] for w in daemon.status()["workers"]]
     assert arenas_of(pid)
     with RawPeer(daemon.endpoint) as peer:
         for i in range(100):
             peer.send(i, "slow", [X_SLOW])
+        # A batch of seconds among them, so the drain outlasts the wait for its state on a busy machine.
+        peer.send(100, "variable", [BLOCKER])
         first = peer.recv()[0]
         # What ZeroMQ still holds for the daemon to read is not queued yet; wait until it is.
-        wait_for(lambda: requests_accounted(daemon) == 100, what="every request read")
+        wait_for(lambda: requests_accounted(daemon) == 101, what="every request read")
         daemon.signal(signal.SIGTERM)
         wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
         peer.send(999, "slow", [X_SLOW])
-        replies = [first] + [peer.recv()[0] for _ in range(100)]
+        replies = [first] + [peer.recv()[0] for _ in range(101)]
         assert peer.nothing_more()
     by_id = {r["id"]: r for r in replies}
     # Queued before the signal: all computed. After it: refused, not dropped.
-    assert [by_id[i]["status"] for i in range(100)] == ["ok"] * 100
+    assert [by_id[i]["status"] for i in range(101)] == ["ok"] * 101
     assert by_id[999]["status"] == "unavailable" and "shutting down" in by_id[999]["error"]
     assert daemon.wait() == 0
     assert arenas_of(pid) == []

@@ -23,7 +23,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
-from conftest import ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import BLOCKER, ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
@@ -31,7 +31,6 @@ from wire import RawPeer
 from inferd.harness import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
 
 
 @pytest.fixture(scope="module")

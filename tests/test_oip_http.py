@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
-from conftest import ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import BLOCKER, ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -210,7 +210,6 @@ def test_the_asyncio_client_and_zeromq_clients_are_batched_together(oip, repo):
     assert batches < 60, "requests of both protocols should share batches"
 
 
-BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
 SMALL = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()
 
 
