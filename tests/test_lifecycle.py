@@ -116,15 +116,16 @@ def test_sigterm_finishes_queued_work_and_leaves_nothing_behind(start_daemon):
 
 
 def test_second_sigterm_answers_what_is_left_unavailable(start_daemon):
-    daemon = start_daemon({"slow": {**ONE_SLOW}}, workers={"streams": 1})
+    daemon = start_daemon({"slow": {**ONE_SLOW}, "variable": ONE_AT_A_TIME}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
         for i in range(300):
             peer.send(i, "slow", [X_SLOW])
+        peer.send(300, "variable", [BLOCKER])  # the drain outlasts the wait for its state on a busy machine
         replies = [peer.recv()[0]]  # working through the rest now
         daemon.signal(signal.SIGTERM)
         wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
         daemon.signal(signal.SIGTERM)
-        replies += [peer.recv()[0] for _ in range(299)]
+        replies += [peer.recv()[0] for _ in range(300)]
     statuses = {r["status"] for r in replies}
     assert statuses <= {"ok", "unavailable"} and "unavailable" in statuses, statuses
     assert daemon.wait() == 0
