@@ -23,7 +23,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check inferd tests bench deploy
 	$(PY) -m mypy
-	$(PY) -m pytest -q
+	# Two test files at a time (the suite waits on daemons more than it computes), then the few
+	# tests that measure CPU or time or use fixed ports, alone.
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -p no:xdist -m serial
 
 bench: $(STAMP)
 	$(PY) -m bench.run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import sys
 import tempfile
@@ -117,20 +118,34 @@ class Daemon(DaemonProcess):
             raise AssertionError(str(exc)) from None
 
 
-@pytest.fixture(scope="session")
-def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model repository with every test model."""
-    root = tmp_path_factory.mktemp("repo")
-    models.build_repository(root)
+def built_once(factory: pytest.TempPathFactory, config: pytest.Config, name: str,
+               build: Callable[[Path], Any]) -> Path:
+    """The folder `name`, built by `build` once per run: pytest-xdist's workers share one temporary
+    root, and the first to take the lock builds while the others wait for it."""
+    base = factory.getbasetemp()
+    if not _runs_tests_itself(config):
+        base = base.parent
+    root = base / name
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / ".built").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            root.mkdir()
+            build(root)
+            (root / ".built").touch()
     return root
 
 
 @pytest.fixture(scope="session")
-def reload_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One model `mlp` in many versions, good and bad, for reload tests."""
-    root = tmp_path_factory.mktemp("reload-repo")
-    models.build_reload_repository(root)
-    return root
+def repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    """A model repository with every test model (read-only: tests that change one copy it)."""
+    return built_once(tmp_path_factory, pytestconfig, "repo", models.build_repository)
+
+
+@pytest.fixture(scope="session")
+def reload_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    """One model `mlp` in many versions, good and bad, for reload tests (read-only, as `repo`)."""
+    return built_once(tmp_path_factory, pytestconfig, "reload-repo", models.build_reload_repository)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,9 @@ import pytest
 from bench import loadgen, oip_loadgen, shm_echo
 from inferd.harness import free_port
 
+# Benchmarks' smoke tests count what a machine manages in a fraction of a second: run them on a quiet one.
+pytestmark = pytest.mark.serial
+
 
 def test_the_load_generator_drives_the_bare_echo_and_counts_every_reply():
     endpoint = f"tcp://127.0.0.1:{free_port()}"

@@ -16,6 +16,7 @@ def port_in_use(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.serial  # the demo listens on fixed ports
 @pytest.mark.skipif(port_in_use(int(DEMO_ENDPOINT.rsplit(":", 1)[1])), reason="the demo's port is taken")
 def test_demo_runs_answers_correctly_and_stops_cleanly():
     result = subprocess.run([sys.executable, "-m", "inferd.demo", "run"], capture_output=True, text=True, timeout=300)

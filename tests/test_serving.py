@@ -312,6 +312,7 @@ def test_msgspec_header_is_plain_json(shared_daemon):
         assert peer.recv()[0]["status"] == "ok"
 
 
+@pytest.mark.serial  # measures the supervisor's CPU time: another file's daemons would blur it
 def test_the_supervisor_sleeps_when_idle_and_does_not_spin_behind_busy_executors(repo, workdir):
     # With a spin long enough to fill every gap between batches, were it allowed while requests
     # wait, the supervisor must cost about what it costs with no spin at all.
