@@ -60,6 +60,11 @@ DTYPES: dict[str, np.dtype] = {
     )
 }
 
+
+def tensor_bytes(dtype: str, shape: Sequence[int]) -> int:
+    """Bytes of a tensor of wire dtype `dtype` and shape `shape`, packed."""
+    return math.prod(shape) * DTYPES[dtype].itemsize
+
 MAX_DIMS = 8
 MAX_TENSORS = 64
 
@@ -225,7 +230,7 @@ def _input_sizes(inputs: tuple[TensorMeta, ...]) -> tuple[int, ...] | str:
             return f"input {index} has unknown dtype {meta.dtype!r}; known: {', '.join(DTYPES)}"
         if any(dim <= 0 for dim in meta.shape):
             return f"input {index} has shape {list(meta.shape)}: every dim must be at least 1"
-        sizes.append(math.prod(meta.shape) * dtype.itemsize)
+        sizes.append(tensor_bytes(meta.dtype, meta.shape))
     return tuple(sizes)
 
 

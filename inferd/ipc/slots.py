@@ -10,13 +10,12 @@ full batch with `batch_bytes`, so the two sides cannot disagree.
 
 from __future__ import annotations
 
-import math
 import mmap
 from collections.abc import Sequence
 
 from inferd.config import ModelConfig
 from inferd.ipc.messages import TensorSpec
-from inferd.protocol import DTYPES
+from inferd.protocol import tensor_bytes
 
 ALIGN = 64
 
@@ -38,16 +37,11 @@ def place(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, offset
 
 
-def row_bytes(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes of one sample of a tensor of `dtype` whose per-sample shape is `shape`."""
-    return math.prod(shape) * DTYPES[dtype].itemsize
-
-
 def batch_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], samples: int) -> int:
     """Bytes of slot a batch of `samples` samples of `model` takes, inputs and outputs
     (`outputs`: the per-sample signature of the model's outputs)."""
-    rows = [row_bytes(spec.dtype, spec.shape) for spec in model.inputs]
-    rows += [row_bytes(spec.dtype, spec.shape) for spec in outputs]
+    rows = [tensor_bytes(spec.dtype, spec.shape) for spec in model.inputs]
+    rows += [tensor_bytes(spec.dtype, spec.shape) for spec in outputs]
     return place(0, [samples * row for row in rows])[1]
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 import urllib.parse
 from collections.abc import Mapping
@@ -59,7 +58,7 @@ def region_parameters(parameters: Mapping[str, Any], what: str) -> InRegion | No
 
 def region_response(meta: protocol.TensorMeta) -> dict[str, Any]:
     """The parameters of an output the supervisor wrote in a region: which, where, how many bytes."""
-    size = math.prod(meta.shape) * protocol.DTYPES[meta.dtype].itemsize
+    size = protocol.tensor_bytes(meta.dtype, meta.shape)
     return {"shared_memory_region": meta.region, "shared_memory_offset": meta.offset,
             "shared_memory_byte_size": size}
 

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from inferd.errors import InvalidRequest
-from inferd.protocol import DTYPES, Buffer
+from inferd.protocol import DTYPES, Buffer, tensor_bytes
 
 # The protocol's datatype names and inferd's wire dtypes, one to one.
 DATATYPES: dict[str, str] = {
@@ -46,7 +46,7 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
 
 def check_size(size: int, dtype: str, shape: tuple[int, ...], what: str, field: str = "bytes of data") -> None:
     """InvalidRequest unless a tensor of `dtype` and `shape` is `size` bytes."""
-    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    expected = tensor_bytes(dtype, shape)
     if size != expected:
         raise InvalidRequest(f"{what} has {size} {field}, but {WIRE_TO_DATATYPE[dtype]} {list(shape)} needs {expected}")
 

@@ -29,7 +29,7 @@ from inferd import protocol
 from inferd.config import Config
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
-from inferd.ipc.slots import place, row_bytes
+from inferd.ipc.slots import place
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.batcher import Capacity, QueuedRequest
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
@@ -339,7 +339,7 @@ class Dispatcher:
         buf = batch.executor.worker.arena.buf
 
         def copied(ref: TensorRef) -> tuple[TensorRef, bytes]:
-            return ref, bytes(buf[ref.offset:ref.offset + _nbytes(ref)])
+            return ref, bytes(buf[ref.offset:ref.offset + protocol.tensor_bytes(ref.dtype, ref.shape)])
 
         self.shadow.add(ShadowJob(batch.model, candidate.version, [copied(r) for r in batch.inputs],
                                   [copied(r) for r in result.outputs], tuple(r.samples for r in batch.requests),
@@ -357,7 +357,8 @@ class Dispatcher:
             series.dropped["stale"] += requests
             return
         buf = batch.executor.worker.arena.buf
-        outputs = [(ref, buf[ref.offset:ref.offset + _nbytes(ref)]) for ref in result.outputs]
+        outputs = [(ref, buf[ref.offset:ref.offset + protocol.tensor_bytes(ref.dtype, ref.shape)])
+                   for ref in result.outputs]
         comparison = compare(job.outputs, outputs, job.samples)
         series.compared += comparison.requests
         series.allclose += comparison.allclose
@@ -446,7 +447,7 @@ class Dispatcher:
         buf = worker.arena.buf
         base, size = worker.slots.offset(batch.slot), worker.slots.slot_size
         samples = sum(r.samples for r in batch.requests)
-        offsets, end = place(base, [samples * row_bytes(s.dtype, s.shape) for s in spec.inputs])
+        offsets, end = place(base, [samples * protocol.tensor_bytes(s.dtype, s.shape) for s in spec.inputs])
         if end > base + size:
             raise SlotOverflow
         refs = []
@@ -479,7 +480,7 @@ class Dispatcher:
         """Send each computed request its rows of every output (with `by_reference`, large ones without
         a copy: their trackers are returned), and each expired one `timeout`."""
         buf = batch.executor.worker.arena.buf
-        sizes = [math.prod(ref.shape[1:]) * protocol.DTYPES[ref.dtype].itemsize for ref in done.outputs]
+        sizes = [protocol.tensor_bytes(ref.dtype, ref.shape[1:]) for ref in done.outputs]
         now = time.monotonic()
         expired = set(done.expired)
         # Requests of a batch mostly carry the same sample count: their output metadata is shared.
@@ -539,11 +540,6 @@ class Dispatcher:
         log.error("%s (%d requests) failed: %s", batch.describe(), len(batch.requests), reason)
         for request in batch.requests:
             self.frontend.reply_error(request, status, reason, batch.version)
-
-
-def _nbytes(ref: TensorRef) -> int:
-    """Bytes of the tensor `ref` points at."""
-    return math.prod(ref.shape) * protocol.DTYPES[ref.dtype].itemsize
 
 
 def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[TensorMeta, ...],

@@ -23,8 +23,8 @@ from inferd.arrays import from_numpy
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena
 from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RunBatch, TensorRef
-from inferd.ipc.slots import place, row_bytes
-from inferd.protocol import DTYPES
+from inferd.ipc.slots import place
+from inferd.protocol import DTYPES, tensor_bytes
 from inferd.worker.exits import WorkerExit
 from inferd.worker.runner import DTYPE_NAMES, ModelRunner, describe_error
 
@@ -195,7 +195,7 @@ class Executor(threading.Thread):
                 inputs = [torch.cat([x[start:end] for start, end in rows]) for x in inputs]
             inputs = [x.to(device, non_blocking=True) for x in inputs]
             outputs = self.runner.infer(batch.model, batch.version, inputs)
-            inputs_end = place(batch.slot_offset, [_nbytes(ref) for ref in batch.inputs])[1]
+            inputs_end = place(batch.slot_offset, [tensor_bytes(ref.dtype, ref.shape) for ref in batch.inputs])[1]
             refs = self._write_outputs(outputs, inputs_end, batch.slot_offset, batch.slot_offset + batch.slot_size)
             if self.stream is not None:
                 # Wait for this stream's copies only, not for the whole device.
@@ -238,10 +238,6 @@ class Executor(threading.Thread):
         if slot_start <= offset and offset + output.numel() * output.element_size() <= slot_end:
             return offset
         return None
-
-
-def _nbytes(ref: TensorRef) -> int:
-    return ref.shape[0] * row_bytes(ref.dtype, ref.shape[1:])
 
 
 def _live_rows(samples: tuple[int, ...], expired: tuple[int, ...]) -> list[tuple[int, int]]:
