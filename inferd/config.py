@@ -329,12 +329,6 @@ class ConfigError(Exception):
         self.problems = problems
 
 
-def loopback(address: str) -> bool:
-    """Whether a tcp:// endpoint or a HOST:PORT address is reachable only from this machine."""
-    host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
 def _check_endpoint(value: str) -> str | None:
     if value.startswith("ipc://") and len(value) > len("ipc://"):
         return None

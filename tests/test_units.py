@@ -24,8 +24,8 @@ import torch
 import zmq
 from conftest import wait_for
 
+from inferd import addresses, protocol
 from inferd import config as config_module
-from inferd import protocol
 from inferd.curve import CurveServer
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, new_instance
@@ -578,3 +578,11 @@ def test_the_daemons_processes_do_not_load_the_client_until_a_program_asks_for_i
             "assert Client.__module__ == 'inferd.client'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_addresses_split_host_and_port_the_way_configs_write_them():
+    assert addresses.split("tcp://127.0.0.1:5555") == ("127.0.0.1", "5555")
+    assert addresses.split("[::1]:8000") == ("::1", "8000")
+    assert addresses.split("0.0.0.0:8001") == ("0.0.0.0", "8001")
+    assert [addresses.loopback(a) for a in ("tcp://127.0.0.2:1", "[::1]:2", "localhost:3", "tcp://0.0.0.0:4",
+                                            "10.0.0.1:5")] == [True, True, True, False, False]

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from inferd import addresses
 from inferd.cli import CliError, Duration, run_command
 from inferd.fleet.decisions import Policy
 from inferd.logs import setup_logging
@@ -16,7 +17,7 @@ log = logging.getLogger("inferd.fleet")
 
 
 def _host_port(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
+    host, port = addresses.split(value)
     if not host or not port.isdigit():
         raise CliError(f"--metrics {value!r} is not HOST:PORT")
     return host, int(port)

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from inferd import addresses
 from inferd import config as config_module
 from inferd.child import begin_child
 from inferd.oip.catalog import Catalog
@@ -53,7 +54,7 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
     server = config.server
     max_message_bytes = int(server.max_message_mb * (1 << 20))
     address = server.http if spec.protocol == "http" else server.grpc
-    shared_memory = SharedMemory(upstream, int(address.rpartition(":")[2]), sweep=spec.protocol == "grpc")
+    shared_memory = SharedMemory(upstream, int(addresses.split(address)[1]), sweep=spec.protocol == "grpc")
     # Each front end imports only its own server.
     if spec.protocol == "http":
         from inferd.oip.http_server import HttpServer

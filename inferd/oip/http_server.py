@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from inferd import addresses
 from inferd.config import ServerConfig, client_shm_protocols
 from inferd.oip.shm import peer_name
 
@@ -174,10 +175,10 @@ class HttpServer:
 
     def __init__(self, app: Any, server: ServerConfig, closed: Callable[[str], None]) -> None:
         """`closed(name)`: the connection `name` (CONNECTION in its requests' scopes) has ended."""
-        host, _, port = server.http.rpartition(":")
+        host, port = addresses.split(server.http)
         protocol = type("ServerProtocol", (GuardedProtocol,), {"closed": staticmethod(closed)})
         self._server = _Server(uvicorn.Config(
-            app, host=host.strip("[]"), port=int(port), lifespan="off", log_level="error", access_log=False,
+            app, host=host, port=int(port), lifespan="off", log_level="error", access_log=False,
             proxy_headers=False,
             http=protocol, loop="none",
             timeout_keep_alive=SHM_KEEP_ALIVE_S if "http" in client_shm_protocols(server) else KEEP_ALIVE_S,

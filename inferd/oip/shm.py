@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import psutil
 
-from inferd import protocol
+from inferd import addresses, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip.upstream import Upstream
 
@@ -71,8 +71,8 @@ def peer_name(host: str, port: int) -> str:
 def grpc_address(peer: str) -> str:
     """A gRPC peer ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000") by peer_name."""
     address = urllib.parse.unquote(peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer)
-    host, _, port = address.rpartition(":")
-    return peer_name(host.strip("[]"), int(port)) if port.isdigit() else peer
+    host, port = addresses.split(address)
+    return peer_name(host, int(port)) if port.isdigit() else peer
 
 
 class SharedMemory:

@@ -15,7 +15,8 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from inferd import protocol
-from inferd.config import ServerConfig, client_shm_protocols, loopback
+from inferd.addresses import loopback
+from inferd.config import ServerConfig, client_shm_protocols
 from inferd.errors import InvalidRequest
 from inferd.protocol import Buffer, RegionInfo
 from inferd.supervisor.regions import Region, Regions, RegionSlice

@@ -24,7 +24,8 @@ from typing import NamedTuple
 import zmq
 
 from inferd import protocol
-from inferd.config import Config, ModelConfig, loopback
+from inferd.addresses import loopback
+from inferd.config import Config, ModelConfig
 from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
 from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked

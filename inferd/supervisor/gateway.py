@@ -19,8 +19,9 @@ from multiprocessing.process import BaseProcess
 
 import msgspec
 
+from inferd import addresses
 from inferd import config as config_module
-from inferd.config import Config, loopback
+from inferd.config import Config
 from inferd.oip.spec import PROTOCOLS, GatewaySpec
 from inferd.supervisor.state import StartupError
 from inferd.worker.exits import describe_exit
@@ -42,8 +43,7 @@ def _run(encoded_spec: bytes) -> None:
 
 def check_port(address: str, key: str) -> None:
     """Refuse to start with a port something else holds: one sentence naming the key."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
+    host, port = addresses.split(address)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -76,7 +76,7 @@ class Gateway:
     def check(self) -> None:
         """At start: the port is free, and a warning if it is reachable beyond loopback without TLS."""
         check_port(self.address, f"server.{self.protocol}")
-        if not self.config.server.tls_cert and not loopback(self.address):
+        if not self.config.server.tls_cert and not addresses.loopback(self.address):
             log.warning("the %s front end at %s is reachable from the network without TLS; "
                         "set server.tls_cert and server.tls_key", self.protocol, self.address)
 

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from inferd import addresses
 from inferd.supervisor.report import admission_estimate_s, requests_by_protocol, worker_report
 from inferd.supervisor.state import StartupError
 from inferd.supervisor.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
@@ -224,11 +225,11 @@ class MetricsServer:
         """Serve at `address` (HOST:PORT) from a thread of prometheus-client's."""
         if not address:
             return
-        host, _, port = address.rpartition(":")
+        host, port = addresses.split(address)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_LoopCollector(self._daemon, self._daemon.call_soon_threadsafe))
         try:
-            self._server, self._thread = start_http_server(int(port), addr=host.strip("[]"), registry=registry)
+            self._server, self._thread = start_http_server(int(port), addr=host, registry=registry)
         except OSError as exc:
             raise StartupError(f"cannot serve metrics at {address} (server.metrics): {exc.strerror}") from None
         log.info("metrics at http://%s/metrics", address)
