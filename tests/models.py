@@ -237,7 +237,6 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     files["refuses_big"] = save_script(MlpRefusingBigBatches, root, "mlp", "refuses_big", 4)
     files["wide"] = save_script(lambda: Head(8), root, "mlp", "wide", 5)
     files["huge_output"] = save_script(lambda: Head(16384), root, "mlp", "huge_output", 10)
-    files["slow_warm"] = save_script(SlowToWarm, root, "mlp", "slow_warm", 6)
     files["slower_warm"] = save_script(lambda: SlowToWarm(4000), root, "mlp", "slower_warm", 6)
     files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
     files["hangs"] = save_script(HangsOnFullBatches, root, "mlp", "hangs", 11)

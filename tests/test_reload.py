@@ -201,17 +201,23 @@ def test_memory_comes_back_after_a_refused_reload(reload_daemon):
 
 def test_a_second_reload_of_the_same_model_is_refused_while_one_runs(reload_daemon):
     daemon = reload_daemon()
-    first = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version", "slow_warm"],
+    # The worker is stopped until the second reload has been answered, so the first one is still
+    # running then however slow the machine (a warm-up's length would be a guess).
+    worker = psutil.Process(daemon.status()["workers"][0]["pid"])
+    worker.suspend()
+    first = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version", "v2"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert "loading mlp slow_warm" in first.stdout.readline()
-        second = inferctl(daemon, "reload", "--version", "v2")
+        assert "loading mlp v2" in first.stdout.readline()
+        second = inferctl(daemon, "reload", "--version", "v3")
         assert second.returncode == 1
-        assert "a reload of mlp (to slow_warm) is already running" in second.stderr
+        assert "a reload of mlp (to v2) is already running" in second.stderr
+        worker.resume()
         assert first.wait(120) == 0
     finally:
+        worker.resume()
         first.kill()
-    assert daemon.status()["models"]["mlp"]["live_version"] == "slow_warm"
+    assert daemon.status()["models"]["mlp"]["live_version"] == "v2"
 
 
 def test_restart_serves_the_reloaded_version_and_rollback_still_works(reload_daemon, workdir):
