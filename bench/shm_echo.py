@@ -45,7 +45,7 @@ from bench.loadgen import percentiles
 from bench.run import model_configs
 from inferd.client import Client
 from inferd.harness import free_port
-from inferd.shared_memory import DEFAULT_PREFIX
+from inferd.shm_names import CLIENT_PREFIX, SHM_DIR
 
 CONCURRENCY = 4
 SIZES = {"echo1m": models.ECHO_SIZES["1MB"], "echo16m": models.ECHO_SIZES["16MB"]}  # model -> request bytes
@@ -86,7 +86,7 @@ def drive(client: Client, model: str, slots: Sequence[tuple[np.ndarray, np.ndarr
 def copy_bound(size: int, seconds: float) -> float:
     """Request bytes per second that one read (os.preadv) from a region file into mapped memory and one
     write (os.pwritev) back allow, each copy of `size` bytes, timed over about `seconds`."""
-    path = Path("/dev/shm") / f"{DEFAULT_PREFIX}bench-{os.getpid()}"
+    path = SHM_DIR / f"{CLIENT_PREFIX}bench-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)

@@ -38,7 +38,8 @@ from inferd import curve, protocol
 from inferd.curve import KeyFile
 from inferd.endpoints import Endpoint, EndpointPool, Resolver
 from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
-from inferd.shared_memory import DEFAULT_PREFIX, SharedMemoryRegion
+from inferd.shared_memory import SharedMemoryRegion
+from inferd.shm_names import CLIENT_PREFIX
 
 Array = Any  # a numpy array, or a torch tensor on any device
 Outputs = np.ndarray | tuple[np.ndarray, ...]
@@ -296,7 +297,7 @@ class Client:
         return future
 
     def shared_memory(self, byte_size: int, name: str | None = None,
-                      prefix: str = DEFAULT_PREFIX) -> contextlib.AbstractContextManager[SharedMemoryRegion]:
+                      prefix: str = CLIENT_PREFIX) -> contextlib.AbstractContextManager[SharedMemoryRegion]:
         """A context manager: a new shared-memory region of `byte_size` bytes, registered with the daemon
         as `name`; on exit it is unregistered, unmapped and unlinked. Fill inputs and read outputs
         through its `array` views."""

@@ -18,6 +18,7 @@ from msgspec import Meta
 
 from inferd import paths
 from inferd.protocol import DTYPES
+from inferd.shm_names import ARENA_PREFIX, CLIENT_PREFIX
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
@@ -70,7 +71,7 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = False
     client_shm_prefix: Annotated[
         str, _doc("Every client region's shared-memory name starts with this (so it can name no other file).")
-    ] = "inferd-client-"
+    ] = CLIENT_PREFIX
     state_dir: Annotated[
         str | None,
         _doc(
@@ -403,7 +404,7 @@ def _check_shm_protocols(value: bool | tuple[str, ...]) -> str | None:
 def _check_shm_prefix(value: str) -> str | None:
     if not SHM_PREFIX.match(value):
         return f"{value!r} is not a shared-memory name prefix: letters, digits, '_', '.', '-' (1 to 100)"
-    if re.match(r"^inferd-\d", value):
+    if re.match(rf"^{ARENA_PREFIX}\d", value):
         return f"{value!r} would let clients name the daemon's own arenas (inferd-PID-...)"
     return None
 

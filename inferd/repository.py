@@ -21,6 +21,9 @@ log = logging.getLogger("inferd.repository")
 
 MODEL_FILES = ("model.pt", "model.pt2")
 LIVE_FILE = "live_versions.json"
+# A version's outputs count as the expected ones within these: its canary file's, checked at load, and
+# the live version's, when it runs as a shadow.
+CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
 
 
 class RepositoryError(Exception):

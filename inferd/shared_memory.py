@@ -10,14 +10,11 @@ from __future__ import annotations
 import mmap
 import os
 import uuid
-from pathlib import Path
 
 import numpy as np
 
 from inferd import protocol
-
-SHM_DIR = Path("/dev/shm")
-DEFAULT_PREFIX = "inferd-client-"  # the daemon's server.client_shm_prefix by default
+from inferd.shm_names import CLIENT_PREFIX, SHM_DIR
 
 
 class SharedMemoryRegion:
@@ -47,7 +44,7 @@ class SharedMemoryRegion:
         self._base: int = self._bytes.__array_interface__["data"][0]
 
     @classmethod
-    def create(cls, byte_size: int, name: str | None = None, prefix: str = DEFAULT_PREFIX) -> SharedMemoryRegion:
+    def create(cls, byte_size: int, name: str | None = None, prefix: str = CLIENT_PREFIX) -> SharedMemoryRegion:
         """A new region of `byte_size` bytes under a fresh shared-memory name that starts with `prefix`."""
         unique = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         return cls(name or f"region-{unique}", f"{prefix}{unique}", byte_size, create=True)

@@ -24,7 +24,7 @@ from wire import ScriptedServer
 from inferd import paths
 from inferd.arrays import from_numpy, to_numpy
 from inferd.harness import DaemonProcess, local_config
-from inferd.ipc.arena import SHM_DIR
+from inferd.shm_names import SHM_DIR
 
 START_TIMEOUT_S = 90
 

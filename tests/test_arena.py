@@ -11,8 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from inferd.ipc.arena import SHM_DIR, Arena, ArenaError, arena_name, sweep_stale
+from inferd.ipc.arena import Arena, ArenaError, arena_name, sweep_stale
 from inferd.ipc.slots import SlotPool, align_up
+from inferd.shm_names import SHM_DIR
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from conftest import BLOCKER, FAILING, MLP, ONE_AT_A_TIME, SLOW, requests_accoun
 from wire import RawPeer
 
 from inferd import Client, RetryPolicy
-from inferd.ipc.arena import SHM_DIR
+from inferd.shm_names import SHM_DIR
 
 ONE_SLOW = {**SLOW, "max_batch_size": 1, "warmup_batch_sizes": [1]}
 X_SLOW = np.ones((1, models.SLOW_FEATURES), dtype=np.float32)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from inferd.errors import InvalidRequest
-from inferd.ipc.arena import SHM_DIR
+from inferd.shm_names import SHM_DIR
 from inferd.supervisor.regions import Regions
 
 PREFIX = "inferd-client-"

@@ -14,17 +14,15 @@ import ctypes
 import logging
 import mmap
 import os
-import re
 import secrets
 from pathlib import Path
 
 import psutil
 
+from inferd.shm_names import ARENA_NAME, ARENA_PREFIX, SHM_DIR
+
 log = logging.getLogger("inferd.arena")
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "inferd-"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-")
 
 
 def new_instance() -> str:
@@ -35,7 +33,7 @@ def new_instance() -> str:
 
 def arena_name(instance: str, worker: int) -> str:
     """The segment name of a worker's arena: `inferd-<supervisor pid>-<random>-w<worker>`."""
-    return f"{PREFIX}{instance}-w{worker}"
+    return f"{ARENA_PREFIX}{instance}-w{worker}"
 
 
 class ArenaError(Exception):
@@ -132,8 +130,8 @@ def sweep_stale(folder: Path = SHM_DIR) -> list[str]:
     """Unlink the `inferd-<pid>-...` files in `folder` (arenas in /dev/shm, sockets in a
     runtime folder) whose supervisor no longer runs; return their names."""
     removed = []
-    for path in folder.glob(f"{PREFIX}*"):
-        match = _NAME.match(path.name)
+    for path in folder.glob(f"{ARENA_PREFIX}*"):
+        match = ARENA_NAME.match(path.name)
         if not match:
             continue
         try:

@@ -32,12 +32,13 @@ from inferd import __version__, protocol
 from inferd.config import Config
 from inferd.curve import CurveServer
 from inferd.ipc import messages
-from inferd.ipc.arena import SHM_DIR, arena_name, new_instance, sweep_stale
+from inferd.ipc.arena import arena_name, new_instance, sweep_stale
 from inferd.ipc.sockets import recv_parts
 from inferd.logs import set_level
 from inferd.oip.spec import PROTOCOLS
 from inferd.paths import RuntimeFiles, runtime_dir
 from inferd.repository import RepositoryError, SavedVersions
+from inferd.shm_names import SHM_DIR
 from inferd.supervisor.batcher import BatchQueue, Capacity, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates

@@ -22,10 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from inferd.errors import InvalidRequest
-from inferd.ipc.arena import SHM_DIR
+from inferd.shm_names import ARENA_NAME, SHM_DIR
 
 KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
-ARENA = re.compile(r"^inferd-\d+-")  # the daemon's own arenas (ipc.arena.arena_name)
 MAX_REGIONS_PER_CONNECTION = 64
 
 
@@ -102,7 +101,7 @@ class RegionSlice:
 def _open(key: str, offset: int, size: int, prefix: str, folder: Path) -> int:
     if not KEY.match(key) or key in (".", ".."):
         raise InvalidRequest(f"{key!r} is not a shared-memory name: letters, digits, '_', '.', '-', at most 200")
-    if ARENA.match(key):
+    if ARENA_NAME.match(key):
         raise InvalidRequest(f"{key!r} is one of the daemon's own arenas, not a client's region")
     if not key.startswith(prefix):
         raise InvalidRequest(f"the region's shared-memory name {key!r} does not start with {prefix!r} "

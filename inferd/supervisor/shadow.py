@@ -21,11 +21,11 @@ import numpy as np
 
 from inferd.ipc.messages import TensorRef
 from inferd.protocol import DTYPES
+from inferd.repository import CANARY_ATOL, CANARY_RTOL
 
 MAX_JOBS = 4
 MAX_AGE_S = 1.0
 # What counts as the same output: the tolerance the load-time canary check uses.
-RTOL, ATOL = 1e-3, 1e-5
 
 
 @dataclass(eq=False)
@@ -77,7 +77,7 @@ class Comparison:
     """How the candidate's outputs of one batch differ from the live version's."""
 
     requests: int
-    allclose: int  # requests whose every output is allclose (RTOL, ATOL) to the live one
+    allclose: int  # requests whose every output is allclose (CANARY_RTOL, CANARY_ATOL) to the live one
     max_abs: float  # 0 when the outputs differ in count, dtype or shape (then `comparable` is False)
     max_rel: float
     comparable: bool = True
@@ -99,7 +99,7 @@ def compare(live: list[tuple[TensorRef, bytes]], candidate: list[tuple[TensorRef
         difference = np.abs(got - want)
         if difference.size:
             max_abs = max(max_abs, float(difference.max()))
-            # Against ATOL where the live output is (nearly) zero, so a ReLU's zeros do not read as infinite.
-            max_rel = max(max_rel, float((difference / np.maximum(np.abs(want), ATOL)).max()))
-        close &= np.logical_and.reduceat((difference <= ATOL + RTOL * np.abs(want)).all(axis=1), starts)
+            # Against CANARY_ATOL where the live output is (nearly) zero, so a ReLU's zeros do not read as infinite.
+            max_rel = max(max_rel, float((difference / np.maximum(np.abs(want), CANARY_ATOL)).max()))
+        close &= np.logical_and.reduceat((difference <= CANARY_ATOL + CANARY_RTOL * np.abs(want)).all(axis=1), starts)
     return Comparison(len(samples), int(close.sum()), max_abs, max_rel)

@@ -21,7 +21,7 @@ from inferd.arrays import to_numpy
 from inferd.config import ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.protocol import DTYPES
-from inferd.repository import model_file
+from inferd.repository import CANARY_ATOL, CANARY_RTOL, model_file
 
 log = logging.getLogger("inferd.worker.runner")
 
@@ -66,7 +66,6 @@ def as_outputs(result: Any) -> tuple[torch.Tensor, ...]:
 
 
 CANARY_INPUT, CANARY_OUTPUT = "example_input.npy", "expected_output.npy"
-CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
 
 
 class Loaded:
