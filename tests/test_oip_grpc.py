@@ -23,12 +23,12 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
-from conftest import BLOCKER, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import BLOCKER, MLP, NAMED_PAIR, ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
-from inferd.harness import free_port
+from inferd.harness import free_port, to_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -318,3 +318,34 @@ def test_inferctl_status_lists_both_gateways(oip):
     for name in ("http", "grpc"):
         line = next(line for line in shown.splitlines() if line.strip().startswith(name))
         assert f"pid {gateways[name]['pid']}" in line and server[name] in line and "restarts 0" in line
+
+
+def test_a_sighup_reaches_both_gateways_a_model_it_adds_is_served_and_changed_batching_is_reported(start_daemon,
+                                                                                                   repo):
+    mlp = {**MLP, "max_wait_ms": 2}
+    daemon = start_daemon({"mlp": mlp}, server={"http": f"127.0.0.1:{free_port()}",
+                                                "grpc": f"127.0.0.1:{free_port()}"})
+    http = httpclient.InferenceServerClient(daemon.config["server"]["http"])
+    grpc_client = client(daemon)
+    with pytest.raises(InferenceServerException, match="unknown model 'pair'"):
+        http.get_model_metadata("pair")
+    config = daemon.config
+    config["models"]["mlp"]["max_wait_ms"] = 7
+    config["models"]["pair"] = {"repository": str(repo / "pair"), **NAMED_PAIR}
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "pair v1" in daemon.status()["workers"][0]["loaded"], timeout=60, what="pair loaded")
+    wait_for(lambda: http.is_model_ready("pair") and grpc_client.is_model_ready("pair"), what="pair ready over OIP")
+    a = np.arange(12, dtype=np.float32).reshape(1, 3, 4)
+    b = np.array([[3, -5]], dtype=np.int64)
+    expected = reference(repo, "pair", "v1")(a, b)
+    for protocol_client, module in ((http, httpclient), (grpc_client, grpcclient)):
+        inputs = [module.InferInput("a", [1, 3, 4], "FP32"), module.InferInput("b", [1, 2], "INT64")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(b)
+        result = protocol_client.infer("pair", inputs)
+        np.testing.assert_array_equal(result.as_numpy("scaled"), expected[0])
+        np.testing.assert_array_equal(result.as_numpy("doubled"), expected[1])
+    assert http.get_model_config("mlp")["dynamic_batching"]["max_queue_delay_microseconds"] == 7000
+    grpc_config = grpc_client.get_model_config("mlp", as_json=True)["config"]
+    assert int(grpc_config["dynamic_batching"]["max_queue_delay_microseconds"]) == 7000

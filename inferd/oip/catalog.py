@@ -10,8 +10,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import msgspec
+
 from inferd import protocol
-from inferd.config import Config, ModelConfig, QueueConfig
+from inferd.config import ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.shm import EXTENSION, InRegion
@@ -108,19 +110,20 @@ def priority_refusal(error: str) -> str:
 class ModelView:
     """One model as the protocol sees it."""
 
-    def __init__(self, name: str, config: ModelConfig, state: dict[str, Any], streams: int,
-                 devices: list[str], queue: QueueConfig) -> None:
+    def __init__(self, name: str, state: dict[str, Any], streams: int, devices: list[str]) -> None:
+        """`state`: the supervisor's `models` answer for this model."""
         self.name = name
-        self.config = config
+        self.config = msgspec.convert(state["config"], ModelConfig)
+        self.priority_levels: int = state["priority_levels"]
+        self.default_level: int = state["default_level"]
         self.version: str = state["live_version"]
         self.canary: str | None = state.get("canary_version")  # may be named too while it runs
         self.ready: bool = state["ready"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
-        self.inputs = input_names(config)
-        self.output_names = [output_name(config, i) for i in range(len(self.outputs))]
+        self.inputs = input_names(self.config)
+        self.output_names = [output_name(self.config, i) for i in range(len(self.outputs))]
         self._streams = streams
         self._devices = devices
-        self._queue = queue  # the daemon's priority levels
 
     def metadata(self) -> dict[str, Any]:
         """The model metadata response."""
@@ -159,8 +162,8 @@ class ModelView:
         is default_priority + 1."""
         wait = self.config.max_wait_ms
         return {"max_queue_delay_microseconds": 0 if wait == "auto" else int(wait * 1000),
-                "priority_levels": self._queue.priority_levels,
-                "default_priority_level": self._queue.default_level + 1}
+                "priority_levels": self.priority_levels,
+                "default_priority_level": self.default_level + 1}
 
     def request(self, given: Sequence[GivenInput], timeout: Any = None, priority: Any = None) -> Requested:
         """Check a request's inputs, deadline and priority against the model and take each input's bytes
@@ -215,11 +218,11 @@ class ModelView:
 
 
 class Catalog:
-    """The models, from the gateway's config and the supervisor's word on their state (read again once it
-    is over FRESH_S old)."""
+    """The models as the supervisor has them now, SIGHUP's changes included (read again once its word is
+    over FRESH_S old)."""
 
-    def __init__(self, config: Config, devices: list[str], control: Control) -> None:
-        self.config = config
+    def __init__(self, streams: int, devices: list[str], control: Control) -> None:
+        self._streams = streams  # a worker setting, which a SIGHUP does not change
         self._devices = devices
         self._control = control
         self._views: dict[str, ModelView] = {}
@@ -228,17 +231,16 @@ class Catalog:
 
     async def model(self, name: str, version: str | None) -> ModelView:
         """The model `name`, at `version` if one is named: NotFound unless it is the live one (or its canary)."""
-        if name not in self.config.models:
-            raise NotFound(f"unknown model {name!r}; this daemon serves {', '.join(sorted(self.config.models))}")
         if time.monotonic() - self._read_at > FRESH_S:
             async with self._reading:
                 if time.monotonic() - self._read_at > FRESH_S:
                     state = await self._control.call("models")
-                    self._views = {model: ModelView(model, self.config.models[model], state[model],
-                                                    self.config.workers.streams, self._devices, self.config.queue)
-                                   for model in state if model in self.config.models}
+                    self._views = {model: ModelView(model, state[model], self._streams, self._devices)
+                                   for model in state}
                     self._read_at = time.monotonic()
-        view = self._views[name]
+        view = self._views.get(name)
+        if view is None:
+            raise NotFound(f"unknown model {name!r}; this daemon serves {', '.join(sorted(self._views))}")
         if version is not None and version not in (view.version, view.canary):
             raise NotFound(f"version {version!r} of {name} is not served; the live version is {view.version!r}")
         return view

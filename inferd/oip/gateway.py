@@ -50,7 +50,7 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
     upstream = Upstream(data_context, spec.upstream, config.queue.default_timeout_ms,
                         config.workers.batch_timeout_s + ANSWER_SLACK_S)
     upstream.start()
-    catalog = Catalog(config, spec.devices, control)
+    catalog = Catalog(config.workers.streams, spec.devices, control)
     server = config.server
     max_message_bytes = int(server.max_message_mb * (1 << 20))
     address = server.http if spec.protocol == "http" else server.grpc

@@ -14,6 +14,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from inferd import __version__
 from inferd.repository import RepositoryError, describe_versions
 from inferd.supervisor.candidates import Mode
@@ -85,8 +87,9 @@ class Commands:
         return stats_report(self.daemon)
 
     def command_models(self) -> dict[str, Any]:
-        """Each model's live version, whether a ready worker serves it, its outputs, and per version the
-        counts and times the Open Inference Protocol's statistics report (what the gateway asks)."""
+        """Each model's live version, whether a ready worker serves it, its outputs, its config and the
+        daemon's priority levels as they are now (a SIGHUP changes them), and per version the counts and
+        times the Open Inference Protocol's statistics report (what the gateway asks)."""
         since_epoch = time.time() - time.monotonic()
         result = {}
         for name, live in self.daemon.live.items():
@@ -102,7 +105,10 @@ class Commands:
                     "last_inference_s": since_epoch + series.last_answered if series.last_answered else 0.0,
                 }
             outputs = self.daemon.workers.signature(name, live) or ()
+            queue = self.daemon.config.queue
             result[name] = {
+                "config": msgspec.to_builtins(self.daemon.config.models[name]),
+                "priority_levels": queue.priority_levels, "default_level": queue.default_level,
                 "live_version": live,
                 "canary_version": self.daemon.candidates.canary_version(name),
                 "ready": any(w.serves(name, live) for w in self.daemon.workers.workers),
