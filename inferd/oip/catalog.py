@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -25,8 +24,6 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parame
 # What either protocol answers when the gateway itself raised.
 GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
-# The supervisor's sentence for a priority level it does not have (supervisor/frontend.py).
-_NOT_A_LEVEL = re.compile(r"^priority (\d+) is not a level; this daemon has levels 0 \(the most urgent\) to (\d+)$")
 
 class NotFound(Exception):
     """No such model, or not that version of it; the message says which."""
@@ -80,31 +77,25 @@ def timeout_ms(timeout: Any) -> int:
     return max(1, math.ceil(timeout / 1000))
 
 
-def priority_level(priority: Any) -> int | None:
-    """The protocol's `priority` parameter as inferd's priority level, None for the default.
+def priority_level(priority: Any, levels: int) -> int | None:
+    """The protocol's `priority` parameter as inferd's priority level, None for the default, for a daemon
+    of `levels` levels.
 
     Triton's convention, which its clients follow: 0 (or none) is the default level, 1 the most urgent,
     and N is inferd's level N - 1 (inferd's levels start at 0, the most urgent). tritonclient sends
     `priority=` only when it is not 0 (an int in the HTTP JSON, a uint64_param over gRPC), so passing the
     number through unchanged would leave its users no way to reach level 0, and with the default two
-    levels none to rise above the default. One past the daemon's levels is the daemon's to refuse (its
-    levels can change in a reload this process does not see)."""
+    levels none to rise above the default. The levels are the supervisor's as last read (FRESH_S): a
+    request sent just after a SIGHUP took levels away is refused by the supervisor, in its numbers."""
     if priority is None:
         return None
     if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
         raise InvalidRequest(f"parameters.priority must be a whole number, 0 (the default) or 1 (the most "
                              f"urgent) and up; got {priority!r}")
+    if priority > levels:
+        raise InvalidRequest(f"parameters.priority {priority} is not a level; this daemon takes 1 (the most "
+                             f"urgent) to {levels}, or 0 for its default")
     return None if priority == 0 else priority - 1
-
-
-def priority_refusal(error: str) -> str:
-    """The daemon's sentence refusing a request's priority level, in the protocol's numbers; any other
-    sentence as it is."""
-    refused = _NOT_A_LEVEL.match(error)
-    if refused is None:
-        return error
-    return (f"parameters.priority {int(refused[1]) + 1} is not a level; this daemon takes 1 (the most urgent) "
-            f"to {int(refused[2]) + 1}, or 0 for its default")
 
 
 class ModelView:
@@ -197,7 +188,7 @@ class ModelView:
         if missing:
             raise InvalidRequest(f"the request lacks input {missing[0]!r}; {self.name} takes {', '.join(self.inputs)}")
         return Requested([by_name[n] for n in self.inputs], None if timeout is None else timeout_ms(timeout),
-                         priority_level(priority))
+                         priority_level(priority, self.priority_levels))
 
     def place(self, name: str, region: InRegion, samples: int) -> protocol.OutputPlace:
         """Where output `name` of a request of `samples` samples goes: InvalidRequest if it does not fit."""

@@ -40,7 +40,6 @@ from inferd.oip.catalog import (
     ModelView,
     NotFound,
     Requested,
-    priority_refusal,
 )
 from inferd.oip.http_server import CONNECTION, WATCH, Watch
 from inferd.oip.shm import InRegion, SharedMemory, region_parameters, region_response
@@ -240,7 +239,7 @@ class RestApp:
             _peer(scope) if places or requested.in_regions else None, requested.level))
         if reply.status != protocol.OK:
             extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
-            raise HttpError(HTTP_STATUS.get(reply.status, 500), priority_refusal(reply.error or reply.status), extra)
+            raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
         json_part, binary = parsed.response(model, reply, outputs)
         encoded = _encode(json_part)
         if not binary:

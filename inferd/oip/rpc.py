@@ -25,7 +25,7 @@ from inferd.config import ServerConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
-from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, priority_refusal
+from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound
 from inferd.oip.shm import SharedMemory, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 
@@ -163,8 +163,7 @@ class InferenceService:
                                                    _within_deadline(requested.timeout_ms, call.time_remaining()),
                                                    places, peer_if_needed, requested.level)
         if reply.status != protocol.OK:
-            raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL),
-                           priority_refusal(reply.error or reply.status))
+            raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)
         frames = iter(outputs)
         raw: list[bytes] = []
