@@ -1,10 +1,10 @@
-"""The last guard of every socket handler: what one message raises is logged, and the loop serves on."""
+"""The exception backstop of every socket handler: what one message raises is logged, and the loop serves on."""
 
 from __future__ import annotations
 
 import logging
 
-log = logging.getLogger("inferd.guard")
+log = logging.getLogger("inferd.backstop")
 
 
 def failure(what: str) -> str:

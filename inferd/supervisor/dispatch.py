@@ -31,11 +31,11 @@ from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place
 from inferd.protocol import ReplyHeader, TensorMeta, Timing
+from inferd.supervisor.backstop import failure
 from inferd.supervisor.batcher import Capacity, QueuedRequest
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
 from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.frontend import Frontend
-from inferd.supervisor.guard import failure
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.regions import Region, RegionSlice
 from inferd.supervisor.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare

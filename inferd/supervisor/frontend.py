@@ -30,11 +30,11 @@ from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
 from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader
+from inferd.supervisor.backstop import failure
 from inferd.supervisor.batcher import BatchQueue, QueuedRequest, Refusal
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.client_regions import ClientRegions, Places
 from inferd.supervisor.forecast import Forecast
-from inferd.supervisor.guard import failure
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.regions import Regions, RegionSlice
 from inferd.supervisor.state import DaemonState
@@ -136,7 +136,7 @@ class Frontend:
         self._context = context
         self._curve = curve
         self.configure(config)
-        self.shm = ClientRegions(regions, config.server)
+        self.client_regions = ClientRegions(regions, config.server)
 
     def configure(self, config: Config) -> None:
         """Take a new config: models and their limits, the default deadline."""
@@ -161,7 +161,7 @@ class Frontend:
             socket.bind(endpoint)
             self._internal_paths.append(Path(endpoint[len("ipc://"):]))
             os.chmod(self._internal_paths[-1], 0o600)
-            self.shm.add(socket, protocol_name, getattr(self.config.server, protocol_name), protocol_name,
+            self.client_regions.add(socket, protocol_name, getattr(self.config.server, protocol_name), protocol_name,
                          gateway=True)
         for endpoint in self.config.server.listen:
             socket = self._router()
@@ -174,7 +174,7 @@ class Frontend:
                 log.warning("%s is reachable from the network without authentication; "
                             "set server.curve_secret_key and server.curve_authorized_keys", endpoint)
             log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and self._curve.enabled else "")
-            self.shm.add(socket, endpoint, endpoint, "zmq", gateway=False)
+            self.client_regions.add(socket, endpoint, endpoint, "zmq", gateway=False)
 
     def _router(self) -> zmq.Socket:
         largest, recv_hwm = receive_limits(self.config)
@@ -188,7 +188,7 @@ class Frontend:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every client socket, letting queued replies leave for at most `linger_ms`."""
-        self.shm.close()
+        self.client_regions.close()
         for socket in self.sockets:
             socket.close(linger=linger_ms)
         for path in self._internal_paths:
@@ -237,7 +237,7 @@ class Frontend:
                 self._cancel((id(reply_to.socket), reply_to.envelope[0]), message.id)
                 return
             if not isinstance(message, protocol.Request):
-                listed = self.shm.message(reply_to.socket, reply_to.envelope[0], message, first)
+                listed = self.client_regions.message(reply_to.socket, reply_to.envelope[0], message, first)
                 self._send(reply_to, [protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK,
                                                                         regions=listed))])
                 return
@@ -274,7 +274,8 @@ class Frontend:
             buffers: list[Buffer | RegionSlice] = request.buffers  # type: ignore[assignment] # None only with regions
             places: Places = ()
             if header.outputs or None in buffers:
-                buffers, places = self.shm.resolve(reply_to.socket, reply_to.envelope[0], header, request.buffers)
+                buffers, places = self.client_regions.resolve(reply_to.socket, reply_to.envelope[0], header,
+                                                              request.buffers)
         except InvalidRequest as exc:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message, name)

@@ -39,6 +39,7 @@ from inferd.oip.spec import PROTOCOLS
 from inferd.paths import RuntimeFiles, runtime_dir
 from inferd.repository import RepositoryError, SavedVersions
 from inferd.shm_names import SHM_DIR
+from inferd.supervisor.backstop import failure
 from inferd.supervisor.batcher import BatchQueue, Capacity, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
@@ -49,7 +50,6 @@ from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import ComputeTimes, Forecast
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.gateway import Gateway, configured_gateways
-from inferd.supervisor.guard import failure
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.liveness import Liveness
 from inferd.supervisor.metrics import MetricsServer
@@ -179,7 +179,8 @@ class Supervisor:
         self.files.pid.write_text(f"{os.getpid()}\n")
         self.metrics.start(self.config.server.metrics)
         self.wakeup.install(SIGNALS)
-        for sock in [*self.frontend.sockets, *self.frontend.shm.monitors, self.control.socket, self.workers.backend]:
+        monitors = self.frontend.client_regions.monitors
+        for sock in [*self.frontend.sockets, *monitors, self.control.socket, self.workers.backend]:
             self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.wakeup.fileno(), zmq.POLLIN)
         # What exists now lives as long as the daemon; keep it out of every later collection.
@@ -257,8 +258,8 @@ class Supervisor:
             self._on_wakeup()
         elif target in self._sentinels:
             self._on_worker_exit(self._sentinels[target])
-        elif target in self.frontend.shm.monitors:
-            self.frontend.shm.on_monitor(target)
+        elif target in self.frontend.client_regions.monitors:
+            self.frontend.client_regions.on_monitor(target)
         elif target in self._gateway_sentinels:
             self.poller.unregister(target)
             self._gateway_sentinels.pop(target).reaped(time.monotonic())
