@@ -66,11 +66,13 @@ def test_requests_whose_deadline_passes_in_the_queue_are_not_computed(start_daem
     replies = burst(daemon.endpoint, "slow", X_SLOW, 60, timeout_ms=15)
     statuses = [r["status"] for r in replies]
     assert "ok" in statuses and "timeout" in statuses, statuses
-    assert set(statuses) == {"ok", "timeout"}
-    timed_out = statuses.count("timeout")
+    # Once a batch has been timed, a request read later may be refused at the door as one that cannot
+    # make its deadline (on a busy machine the daemon reads the burst that slowly): never computed either.
+    assert set(statuses) <= {"ok", "timeout", "overloaded"}, statuses
     assert all("deadline passed" in r["error"] for r in replies if r["status"] == "timeout")
+    assert all("at the soonest" in r["error"] for r in replies if r["status"] == "overloaded")
     batches = daemon.status()["workers"][0]["batches"] - batches_before
-    assert batches == 60 - timed_out, "a timed-out request was computed"
+    assert batches == statuses.count("ok"), "a request refused or timed out was computed"
 
 
 def test_an_oversized_message_is_refused_and_the_daemon_keeps_serving(start_daemon):
