@@ -1,4 +1,4 @@
-"""The BatchQueue and its batching policy, driven with explicit clocks."""
+"""The RequestQueue and the Batcher's policy over it, driven with explicit clocks."""
 
 from __future__ import annotations
 
@@ -7,16 +7,21 @@ import pytest
 from inferd.protocol import RequestHeader, TensorMeta
 from inferd.supervisor.batcher import (
     AUTO_LEAD_S,
+    NO_TIMES,
+    Batcher,
+    BatchTimes,
+    Capacity,
+    ModelPolicy,
+)
+from inferd.supervisor.queue import (
     EXPIRED,
     REMOVED,
     TAKEN,
-    BatchQueue,
     Bounds,
-    Capacity,
     Levels,
-    ModelPolicy,
     QueuedRequest,
     Refusal,
+    RequestQueue,
 )
 
 
@@ -35,23 +40,30 @@ def cap(idle: bool, spare: bool, free_at: float = 0.0):
     return lambda model: Capacity(idle, spare, free_at)
 
 
-def queue(max_size: int = 100, **policies: ModelPolicy) -> BatchQueue:
-    return BatchQueue(bounds(max_size), policies or {"a": ModelPolicy(max_batch_size=4, max_wait_s=0.005)})
+def made(limits: Bounds, policies: dict[str, ModelPolicy], levels: Levels | None = None,
+         times: BatchTimes | None = None) -> tuple[RequestQueue, Batcher]:
+    """A queue and the batcher over it."""
+    q = RequestQueue(limits, policies, levels or Levels())
+    return q, Batcher(q, policies, times or NO_TIMES)
+
+
+def queue(max_size: int = 100, **policies: ModelPolicy) -> tuple[RequestQueue, Batcher]:
+    return made(bounds(max_size), policies or {"a": ModelPolicy(max_batch_size=4, max_wait_s=0.005)})
 
 
 def test_put_refuses_beyond_max_size_and_changes_nothing():
-    q = queue(max_size=3)
+    q, b = queue(max_size=3)
     assert all(q.put(request(rid=i)) is None for i in range(3))
     assert q.put(request(rid=99)) == Refusal.FULL
     assert len(q) == 3 and q.depth("a") == 3
 
 
 def test_one_client_cannot_take_more_than_its_share():
-    q = BatchQueue(bounds(max_per_client=2), {"a": ModelPolicy(4, 0.0)})
+    q, b = made(bounds(max_per_client=2), {"a": ModelPolicy(4, 0.0)})
     assert q.put(request(client="flood")) is None and q.put(request(client="flood")) is None
     assert q.put(request(client="flood")) == Refusal.CLIENT_FULL
     assert q.put(request(client="other")) is None, "another client still gets in"
-    q.take(cap(True, True), 0.0)
+    b.take(cap(True, True), 0.0)
     assert q.queued_by("flood") == 0 and q.queued_by("other") == 0
     assert q.put(request(client="flood")) is None, "taken requests no longer count"
     q.put(request(client="x", timeout=0.001))
@@ -60,103 +72,103 @@ def test_one_client_cannot_take_more_than_its_share():
 
 
 def test_an_idle_executor_takes_a_lone_request_at_once():
-    q = queue()
+    q, b = queue()
     q.put(request())
-    assert q.take(cap(True, True), 0.0) is not None
+    assert b.take(cap(True, True), 0.0) is not None
 
 
 def test_a_partial_batch_waits_while_every_executor_is_busy():
-    q = queue()
+    q, b = queue()
     q.put(request(received=0.0))
-    assert q.take(cap(False, True), 0.001) is None
-    name, batch = q.take(cap(False, True), 0.005)
+    assert b.take(cap(False, True), 0.001) is None
+    name, batch = b.take(cap(False, True), 0.005)
     assert name == "a" and len(batch) == 1
 
 
 def test_a_full_batch_goes_behind_a_running_one_without_waiting():
-    q = queue()
+    q, b = queue()
     for i in range(4):
         q.put(request(rid=i))
-    name, batch = q.take(cap(False, True), 0.0)
+    name, batch = b.take(cap(False, True), 0.0)
     assert [r.header.id for r in batch] == [0, 1, 2, 3]
 
 
 def test_nothing_is_taken_when_no_executor_has_room():
-    q = queue()
+    q, b = queue()
     for i in range(8):
         q.put(request(rid=i))
-    assert q.take(cap(False, False), 100.0) is None
+    assert b.take(cap(False, False), 100.0) is None
 
 
 def test_a_batch_never_exceeds_max_batch_size_in_samples_and_keeps_order():
-    q = queue()
+    q, b = queue()
     for rid, samples in enumerate([2, 1, 2, 1]):
         q.put(request(samples=samples, rid=rid))
-    _, first = q.take(cap(True, True), 0.0)
+    _, first = b.take(cap(True, True), 0.0)
     assert [r.header.id for r in first] == [0, 1]  # 2 + 1; the next (2) would make 5
-    _, second = q.take(cap(True, True), 0.0)
+    _, second = b.take(cap(True, True), 0.0)
     assert [r.header.id for r in second] == [2, 3]
     assert all(r.state == TAKEN for r in first + second)
     assert len(q) == 0
 
 
 def test_expired_requests_come_back_once_and_are_never_batched():
-    q = queue()
+    q, b = queue()
     q.put(request(rid=1, received=0.0, timeout=0.010))
     q.put(request(rid=2, received=0.0, timeout=5.0))
     q.put(request(rid=3, received=0.0, timeout=0.020))
     expired = q.expire(now=0.015)
     assert [r.header.id for r in expired] == [1] and expired[0].state == EXPIRED
     assert q.expire(now=0.015) == []
-    _, batch = q.take(cap(True, True), 0.016)
+    _, batch = b.take(cap(True, True), 0.016)
     assert [r.header.id for r in batch] == [2, 3]
     assert q.expire(now=100.0) == [], "a request already taken expired again"
 
 
 def test_next_wakeup_is_the_nearest_batch_age_or_deadline():
-    q = queue()
-    assert q.next_wakeup(0.0) is None
+    q, b = queue()
+    assert b.next_wakeup(0.0) is None
     q.put(request(received=0.0, timeout=1.0))
-    assert q.next_wakeup(0.0) == pytest.approx(0.005)
+    assert b.next_wakeup(0.0) == pytest.approx(0.005)
     for _ in range(3):
         q.put(request(received=0.0, timeout=1.0))
-    assert q.next_wakeup(0.0) == pytest.approx(1.0), "a full batch needs no age timer"
+    assert b.next_wakeup(0.0) == pytest.approx(1.0), "a full batch needs no age timer"
 
 
 def test_models_are_served_round_robin():
-    q = queue(a=ModelPolicy(1, 0.0), b=ModelPolicy(1, 0.0))
+    q, b = queue(a=ModelPolicy(1, 0.0), b=ModelPolicy(1, 0.0))
     for i in range(5):
         q.put(request("a", rid=i))
     q.put(request("b", rid=100))
-    order = [q.take(cap(True, True), 0.0)[0] for _ in range(3)]
+    order = [b.take(cap(True, True), 0.0)[0] for _ in range(3)]
     assert order == ["a", "b", "a"]
 
 
 def test_a_model_without_capacity_does_not_block_one_with_capacity():
-    q = queue(a=ModelPolicy(4, 0.0), b=ModelPolicy(4, 0.0))
+    q, b = queue(a=ModelPolicy(4, 0.0), b=ModelPolicy(4, 0.0))
     q.put(request("a", rid=1))
     q.put(request("b", rid=2))
     only_b = {"a": Capacity(False, False), "b": Capacity(True, True)}
-    name, batch = q.take(only_b.__getitem__, 0.0)
+    name, batch = b.take(only_b.__getitem__, 0.0)
     assert name == "b" and q.depth("a") == 1
 
 
 def test_drain_returns_every_waiting_request():
-    q = queue()
+    q, b = queue()
     for i in range(5):
         q.put(request(rid=i))
-    assert len(q.drain()) == 5 and len(q) == 0 and q.take(cap(True, True), 0.0) is None
+    assert len(q.drain()) == 5 and len(q) == 0 and b.take(cap(True, True), 0.0) is None
 
 
 def test_bytes_are_bounded_over_all_and_per_connection_and_freed_when_requests_leave():
-    q = BatchQueue(Bounds(max_size=100, max_bytes=1000, max_per_client=0, max_bytes_per_client=600),
+    q, b = made(Bounds(max_size=100, max_bytes=1000, max_per_client=0, max_bytes_per_client=600),
                    {"a": ModelPolicy(4, 0.0)})
     assert q.put(request(client="x", nbytes=500)) is None
     assert q.put(request(client="x", nbytes=200)) == Refusal.CLIENT_BYTES, "x would hold 700 of its 600"
     assert q.put(request(client="y", nbytes=500)) is None
     assert q.put(request(client="z", nbytes=1)) == Refusal.BYTES, "1001 of 1000 over all"
     assert len(q) == 2 and q.nbytes == 1000
-    q.take(cap(True, True), 0.0)  # both go in one batch
+    b.take(cap(True, True), 0.0)  # both go in one batch
     assert q.nbytes == 0
     assert q.put(request(client="x", nbytes=600)) is None, "taken requests no longer count"
     q.put(request(client="y", nbytes=100, timeout=0.001))
@@ -167,29 +179,31 @@ def test_bytes_are_bounded_over_all_and_per_connection_and_freed_when_requests_l
 
 
 def test_the_deadline_heap_stays_bounded_with_long_deadlines():
-    q = queue(max_size=10)
+    q, b = queue(max_size=10)
     for i in range(5000):
         q.put(request(rid=i, timeout=1e9))
-        q.take(cap(True, True), 0.0)
+        b.take(cap(True, True), 0.0)
     assert len(q._deadlines) <= 2 * 10 + 1024 + 1
 
 
 def test_an_aged_lane_waiting_for_an_executor_does_not_hide_the_next_deadline():
-    q = queue()
+    q, b = queue()
     q.put(request(received=0.0, timeout=1.0))
     # At 10 ms the lane is past max_wait and waits only for an executor, whose answer
     # wakes the loop anyway; the next thing to wake for is the deadline at 1 s.
-    assert q.next_wakeup(0.010) == pytest.approx(0.990)
+    assert b.next_wakeup(0.010) == pytest.approx(0.990)
 
 
 def test_a_max_batch_size_lowered_under_a_waiting_request_does_not_jam_its_lane():
-    q = queue()
+    q, b = queue()
     q.put(request(samples=4, rid=1))
     q.put(request(samples=1, rid=2))
-    q.configure(bounds(), {"a": ModelPolicy(max_batch_size=2, max_wait_s=0.005)}, Levels())
-    name, batch = q.take(cap(True, True), 0.0)
+    lowered = {"a": ModelPolicy(max_batch_size=2, max_wait_s=0.005)}
+    q.configure(bounds(), lowered, Levels())
+    b.configure(lowered)
+    name, batch = b.take(cap(True, True), 0.0)
     assert [r.header.id for r in batch] == [1], "the request accepted under the old limit goes alone"
-    name, batch = q.take(cap(True, True), 0.0)
+    name, batch = b.take(cap(True, True), 0.0)
     assert [r.header.id for r in batch] == [2]
 
 
@@ -204,18 +218,18 @@ class Times:
 
 
 def levelled(count: int = 2, share: float = 0.1, max_batch: int = 4, max_size: int = 100,
-             wait: float | None = 0.0, times: Times | None = None) -> BatchQueue:
-    return BatchQueue(bounds(max_size), {"a": ModelPolicy(max_batch, wait)}, Levels(count, count - 1, share),
-                      times or Times(None))
+             wait: float | None = 0.0, times: Times | None = None) -> tuple[RequestQueue, Batcher]:
+    return made(bounds(max_size), {"a": ModelPolicy(max_batch, wait)}, Levels(count, count - 1, share),
+                times or Times(None))
 
 
 def test_a_batch_is_led_by_the_most_urgent_level_and_filled_from_the_rest():
-    q = levelled(max_batch=3)
+    q, b = levelled(max_batch=3)
     for rid, priority in enumerate([1, 1, 0, 1, 0]):
         q.put(request(rid=rid, received=rid * 0.001, priority=priority))
-    _, batch = q.take(cap(True, True), 0.01)
+    _, batch = b.take(cap(True, True), 0.01)
     assert [r.header.id for r in batch] == [2, 4, 0], "urgent first, then the oldest of the next level"
-    _, batch = q.take(cap(True, True), 0.01)
+    _, batch = b.take(cap(True, True), 0.01)
     assert [r.header.id for r in batch] == [1, 3]
 
 
@@ -223,17 +237,17 @@ def test_a_batch_is_led_by_the_most_urgent_level_and_filled_from_the_rest():
 def test_a_less_urgent_level_leads_one_batch_in_ten_however_much_urgent_work_waits(share, turn):
     """With the default share it leads the batch after the nine it waited through; with a share too small
     to matter it waits through all 30 (the rule is what serves it)."""
-    q = levelled(max_batch=1, share=share)
+    q, b = levelled(max_batch=1, share=share)
     q.put(request(rid="low", priority=1))
     taken = []
     for step in range(30):
         q.put(request(rid=step, received=step, priority=0))
-        taken.append(q.take(cap(True, True), step)[1][0].header.id)
+        taken.append(b.take(cap(True, True), step)[1][0].header.id)
     assert (taken.index("low") if "low" in taken else None) == turn
 
 
 def test_a_full_queue_lets_an_urgent_request_displace_the_newest_less_urgent_one():
-    q = levelled(max_size=3)
+    q, b = levelled(max_size=3)
     old, new = request(rid="old", priority=1), request(rid="new", priority=1, received=1.0)
     q.put(old)
     q.put(new)
@@ -248,7 +262,7 @@ def test_a_full_queue_lets_an_urgent_request_displace_the_newest_less_urgent_one
 
 
 def test_displacement_for_bytes_removes_nothing_when_the_less_urgent_bytes_would_not_make_room():
-    q = BatchQueue(Bounds(max_size=100, max_bytes=100, max_per_client=0, max_bytes_per_client=1000),
+    q, b = made(Bounds(max_size=100, max_bytes=100, max_per_client=0, max_bytes_per_client=1000),
                    {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))
     q.put(request(rid=1, nbytes=30, priority=1))
     q.put(request(rid=2, nbytes=60, priority=0))
@@ -260,7 +274,7 @@ def test_displacement_for_bytes_removes_nothing_when_the_less_urgent_bytes_would
 
 
 def test_cancel_removes_only_that_clients_waiting_request():
-    q = levelled()
+    q, b = levelled()
     mine, theirs = request(rid=7, client="me"), request(rid=7, client="them")
     q.put(mine)
     q.put(theirs)
@@ -271,49 +285,51 @@ def test_cancel_removes_only_that_clients_waiting_request():
 
 
 def test_auto_waits_for_company_until_an_executor_is_about_to_be_free():
-    q = levelled(wait=None, times=Times(0.004))
+    q, b = levelled(wait=None, times=Times(0.004))
     q.put(request(rid=1, received=0.0))
-    assert q.take(cap(False, True, free_at=0.010), 0.001) is None
-    assert q.next_wakeup(0.001) == pytest.approx(0.010 - AUTO_LEAD_S - 0.001)
-    assert q.take(cap(False, True, free_at=0.010), 0.0098) is not None
+    assert b.take(cap(False, True, free_at=0.010), 0.001) is None
+    assert b.next_wakeup(0.001) == pytest.approx(0.010 - AUTO_LEAD_S - 0.001)
+    assert b.take(cap(False, True, free_at=0.010), 0.0098) is not None
 
 
 def test_auto_never_holds_a_request_past_the_time_its_deadline_needs_it_sent():
-    q = levelled(wait=None, times=Times(0.004))
+    q, b = levelled(wait=None, times=Times(0.004))
     q.put(request(rid=1, received=0.0, timeout=0.010))
     # The executor frees at 50 ms, but the request must start computing by 10 - 4 ms.
-    assert q.take(cap(False, True, free_at=0.050), 0.0045) is None
-    assert q.take(cap(False, True, free_at=0.050), 0.006 - AUTO_LEAD_S) is not None
+    assert b.take(cap(False, True, free_at=0.050), 0.0045) is None
+    assert b.take(cap(False, True, free_at=0.050), 0.006 - AUTO_LEAD_S) is not None
 
 
 def test_auto_sends_a_full_batch_at_once_while_no_more_urgent_traffic_is_about():
-    q = levelled(wait=None, max_batch=2, times=Times(0.004))
+    q, b = levelled(wait=None, max_batch=2, times=Times(0.004))
     q.put(request(rid=1, priority=1))
     q.put(request(rid=2, priority=1))
-    assert q.take(cap(False, True, free_at=0.010), 0.0) is not None
+    assert b.take(cap(False, True, free_at=0.010), 0.0) is not None
 
 
 def test_auto_forms_a_full_batch_just_before_the_executor_is_free_so_urgent_arrivals_join_it():
-    q = levelled(wait=None, max_batch=2, times=Times(0.004))
+    q, b = levelled(wait=None, max_batch=2, times=Times(0.004))
     q.put(request(rid=1, priority=0))
-    assert q.take(cap(True, True, free_at=0.0), 0.0) is not None, "an idle executor gets whatever waits"
+    assert b.take(cap(True, True, free_at=0.0), 0.0) is not None, "an idle executor gets whatever waits"
     q.put(request(rid=2, priority=1))
     q.put(request(rid=3, priority=1))
-    assert q.take(cap(False, True, free_at=0.010), 0.0) is None
+    assert b.take(cap(False, True, free_at=0.010), 0.0) is None
     q.put(request(rid=4, priority=0, received=0.005))
-    _, batch = q.take(cap(False, True, free_at=0.010), 0.0098)
+    _, batch = b.take(cap(False, True, free_at=0.010), 0.0098)
     assert [r.header.id for r in batch] == [4, 2]
 
 
 def test_fewer_levels_on_sighup_move_waiting_requests_to_the_least_urgent_left():
-    q = levelled(count=3)
+    q, b = levelled(count=3)
     q.put(request(rid=1, priority=2))
-    q.configure(bounds(), {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))
+    policies = {"a": ModelPolicy(4, 0.0)}
+    q.configure(bounds(), policies, Levels(2, 1, 0.1))
+    b.configure(policies)
     assert q.samples_ahead("a", 1) == 1 and q.cancel("c", 1).priority == 1
 
 
 def test_displacement_never_bypasses_the_requesters_own_share():
-    q = BatchQueue(Bounds(max_size=2, max_bytes=1 << 30, max_per_client=1, max_bytes_per_client=1 << 30),
+    q, b = made(Bounds(max_size=2, max_bytes=1 << 30, max_per_client=1, max_bytes_per_client=1 << 30),
                    {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))
     q.put(request(rid=1, client="greedy", priority=0))
     q.put(request(rid=2, client="other", priority=1))
@@ -329,17 +345,17 @@ def test_a_level_leads_at_least_its_share_of_batches(share, patience):
 
 
 def test_put_back_returns_requests_to_the_head_of_their_level_as_if_never_taken():
-    q = queue()
+    q, b = queue()
     for i in range(3):
         q.put(request(rid=i, client="c"))
-    name, taken = q.take(cap(True, True), 0.0)
+    name, taken = b.take(cap(True, True), 0.0)
     assert [r.header.id for r in taken] == [0, 1, 2] and len(q) == 0 and q.queued_by("c") == 0
     q.put(request(rid=3, client="c"))
     q.put_back(taken[1:])
     assert len(q) == 3 and q.depth("a") == 3 and q.queued_by("c") == 3
-    assert [r.header.id for r in q.take(cap(True, True), 0.0)[1]] == [1, 2, 3]
+    assert [r.header.id for r in b.take(cap(True, True), 0.0)[1]] == [1, 2, 3]
     late = request(rid=4, timeout=0.5)
     q.put(late)
-    name, taken = q.take(cap(True, True), 0.0)
+    name, taken = b.take(cap(True, True), 0.0)
     q.put_back(taken)
     assert q.expire(1.0) == [late], "a request put back still expires at its deadline"

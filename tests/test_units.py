@@ -26,20 +26,18 @@ from conftest import wait_for
 
 from inferd import addresses, protocol
 from inferd import config as config_module
-from inferd.curve import CurveServer
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, new_instance
 from inferd.ipc.slots import batch_bytes, place, slot_shortfall
 from inferd.paths import RuntimeFiles
 from inferd.repository import SavedVersions
-from inferd.supervisor.batcher import QueuedRequest
 from inferd.supervisor.candidates import Candidate, Candidates, Mode
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import ComputeTimes
-from inferd.supervisor.frontend import Frontend, ReplyTo
 from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.regions import Regions
+from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.reload import ReloadManager
+from inferd.supervisor.replies import Replies, ReplyTo
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import ExecutorHandle, WorkerState, WorkerTable
 from inferd.worker.executor import Executor, Overlap, arena_tensor, is_out_of_memory, is_sticky_cuda_error
@@ -264,12 +262,8 @@ def wired(table: Table) -> Iterator[tuple[FakeWorker, Clients, Dispatcher]]:
     clients = Clients(table.context)
     stats = Stats(0.0)
     candidates = Candidates()
-    frontend = Frontend(table.context, table.table.config, None,  # type: ignore[arg-type] - no queue needed
-                        stats, table.live, candidates, CurveServer(table.context, "", ""), Regions("inferd-client-"),
-                        None)  # type: ignore[arg-type] - nor a forecast
-    yield fake, clients, Dispatcher(table.table.config, table.table, frontend, table.live, candidates, stats,
-                                    ComputeTimes())
-    frontend.close()
+    yield fake, clients, Dispatcher(table.table.config, table.table, Replies(stats, table.live), table.live,
+                                    candidates, stats, ComputeTimes())
     clients.close()
 
 

@@ -21,7 +21,8 @@ import zmq
 from inferd.curve import CurveServer
 from inferd.ipc.control import Answer, ControlClient, ControlError, decode_command, encode_answer
 from inferd.supervisor.backstop import failure
-from inferd.supervisor.frontend import Frontend, ReplyTo
+from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.replies import ReplyTo
 from inferd.supervisor.state import StartupError
 
 log = logging.getLogger("inferd.control")

@@ -1,12 +1,12 @@
-"""The dispatcher: batches into arena slots and out to executors, results back to requests.
+"""The dispatcher: batches into arena slots and out to executors, results back to replies.
 
 A batch is stacked once, straight from the received frames into a free slot of
 the chosen worker's arena (laid out as ipc/slots.py says); the worker gets only
-a descriptor. When it answers, each request's rows of every output are sent
-back as its reply and the slot is free again. A request the worker did not
-compute because its deadline had passed is answered `timeout`; a batch whose
-worker fails is answered `internal`, request by request. Every reply names the
-version that handled it.
+a descriptor. When it answers, replies.py sends each request its rows of every
+output, and the slot is free again once they have left. A request the worker
+did not compute because its deadline had passed is answered `timeout`; a batch
+whose worker fails is answered `internal`, request by request. Every reply
+names the version that handled it.
 
 While a model has a candidate under trial (candidates.py), each batch is routed
 by its Split: a canary's share goes to the candidate, whole; a shadow's share is
@@ -30,14 +30,14 @@ from inferd.config import Config
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place
-from inferd.protocol import ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.backstop import failure
-from inferd.supervisor.batcher import Capacity, QueuedRequest
+from inferd.supervisor.batcher import Capacity
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
 from inferd.supervisor.forecast import ComputeTimes
-from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.regions import Region, RegionSlice
+from inferd.supervisor.queue import QueuedRequest
+from inferd.supervisor.regions import RegionSlice
+from inferd.supervisor.replies import Replies
 from inferd.supervisor.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
@@ -47,8 +47,6 @@ log = logging.getLogger("inferd.dispatch")
 SLOW_FACTOR = 5  # a batch this many times its model's median compute time gets a warning
 SLOW_MIN_COUNT = 50  # ... once the median rests on this many measurements
 SLOW_WARN_EVERY_S = 10.0
-EXPIRED_ERROR = "the deadline passed before the request ran"
-CANCELLED_ERROR = "cancelled while its batch ran; the result was dropped"
 
 
 @dataclass(eq=False)
@@ -86,9 +84,9 @@ class UnreadableInput(Exception):
 
 
 class Dispatcher:
-    """Sends batches to executors and turns their answers into replies."""
+    """Sends batches to executors and hands their answers to the replies."""
 
-    def __init__(self, config: Config, workers: WorkerTable, frontend: Frontend, live: LiveVersions,
+    def __init__(self, config: Config, workers: WorkerTable, replies: Replies, live: LiveVersions,
                  candidates: Candidates, stats: Stats, times: ComputeTimes) -> None:
         self.config = config
         self.candidates = candidates
@@ -97,7 +95,7 @@ class Dispatcher:
         self._splits: dict[str, Split] = {}
         self.times = times
         self.workers = workers
-        self.frontend = frontend
+        self.replies = replies
         self.live = live
         self.stats = stats
         self.inflight: dict[int, Batch] = {}
@@ -171,21 +169,21 @@ class Dispatcher:
             elif named in groups:
                 groups[named].append(request)
             else:
-                self.frontend.reply_error(request, protocol.UNAVAILABLE, f"version {named!r} of {model} is neither "
-                                          f"live ({live!r}) nor its canary ({canary!r}) any more", live)
+                self.replies.error(request, protocol.UNAVAILABLE, f"version {named!r} of {model} is neither "
+                                   f"live ({live!r}) nor its canary ({canary!r}) any more", live)
         return [(version, group, False) for version, group in groups.items()]
 
     def _send(self, model: str, version: str, requests: list[QueuedRequest], shadowed: bool, now: float) -> None:
         executor = self._pick_executor(model, version)
         if executor is None:
             for request in requests:
-                self.frontend.reply_error(request, protocol.UNAVAILABLE, f"no worker is ready to run {version}")
+                self.replies.error(request, protocol.UNAVAILABLE, f"no worker is ready to run {version}")
             return
         worker = executor.worker
         slot = worker.slots.acquire()
         if slot is None:  # cannot happen while slots = executors x depth; never lose requests if it does
             for request in requests:
-                self.frontend.reply_error(request, protocol.INTERNAL, "no free arena slot")
+                self.replies.error(request, protocol.INTERNAL, "no free arena slot")
             return
         batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0, shadowed=shadowed)
         while True:
@@ -194,17 +192,17 @@ class Dispatcher:
                 break
             except SlotOverflow:  # the load-time slot checks make this unreachable; never write past a slot
                 worker.slots.release(slot)
-                self._fail(batch, "the batch does not fit an arena slot")
+                self.replies.failed(batch, "the batch does not fit an arena slot")
                 return
             except UnreadableInput as exc:  # that request alone is answered; the rest are stacked again
-                self.frontend.reply_error(exc.request, protocol.INVALID, exc.error.message)
+                self.replies.error(exc.request, protocol.INVALID, exc.error.message)
                 requests.remove(exc.request)
                 if not requests:
                     worker.slots.release(slot)
                     return
         if not self.workers.send(executor.identity, message):
             worker.slots.release(slot)
-            self._fail(batch, f"worker{worker.index} cannot be reached")
+            self.replies.failed(batch, f"worker{worker.index} cannot be reached")
             return
         batch.inputs = message.inputs
         batch.samples = samples = sum(r.samples for r in requests)
@@ -223,7 +221,7 @@ class Dispatcher:
             if named in (None, version):
                 kept.append(request)
             else:
-                self.frontend.reply_error(
+                self.replies.error(
                     request, protocol.UNAVAILABLE,
                     f"version {named!r} of {model} was replaced by {version!r} while the request waited", version)
         return kept
@@ -298,7 +296,7 @@ class Dispatcher:
             return
         if isinstance(result, BatchFailed):
             self.workers.batch_returned(executor, len(batch.requests), True, now)
-            self._fail(batch, result.error)
+            self.replies.failed(batch, result.error)
         else:
             computed = len(result.expired) < len(batch.requests)
             self.workers.batch_returned(executor, len(batch.requests), computed, now)
@@ -311,7 +309,7 @@ class Dispatcher:
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
             by_reference = not any(w is worker for w, _, _ in self.sending)
-            trackers = self._reply_outputs(batch, result, by_reference)
+            trackers = self.replies.computed(batch, result, by_reference)
             if batch.shadowed:  # the slot is still held: copy it for the candidate once clients have theirs
                 try:
                     self._keep_for_shadow(batch, result, now)
@@ -389,7 +387,7 @@ class Dispatcher:
                 self._shadowing.discard(batch.executor)
                 self.stats.shadow_series(batch.model, batch.version).dropped["worker lost"] += len(batch.shadow.samples)
                 continue
-            self._fail(batch, reason, status)
+            self.replies.failed(batch, reason, status)
 
     def cancel_running(self, client: Hashable, request_id: protocol.RequestId) -> bool:
         """Mark `client`'s request `request_id` cancelled if its batch runs: its result will be dropped
@@ -475,87 +473,3 @@ class Dispatcher:
             samples=tuple(r.samples for r in batch.requests),
             deadlines=tuple(r.deadline for r in batch.requests),
         )
-
-    def _reply_outputs(self, batch: Batch, done: BatchDone, by_reference: bool) -> list[zmq.MessageTracker]:
-        """Send each computed request its rows of every output (with `by_reference`, large ones without
-        a copy: their trackers are returned), and each expired one `timeout`."""
-        buf = batch.executor.worker.arena.buf
-        sizes = [protocol.tensor_bytes(ref.dtype, ref.shape[1:]) for ref in done.outputs]
-        now = time.monotonic()
-        expired = set(done.expired)
-        # Requests of a batch mostly carry the same sample count: their output metadata is shared.
-        metas: dict[int, tuple[TensorMeta, ...]] = {}
-        replies = []
-        computed = []
-        row = 0
-        for index, request in enumerate(batch.requests):
-            if index in expired:
-                self.frontend.reply_error(request, protocol.TIMEOUT, EXPIRED_ERROR, batch.version)
-                continue
-            samples = request.samples
-            if request.cancelled:
-                self.frontend.reply_error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
-                row += samples
-                continue
-            outputs = metas.get(samples)
-            if outputs is None:
-                outputs = metas[samples] = tuple(TensorMeta(ref.dtype, (samples, *ref.shape[1:]))
-                                                 for ref in done.outputs)
-            frames = [
-                buf[ref.offset + row * size : ref.offset + (row + samples) * size]
-                for ref, size in zip(done.outputs, sizes)
-            ]
-            if request.places:
-                try:
-                    outputs, frames = _write_placed(request.places, outputs, frames)
-                except InvalidRequest as exc:
-                    self.frontend.reply_error(request, protocol.INVALID, exc.message, batch.version)
-                    row += samples
-                    continue
-            timing = Timing(queue=int((batch.started - request.received) * 1e6), compute=done.compute_us,
-                            total=int((now - request.received) * 1e6))
-            header = ReplyHeader(id=request.header.id, status=protocol.OK, model=batch.model,
-                                 version=batch.version, outputs=outputs, timing_us=timing)
-            replies.append((request, header, frames))
-            computed.append(request)
-            row += samples
-        if expired:
-            log.info("%s: %d request(s) not computed, their deadline passed while the batch waited for "
-                     "its executor", batch.describe(), len(expired))
-        if not computed:
-            return []
-        trackers = self.frontend.reply_ok(replies, by_reference)
-        if self.frontend.protocols:  # some came through a gateway: count them by protocol
-            for request in computed:
-                gateway = self.frontend.protocols.get(request.reply_to.socket)
-                if gateway is not None:
-                    self.stats.by_protocol[(batch.model, gateway, protocol.OK)] += 1
-        self.stats.answered(now, batch.model, batch.version, sum(r.samples for r in computed),
-                            [now - r.received for r in computed], [batch.started - r.received for r in computed],
-                            done.compute_us / 1e6, [r.priority for r in computed],
-                            sum(now <= r.deadline for r in computed))
-        return trackers
-
-    def _fail(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:
-        log.error("%s (%d requests) failed: %s", batch.describe(), len(batch.requests), reason)
-        for request in batch.requests:
-            self.frontend.reply_error(request, status, reason, batch.version)
-
-
-def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[TensorMeta, ...],
-                  frames: list[memoryview]) -> tuple[tuple[TensorMeta, ...], list[memoryview]]:
-    """Write the outputs a request placed in its regions there: the reply's output metadata (saying
-    where each was written) and the frames left to send."""
-    if len(places) > len(metas):
-        raise InvalidRequest(f"the request places {len(places)} outputs, but the model has {len(metas)}")
-    described, left = [], []
-    for index, (meta, frame) in enumerate(zip(metas, frames)):
-        place = places[index] if index < len(places) else None
-        if place is None:
-            described.append(meta)
-            left.append(frame)
-            continue
-        region, offset = place
-        region.write_from([frame], offset)
-        described.append(TensorMeta(meta.dtype, meta.shape, region.name, offset))
-    return tuple(described), left

@@ -2,7 +2,7 @@
 would finish.
 
 Compute times are learned from the batches that ran (the dispatcher is their one
-writer), per model and per batch-size band; the queue's "auto" window and
+writer), per model and per batch-size band; the batcher's "auto" window and
 deadline-aware admission read them. The finish estimate leans optimistic (what
 waits ahead is assumed to run in full batches spread over every executor, with
 nothing cancelled or expired ahead of it counted out), so that a request it
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from inferd.supervisor.batcher import BatchQueue
 from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.queue import RequestQueue
 from inferd.supervisor.workers import PIPELINE_DEPTH, WorkerTable
 
 SMOOTHING = 0.2  # weight of the newest batch in a band's average: a few batches follow a change
@@ -55,7 +55,7 @@ class ComputeTimes:
 class Forecast:
     """When a new request would finish, from compute times, what waits ahead of it and the executors."""
 
-    def __init__(self, times: ComputeTimes, queue: BatchQueue, workers: WorkerTable, live: LiveVersions) -> None:
+    def __init__(self, times: ComputeTimes, queue: RequestQueue, workers: WorkerTable, live: LiveVersions) -> None:
         self.times = times
         self._queue = queue
         self._workers = workers

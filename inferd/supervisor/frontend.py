@@ -1,14 +1,12 @@
-"""The frontend: the ROUTER sockets clients talk to, admission, and every reply.
+"""The frontend: the ROUTER sockets clients talk to, and admission.
 
-It decodes and validates each request, puts it in the BatchQueue or answers it
-at once (`invalid`, `overloaded`, `unavailable`), and sends every reply. It
-never blocks: a reply that cannot be delivered (peer gone, or its high-water
-mark reached) is counted and dropped, so one slow client cannot block the loop.
-Admission is decided here: whether the daemon takes requests at all, which
+It decodes and validates each request, and puts it in the RequestQueue or
+refuses it at once (`invalid`, `overloaded`, `unavailable`) through replies.py,
+where every reply leaves. Admission is decided here: whether the daemon takes requests at all, which
 models no worker serves yet, the bounds of the queue (where an urgent request may
 displace a less urgent one), and whether a request could still finish before its
-deadline. A cancel takes its request out of the queue, or marks it in its batch
-(the dispatcher's, through `take_cancels`). Region messages and requests that name
+deadline. A cancel takes its request out of the queue, or marks it in its running
+batch (through the dispatcher's `cancel_running`). Region messages and requests that name
 clients' shared-memory regions go to client_regions.py.
 """
 
@@ -17,9 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
 import zmq
 
@@ -28,15 +25,16 @@ from inferd.addresses import loopback
 from inferd.config import Config, ModelConfig
 from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
-from inferd.ipc.sockets import recv_routed, send_parts, send_parts_tracked
+from inferd.ipc.sockets import recv_routed
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.backstop import failure
-from inferd.supervisor.batcher import BatchQueue, QueuedRequest, Refusal
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.client_regions import ClientRegions, Places
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.queue import QueuedRequest, Refusal, RequestQueue
 from inferd.supervisor.regions import Regions, RegionSlice
+from inferd.supervisor.replies import Replies, ReplyTo
 from inferd.supervisor.state import DaemonState
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import WorkerState, WorkerTable
@@ -50,13 +48,6 @@ SEND_HWM = 1000
 MAX_RECV_HWM = 1000  # and a client that floods small requests gets TCP backpressure, not daemon memory
 MIN_RECV_HWM = 64
 SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
-
-
-class ReplyTo(NamedTuple):
-    """Where a reply goes: the socket the request came on and its routing envelope."""
-
-    socket: zmq.Socket
-    envelope: list[bytes]
 
 
 def receive_limits(config: Config) -> tuple[int, int]:
@@ -102,7 +93,7 @@ def check_against_model(header: protocol.RequestHeader, name: str, model: ModelC
     return samples
 
 
-def _refusal_sentence(refusal: Refusal, queue: BatchQueue) -> str:
+def _refusal_sentence(refusal: Refusal, queue: RequestQueue) -> str:
     bounds = queue.bounds
     return {
         Refusal.FULL: f"the queue is full ({bounds.max_size} requests); retry later",
@@ -116,23 +107,23 @@ def _refusal_sentence(refusal: Refusal, queue: BatchQueue) -> str:
 
 
 class Frontend:
-    """Client-facing sockets, request admission, and reply delivery."""
+    """Client-facing sockets and request admission."""
 
-    def __init__(self, context: zmq.Context, config: Config, queue: BatchQueue, stats: Stats,
+    def __init__(self, context: zmq.Context, config: Config, queue: RequestQueue, replies: Replies, stats: Stats,
                  live: LiveVersions, candidates: Candidates, curve: CurveServer, regions: Regions,
-                 forecast: Forecast) -> None:
+                 forecast: Forecast, cancel_running: Callable[[Hashable, protocol.RequestId], bool]) -> None:
         self.queue = queue
+        self.replies = replies
         self.forecast = forecast
         self.stats = stats
         self.live = live
         self.candidates = candidates
         self.sockets: list[zmq.Socket] = []
-        self.protocols: dict[zmq.Socket, str] = {}  # the gateways' sockets -> the protocol each carries
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
         self._admitted: set[str] = set()  # models that took requests since note_queue_depths
-        self._cancels: list[tuple[Hashable, protocol.RequestId]] = []  # of requests not waiting: maybe running
+        self._cancel_running = cancel_running
         self._context = context
         self._curve = curve
         self.configure(config)
@@ -157,7 +148,7 @@ class Frontend:
             # answer, and what can queue is bounded by what admission let in.
             socket.setsockopt(zmq.SNDHWM, 0)
             self.sockets.append(socket)
-            self.protocols[socket] = protocol_name
+            self.replies.add_gateway(socket, protocol_name)
             socket.bind(endpoint)
             self._internal_paths.append(Path(endpoint[len("ipc://"):]))
             os.chmod(self._internal_paths[-1], 0o600)
@@ -193,7 +184,7 @@ class Frontend:
             socket.close(linger=linger_ms)
         for path in self._internal_paths:
             path.unlink(missing_ok=True)
-        self.sockets, self.protocols, self._internal_paths = [], {}, []
+        self.sockets, self._internal_paths = [], []
 
     def admit(self, state: DaemonState, workers: WorkerTable) -> None:
         """Decide what is admitted from now on: nothing while the daemon starts or stops, or while no
@@ -221,7 +212,7 @@ class Frontend:
             try:
                 self.submit(reply_to, message.body, message.first)
             except Exception:  # noqa: BLE001 - the last guard: one message never takes the daemon down
-                self.send_error(reply_to, None, protocol.INTERNAL, failure("a request"))
+                self.replies.refuse(reply_to, None, protocol.INTERNAL, failure("a request"))
 
     def submit(self, reply_to: ReplyTo, body: Sequence[Buffer], first: zmq.Frame | None = None) -> None:
         """Admit one request body, or answer it at once; every request and region message gets exactly
@@ -238,12 +229,12 @@ class Frontend:
                 return
             if not isinstance(message, protocol.Request):
                 listed = self.client_regions.message(reply_to.socket, reply_to.envelope[0], message, first)
-                self._send(reply_to, [protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK,
-                                                                        regions=listed))])
+                self.replies.send(reply_to, [protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK,
+                                                                               regions=listed))])
                 return
             request = message
             header = request.header
-            if header.peer is not None and reply_to.socket not in self.protocols:
+            if header.peer is not None and reply_to.socket not in self.replies.protocols:
                 raise InvalidRequest("`peer` is for the daemon's own gateways; leave it out", header.id)
             model = self.config.models.get(header.model)
             if model is None:
@@ -278,11 +269,11 @@ class Frontend:
                                                               request.buffers)
         except InvalidRequest as exc:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
-            self.send_error(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
+            self.replies.refuse(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
             return
         if self.refusal is not None or name in self.unserved:
             refusal = self.refusal or f"no worker has {name} {self.live.get(name)} loaded yet"
-            self.send_error(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority)
+            self.replies.refuse(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
         client = (id(reply_to.socket), reply_to.envelope[0])
@@ -291,38 +282,34 @@ class Frontend:
         finish = self.forecast.too_late(name, model.max_batch_size, priority, samples, timeout, now)
         if finish is not None:
             self.stats.deadline_refusals[name] += 1
-            self.reply_error(queued, protocol.OVERLOADED,
-                             f"it would finish in {finish * 1000:.0f} ms at the soonest (the work ahead of it, "
-                             f"at the model's recent compute times), after its deadline in {timeout * 1000:.0f} ms")
+            self.replies.error(queued, protocol.OVERLOADED,
+                               f"it would finish in {finish * 1000:.0f} ms at the soonest (the work ahead of it, "
+                               f"at the model's recent compute times), after its deadline in {timeout * 1000:.0f} ms")
             return
         refused = self.queue.put(queued)
         if refused in (Refusal.FULL, Refusal.BYTES):
             displaced = self.queue.displace_for(queued)
             if displaced is not None:
                 for victim in displaced:
-                    self.reply_error(victim, protocol.OVERLOADED,
-                                     f"displaced by a more urgent request (priority {priority}) while the queue "
-                                     "was full; retry later")
+                    self.replies.error(victim, protocol.OVERLOADED,
+                                       f"displaced by a more urgent request (priority {priority}) while the queue "
+                                       "was full; retry later")
                 refused = self.queue.put(queued)
         if refused is not None:
-            self.reply_error(queued, protocol.OVERLOADED, _refusal_sentence(refused, self.queue))
+            self.replies.error(queued, protocol.OVERLOADED, _refusal_sentence(refused, self.queue))
             return
         self._admitted.add(name)
 
     def _cancel(self, client: Hashable, request_id: protocol.RequestId) -> None:
-        """A client's cancel: a waiting request is answered `cancelled` now; one not waiting (maybe running,
-        maybe answered already) is left to the dispatcher. The cancel itself has no reply."""
+        """A client's cancel: a waiting request is answered `cancelled` now; a running one is marked in
+        its batch, to be answered `cancelled` when the batch comes back; one answered already is left be.
+        The cancel itself has no reply."""
         waiting = self.queue.cancel(client, request_id)
         if waiting is not None:
             log.debug("request %s cancelled while it waited", request_id)
-            self.reply_error(waiting, protocol.CANCELLED, "cancelled by its client before it ran")
+            self.replies.error(waiting, protocol.CANCELLED, "cancelled by its client before it ran")
         else:
-            self._cancels.append((client, request_id))
-
-    def take_cancels(self) -> list[tuple[Hashable, protocol.RequestId]]:
-        """The cancels of requests that were not waiting, since the last call: (client, request id)."""
-        cancels, self._cancels = self._cancels, []
-        return cancels
+            self._cancel_running(client, request_id)
 
     def note_queue_depths(self) -> None:
         """Count the queue depth of each model that took requests since the last call, for its peak:
@@ -332,52 +319,3 @@ class Frontend:
             for name in self._admitted:
                 self.stats.queue_depth(now, name, self.live[name], self.queue.depth(name))
             self._admitted.clear()
-
-    def reply_ok(self, replies: Sequence[tuple[QueuedRequest, ReplyHeader, Sequence[Buffer]]],
-                 by_reference: bool) -> list[zmq.MessageTracker]:
-        """Send the `ok` replies of a batch: each request its header and outputs; `by_reference`:
-        large outputs without a copy (see send_parts_tracked). They go out back to back, so
-        ZeroMQ's I/O thread, woken by the first, finds the rest waiting and writes them together."""
-        messages = [
-            (request.reply_to, [*request.reply_to.envelope, protocol.encode_reply(header), *outputs])
-            for request, header, outputs in replies
-        ]
-        trackers: list[zmq.MessageTracker] = []
-        for reply_to, parts in messages:
-            try:
-                if by_reference:
-                    trackers += send_parts_tracked(reply_to.socket, parts)
-                else:
-                    send_parts(reply_to.socket, parts)
-            except zmq.ZMQError as exc:
-                self._undeliverable(exc)
-        return trackers
-
-    def reply_error(self, request: QueuedRequest, status: str, error: str, version: str | None = None) -> None:
-        """Answer a queued request with an error status; `version`: the one that handled it, if one did."""
-        self.send_error(request.reply_to, request.header.id, status, error, request.header.model, version,
-                        request.priority)
-
-    def send_error(
-        self, reply_to: ReplyTo, request_id: protocol.RequestId | None, status: str, error: str,
-        model: str | None = None, version: str | None = None, priority: int | None = None,
-    ) -> None:
-        """Send an error reply, and count it (against its model when the model is one this daemon serves,
-        and its priority level once it has one)."""
-        served = model in self.live
-        counted = version or (self.live[model] if model is not None and served else None)
-        self.stats.reply(time.monotonic(), model if served else None, counted, status,
-                         self.protocols.get(reply_to.socket), priority)
-        self._send(reply_to, [protocol.error_reply(request_id, status, error, model, version)])
-
-    def _send(self, reply_to: ReplyTo, parts: list[Buffer]) -> None:
-        try:
-            send_parts(reply_to.socket, [*reply_to.envelope, *parts])
-        except zmq.ZMQError as exc:
-            self._undeliverable(exc)
-
-    def _undeliverable(self, exc: zmq.ZMQError) -> None:
-        # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way the
-        # reply has nowhere to go, and waiting for it would hold up everyone else.
-        self.stats.undelivered += 1
-        log.debug("reply undeliverable (%s)", exc.strerror)

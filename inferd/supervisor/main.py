@@ -1,7 +1,7 @@
 """The supervisor: one loop that owns every socket, the queue, the arenas and the workers.
 
-    clients ──▶ Frontend (ROUTER) ──▶ BatchQueue ──▶ Dispatcher ──▶ arena slot + RunBatch ──▶ worker
-    clients ◀── Frontend.reply ◀──── Dispatcher.on_result ◀──────── BatchDone ◀──────────── worker
+    clients ──▶ Frontend (ROUTER) ──▶ RequestQueue ──▶ Batcher ──▶ Dispatcher ──▶ arena slot + RunBatch ──▶ worker
+    clients ◀── Replies ◀─────────── Dispatcher.on_result ◀───────────────────── BatchDone ◀──────────── worker
 
 This module is the loop, the signals, the life cycle and the clean-up; each
 decision lives in the part that owns it: admission in the frontend, batching
@@ -40,7 +40,7 @@ from inferd.paths import RuntimeFiles, runtime_dir
 from inferd.repository import RepositoryError, SavedVersions
 from inferd.shm_names import SHM_DIR
 from inferd.supervisor.backstop import failure
-from inferd.supervisor.batcher import BatchQueue, Capacity, queue_settings
+from inferd.supervisor.batcher import Batcher, Capacity, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.commands import Commands
@@ -54,10 +54,12 @@ from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.liveness import Liveness
 from inferd.supervisor.metrics import MetricsServer
 from inferd.supervisor.probes import Probes
+from inferd.supervisor.queue import RequestQueue
 from inferd.supervisor.reaper import Reaper
 from inferd.supervisor.reconfigure import Reconfigurer
 from inferd.supervisor.regions import Regions
 from inferd.supervisor.reload import ReloadManager
+from inferd.supervisor.replies import Replies
 from inferd.supervisor.state import DaemonState, StartupError
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.trim_requests import TRIM_ANNOTATION, TrimRequests
@@ -111,15 +113,19 @@ class Supervisor:
         self.stats = Stats(self.started)
         self.probes = Probes()
         times = ComputeTimes()
-        self.queue = BatchQueue(*queue_settings(config), times=times)
+        bounds, policies, levels = queue_settings(config)
+        self.queue = RequestQueue(bounds, policies, levels)
+        self.batcher = Batcher(self.queue, policies, times)
         self.curve = CurveServer(self.context, config.server.curve_secret_key, config.server.curve_authorized_keys)
         self.regions = Regions(config.server.client_shm_prefix)
         self.workers = WorkerTable(config, self.context, devices, self.files, self.live)
         self.forecast = Forecast(times, self.queue, self.workers, self.live)
         self.candidates = Candidates()
-        self.frontend = Frontend(self.context, config, self.queue, self.stats, self.live, self.candidates, self.curve,
-                                 self.regions, self.forecast)
-        self.dispatcher = Dispatcher(config, self.workers, self.frontend, self.live, self.candidates, self.stats, times)
+        self.replies = Replies(self.stats, self.live)
+        self.dispatcher = Dispatcher(config, self.workers, self.replies, self.live, self.candidates, self.stats, times)
+        self.frontend = Frontend(self.context, config, self.queue, self.replies, self.stats, self.live,
+                                 self.candidates, self.curve, self.regions, self.forecast,
+                                 self.dispatcher.cancel_running)
         self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, self.candidates, saved,
                                      self.call_soon_threadsafe)
         self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
@@ -197,7 +203,7 @@ class Supervisor:
     def _loop(self) -> None:
         while not self._done:
             now = time.monotonic()
-            queue_wakeup = self.queue.next_wakeup(now)
+            queue_wakeup = self.batcher.next_wakeup(now)
             wait = min(TICK_S if queue_wakeup is None else queue_wakeup, max(0.0, self._next_tick - now),
                        self.systemd.watchdog.wait(now) or TICK_S, max(0.0, self._next_liveness - now))
             if self.dispatcher.sending:
@@ -215,11 +221,9 @@ class Supervisor:
                 except Exception:  # noqa: BLE001 - the last guard: the loop serves on
                     failure("a socket event")
             self.frontend.note_queue_depths()
-            for client, request_id in self.frontend.take_cancels():
-                self.dispatcher.cancel_running(client, request_id)
             now = time.monotonic()
             for request in self.queue.expire(now):
-                self.frontend.reply_error(request, protocol.TIMEOUT, "the deadline passed before the request ran")
+                self.replies.timed_out(request)
             if self.dispatcher.sending:
                 self.dispatcher.release_sent()
             self._dispatch()
@@ -275,7 +279,7 @@ class Supervisor:
             return NO_ROOM if model in blocked else self.dispatcher.capacity(model)
 
         while True:
-            batch = self.queue.take(capacity, now)
+            batch = self.batcher.take(capacity, now)
             if batch is None:
                 break
             left = self.dispatcher.dispatch(*batch)
@@ -415,7 +419,7 @@ class Supervisor:
 
     def _force_stop(self) -> None:
         for request in self.queue.drain():
-            self.frontend.reply_error(request, protocol.UNAVAILABLE, "the daemon stopped before the request ran")
+            self.replies.error(request, protocol.UNAVAILABLE, "the daemon stopped before the request ran")
         for worker in self.workers.workers:
             self.dispatcher.fail_worker(worker, "the daemon stopped before the request finished", protocol.UNAVAILABLE)
         self._stop_workers()
@@ -467,7 +471,9 @@ class Supervisor:
         """Hand a new config to every part that reads one."""
         self.config = config
         self._spin_s = config.server.spin_us / 1e6
-        self.queue.configure(*queue_settings(config))
+        bounds, policies, levels = queue_settings(config)
+        self.queue.configure(bounds, policies, levels)
+        self.batcher.configure(policies)
         self.frontend.configure(config)
         self.dispatcher.configure(config)
         self.workers.configure(config)

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Protocol
 
 from inferd.config import Config
-from inferd.supervisor.batcher import BatchQueue
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.dispatch import Dispatcher
@@ -18,6 +17,7 @@ from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.gateway import Gateway
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.probes import Probes
+from inferd.supervisor.queue import RequestQueue
 from inferd.supervisor.regions import Regions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DaemonState
@@ -45,7 +45,7 @@ class DaemonView(Protocol):
         """The live version of each model."""
 
     @property
-    def queue(self) -> BatchQueue:
+    def queue(self) -> RequestQueue:
         """The requests waiting."""
 
     @property

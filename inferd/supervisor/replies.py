@@ -1,0 +1,193 @@
+"""Replies: every answer a client gets leaves from here, and is counted here.
+
+The frontend hands over what it refuses at the door, the loop what expired in
+the queue or was left at a forced stop, the dispatcher what a batch came back
+with. A computed request's reply carries its rows of every output, sliced from
+the arena slot (large ones without a copy: ZeroMQ's trackers say when the slot
+may be reused), or written into the client's own region where it placed them.
+Sending never blocks: a reply that cannot be delivered (peer gone, or its
+high-water mark reached) is counted and dropped, so one slow client cannot
+block the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import zmq
+
+from inferd import protocol
+from inferd.errors import InvalidRequest
+from inferd.ipc.messages import BatchDone
+from inferd.ipc.sockets import send_parts, send_parts_tracked
+from inferd.protocol import Buffer, ReplyHeader, TensorMeta, Timing
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.queue import QueuedRequest
+from inferd.supervisor.regions import Region
+from inferd.supervisor.stats import Stats
+
+if TYPE_CHECKING:  # the dispatcher makes batches and hands them here
+    from inferd.supervisor.dispatch import Batch
+
+log = logging.getLogger("inferd.replies")
+
+EXPIRED_ERROR = "the deadline passed before the request ran"
+CANCELLED_ERROR = "cancelled while its batch ran; the result was dropped"
+
+
+class ReplyTo(NamedTuple):
+    """Where a reply goes: the socket the request came on and its routing envelope."""
+
+    socket: zmq.Socket
+    envelope: list[bytes]
+
+
+class Replies:
+    """Sends every reply and counts it: by status, model, version, priority and protocol."""
+
+    def __init__(self, stats: Stats, live: LiveVersions) -> None:
+        self.stats = stats
+        self.live = live
+        self.protocols: dict[zmq.Socket, str] = {}  # the gateways' sockets -> the protocol each carries
+
+    def add_gateway(self, socket: zmq.Socket, protocol_name: str) -> None:
+        """`socket` carries one gateway's requests: its replies are counted under `protocol_name`."""
+        self.protocols[socket] = protocol_name
+
+    def send(self, reply_to: ReplyTo, parts: Sequence[Buffer]) -> None:
+        """Send an already encoded reply (the frontend's answers to region messages)."""
+        try:
+            send_parts(reply_to.socket, [*reply_to.envelope, *parts])
+        except zmq.ZMQError as exc:
+            self._undeliverable(exc)
+
+    def refuse(
+        self, reply_to: ReplyTo, request_id: protocol.RequestId | None, status: str, error: str,
+        model: str | None = None, version: str | None = None, priority: int | None = None,
+    ) -> None:
+        """Send an error reply, and count it (against its model when the model is one this daemon serves,
+        and its priority level once it has one)."""
+        served = model in self.live
+        counted = version or (self.live[model] if model is not None and served else None)
+        self.stats.reply(time.monotonic(), model if served else None, counted, status,
+                         self.protocols.get(reply_to.socket), priority)
+        self.send(reply_to, [protocol.error_reply(request_id, status, error, model, version)])
+
+    def error(self, request: QueuedRequest, status: str, error: str, version: str | None = None) -> None:
+        """Answer a queued request with an error status; `version`: the one that handled it, if one did."""
+        self.refuse(request.reply_to, request.header.id, status, error, request.header.model, version,
+                    request.priority)
+
+    def timed_out(self, request: QueuedRequest, version: str | None = None) -> None:
+        """Answer a request whose deadline passed before it ran: in the queue, or (with the `version`
+        its batch was for) while its batch waited for its executor."""
+        self.error(request, protocol.TIMEOUT, EXPIRED_ERROR, version)
+
+    def failed(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:
+        """Answer every request of a batch that did not compute with `status`."""
+        log.error("%s (%d requests) failed: %s", batch.describe(), len(batch.requests), reason)
+        for request in batch.requests:
+            self.error(request, status, reason, batch.version)
+
+    def computed(self, batch: Batch, done: BatchDone, by_reference: bool) -> list[zmq.MessageTracker]:
+        """Send each computed request its rows of every output (with `by_reference`, large ones without
+        a copy: their trackers are returned), each expired one `timeout`, each cancelled one `cancelled`."""
+        buf = batch.executor.worker.arena.buf
+        sizes = [protocol.tensor_bytes(ref.dtype, ref.shape[1:]) for ref in done.outputs]
+        now = time.monotonic()
+        expired = set(done.expired)
+        # Requests of a batch mostly carry the same sample count: their output metadata is shared.
+        metas: dict[int, tuple[TensorMeta, ...]] = {}
+        replies = []
+        computed = []
+        row = 0
+        for index, request in enumerate(batch.requests):
+            if index in expired:
+                self.timed_out(request, batch.version)
+                continue
+            samples = request.samples
+            if request.cancelled:
+                self.error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
+                row += samples
+                continue
+            outputs = metas.get(samples)
+            if outputs is None:
+                outputs = metas[samples] = tuple(TensorMeta(ref.dtype, (samples, *ref.shape[1:]))
+                                                 for ref in done.outputs)
+            frames = [
+                buf[ref.offset + row * size : ref.offset + (row + samples) * size]
+                for ref, size in zip(done.outputs, sizes)
+            ]
+            if request.places:
+                try:
+                    outputs, frames = _write_placed(request.places, outputs, frames)
+                except InvalidRequest as exc:
+                    self.error(request, protocol.INVALID, exc.message, batch.version)
+                    row += samples
+                    continue
+            timing = Timing(queue=int((batch.started - request.received) * 1e6), compute=done.compute_us,
+                            total=int((now - request.received) * 1e6))
+            header = ReplyHeader(id=request.header.id, status=protocol.OK, model=batch.model,
+                                 version=batch.version, outputs=outputs, timing_us=timing)
+            replies.append((request.reply_to, [*request.reply_to.envelope, protocol.encode_reply(header), *frames]))
+            computed.append(request)
+            row += samples
+        if expired:
+            log.info("%s: %d request(s) not computed, their deadline passed while the batch waited for "
+                     "its executor", batch.describe(), len(expired))
+        if not computed:
+            return []
+        trackers = self._send_all(replies, by_reference)
+        if self.protocols:  # some came through a gateway: count them by protocol
+            for request in computed:
+                gateway = self.protocols.get(request.reply_to.socket)
+                if gateway is not None:
+                    self.stats.by_protocol[(batch.model, gateway, protocol.OK)] += 1
+        self.stats.answered(now, batch.model, batch.version, sum(r.samples for r in computed),
+                            [now - r.received for r in computed], [batch.started - r.received for r in computed],
+                            done.compute_us / 1e6, [r.priority for r in computed],
+                            sum(now <= r.deadline for r in computed))
+        return trackers
+
+    def _send_all(self, replies: list[tuple[ReplyTo, list[Buffer]]], by_reference: bool) -> list[zmq.MessageTracker]:
+        """Send a batch's `ok` replies back to back, so ZeroMQ's I/O thread, woken by the first, finds the
+        rest waiting and writes them together; `by_reference`: large outputs without a copy (see
+        send_parts_tracked)."""
+        trackers: list[zmq.MessageTracker] = []
+        for reply_to, parts in replies:
+            try:
+                if by_reference:
+                    trackers += send_parts_tracked(reply_to.socket, parts)
+                else:
+                    send_parts(reply_to.socket, parts)
+            except zmq.ZMQError as exc:
+                self._undeliverable(exc)
+        return trackers
+
+    def _undeliverable(self, exc: zmq.ZMQError) -> None:
+        # EHOSTUNREACH: the client left; EAGAIN: it stopped reading. Either way the
+        # reply has nowhere to go, and waiting for it would hold up everyone else.
+        self.stats.undelivered += 1
+        log.debug("reply undeliverable (%s)", exc.strerror)
+
+
+def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[TensorMeta, ...],
+                  frames: list[memoryview]) -> tuple[tuple[TensorMeta, ...], list[memoryview]]:
+    """Write the outputs a request placed in its regions there: the reply's output metadata (saying
+    where each was written) and the frames left to send."""
+    if len(places) > len(metas):
+        raise InvalidRequest(f"the request places {len(places)} outputs, but the model has {len(metas)}")
+    described, left = [], []
+    for index, (meta, frame) in enumerate(zip(metas, frames)):
+        place = places[index] if index < len(places) else None
+        if place is None:
+            described.append(meta)
+            left.append(frame)
+            continue
+        region, offset = place
+        region.write_from([frame], offset)
+        described.append(TensorMeta(meta.dtype, meta.shape, region.name, offset))
+    return tuple(described), left
