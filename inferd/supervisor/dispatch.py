@@ -62,8 +62,8 @@ class Batch:
     started: float
     samples: int
     inputs: tuple[TensorRef, ...] = ()
-    shadowed: bool = False  # the candidate computes it again once it is answered
-    shadow: ShadowJob | None = None  # a shadow batch: nobody waits for it
+    copy_for_shadow: bool = False  # a live batch the shadow candidate computes again once it is answered
+    shadow_job: ShadowJob | None = None  # a shadow batch: that copy, computed again; nobody waits for it
 
     def describe(self) -> str:
         """How the log and error sentences name it."""
@@ -90,8 +90,8 @@ class Dispatcher:
                  candidates: Candidates, stats: Stats, times: ComputeTimes) -> None:
         self.config = config
         self.candidates = candidates
-        self.shadow = ShadowQueue()
-        self._shadowing: set[ExecutorHandle] = set()  # executors running a shadow batch
+        self.shadow_jobs = ShadowQueue()
+        self._running_shadow_jobs: set[ExecutorHandle] = set()  # executors running a shadow batch
         self._splits: dict[str, Split] = {}
         self.times = times
         self.workers = workers
@@ -133,13 +133,13 @@ class Dispatcher:
                 self._send(model, version, requests, False, time.monotonic())
             return []
         left: list[QueuedRequest] = []
-        for index, (version, group, shadowed) in enumerate(self._route(model, requests, candidate)):
+        for index, (version, group, copy_for_shadow) in enumerate(self._route(model, requests, candidate)):
             if not group:
                 continue
             if index and self.workers.executors_serving(model, version) and self._pick_executor(model, version) is None:
                 left += group  # the part the batch did not go to waits for an executor of its version
             else:
-                self._send(model, version, group, shadowed, time.monotonic())
+                self._send(model, version, group, copy_for_shadow, time.monotonic())
         return left
 
     def _route(self, model: str, requests: list[QueuedRequest],
@@ -173,7 +173,7 @@ class Dispatcher:
                                    f"live ({live!r}) nor its canary ({canary!r}) any more", live)
         return [(version, group, False) for version, group in groups.items()]
 
-    def _send(self, model: str, version: str, requests: list[QueuedRequest], shadowed: bool, now: float) -> None:
+    def _send(self, model: str, version: str, requests: list[QueuedRequest], copy_for_shadow: bool, now: float) -> None:
         executor = self._pick_executor(model, version)
         if executor is None:
             for request in requests:
@@ -185,7 +185,8 @@ class Dispatcher:
             for request in requests:
                 self.replies.error(request, protocol.INTERNAL, "no free arena slot")
             return
-        batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0, shadowed=shadowed)
+        batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0,
+                      copy_for_shadow=copy_for_shadow)
         while True:
             try:
                 message = self._stack(batch, worker)
@@ -226,13 +227,13 @@ class Dispatcher:
                     f"version {named!r} of {model} was replaced by {version!r} while the request waited", version)
         return kept
 
-    def run_shadow(self, now: float) -> None:
+    def run_shadow_jobs(self, now: float) -> None:
         """Send waiting shadow jobs to idle executors of their candidate; drop those too old to be worth it.
         The caller calls this only while no request waits."""
-        for job in self.shadow.stale(now):
+        for job in self.shadow_jobs.stale(now):
             self.stats.shadow_series(job.model, job.version).dropped["stale"] += len(job.samples)
-        while self.shadow:
-            job = self.shadow.jobs[0]
+        while self.shadow_jobs:
+            job = self.shadow_jobs.jobs[0]
             idle = [e for e in self.workers.executors_for(job.model, job.version) if e.inflight == 0]
             # Where the live version has several executors, one stays idle for the next request.
             live = self.workers.executors_serving(job.model, self.live[job.model])
@@ -245,7 +246,7 @@ class Dispatcher:
             slot = worker.slots.acquire()
             if slot is None:
                 return
-            self.shadow.jobs.popleft()
+            self.shadow_jobs.jobs.popleft()
             base = worker.slots.offset(slot)
             offsets, _ = place(base, [len(data) for _, data in job.inputs])
             refs = []
@@ -253,7 +254,7 @@ class Dispatcher:
                 worker.arena.buf[offset:offset + len(data)] = data
                 refs.append(TensorRef(ref.dtype, ref.shape, offset))
             batch = Batch(next(self._ids), job.model, job.version, [], executor, slot, now, sum(job.samples),
-                          tuple(refs), shadow=job)
+                          tuple(refs), shadow_job=job)
             message = RunBatch(batch.id, job.model, job.version, base, worker.slots.slot_size, batch.inputs,
                                job.samples, (now + MAX_AGE_S,) * len(job.samples))
             if not self.workers.send(executor.identity, message):
@@ -263,12 +264,12 @@ class Dispatcher:
             # The candidate's time for it is not known; the live version's is the nearest guess.
             self.workers.batch_sent(executor, 0, now, job.live_compute_s)
             self.inflight[batch.id] = batch
-            self._shadowing.add(executor)
+            self._running_shadow_jobs.add(executor)
 
     def end_trial(self, model: str) -> None:
         """`model`'s trial ended: its waiting shadow jobs are dropped (counted), its split forgotten."""
         self._splits.pop(model, None)
-        for job in self.shadow.discard(model):
+        for job in self.shadow_jobs.discard(model):
             self.stats.shadow_series(job.model, job.version).dropped["trial ended"] += len(job.samples)
 
     def split_share(self, model: str) -> float | None:
@@ -286,11 +287,11 @@ class Dispatcher:
         worker = executor.worker
         trackers: list[zmq.MessageTracker] = []
         now = time.monotonic()
-        if batch.shadow is not None:
-            self._shadowing.discard(executor)
+        if batch.shadow_job is not None:
+            self._running_shadow_jobs.discard(executor)
             self.workers.batch_returned(executor, 0, True, now)
             try:
-                self._compared(batch, batch.shadow, result)
+                self._compared(batch, batch.shadow_job, result)
             finally:
                 worker.slots.release(batch.slot)
             return
@@ -310,7 +311,7 @@ class Dispatcher:
             # so a client that does not read cannot take every slot of a worker.
             by_reference = not any(w is worker for w, _, _ in self.sending)
             trackers = self.replies.computed(batch, result, by_reference)
-            if batch.shadowed:  # the slot is still held: copy it for the candidate once clients have theirs
+            if batch.copy_for_shadow:  # the slot is still held: copy it for the candidate once clients have theirs
                 try:
                     self._keep_for_shadow(batch, result, now)
                 except Exception:  # noqa: BLE001 - shadow work must never cost live work its slot
@@ -331,7 +332,7 @@ class Dispatcher:
         series = self.stats.shadow_series(batch.model, candidate.version)
         requests = len(batch.requests)
         series.chosen += requests
-        if self.shadow.full() or result.expired:
+        if self.shadow_jobs.full() or result.expired:
             series.dropped["queue full" if not result.expired else "stale"] += requests
             return
         buf = batch.executor.worker.arena.buf
@@ -339,7 +340,7 @@ class Dispatcher:
         def copied(ref: TensorRef) -> tuple[TensorRef, bytes]:
             return ref, bytes(buf[ref.offset:ref.offset + protocol.tensor_bytes(ref.dtype, ref.shape)])
 
-        self.shadow.add(ShadowJob(batch.model, candidate.version, [copied(r) for r in batch.inputs],
+        self.shadow_jobs.add(ShadowJob(batch.model, candidate.version, [copied(r) for r in batch.inputs],
                                   [copied(r) for r in result.outputs], tuple(r.samples for r in batch.requests),
                                   result.compute_us / 1e6, now))
 
@@ -383,9 +384,10 @@ class Dispatcher:
             del self.inflight[batch.id]
             self.workers.batch_returned(batch.executor, len(batch.requests), False, now)
             worker.slots.release(batch.slot)
-            if batch.shadow is not None:
-                self._shadowing.discard(batch.executor)
-                self.stats.shadow_series(batch.model, batch.version).dropped["worker lost"] += len(batch.shadow.samples)
+            if batch.shadow_job is not None:
+                self._running_shadow_jobs.discard(batch.executor)
+                series = self.stats.shadow_series(batch.model, batch.version)
+                series.dropped["worker lost"] += len(batch.shadow_job.samples)
                 continue
             self.replies.failed(batch, reason, status)
 
@@ -433,8 +435,8 @@ class Dispatcher:
         # caches and model weights are still warm (a cold executor doubles
         # batch-1 latency on the CPU). Load spreads as executors fill. Never
         # behind shadow work while another executor is as free.
-        if self._shadowing:
-            best = max(executors, key=lambda e: (-e.inflight, e not in self._shadowing, e.last_used))
+        if self._running_shadow_jobs:
+            best = max(executors, key=lambda e: (-e.inflight, e not in self._running_shadow_jobs, e.last_used))
         else:
             best = max(executors, key=lambda e: (-e.inflight, e.last_used))
         return best if best.inflight < PIPELINE_DEPTH else None

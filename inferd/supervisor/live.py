@@ -11,8 +11,9 @@ from inferd.repository import resolve_version
 class LiveVersions(dict[str, str]):
     """model -> the version that computes its new batches, and the version live before the last reload.
 
-    Only the ReloadManager calls `flip` and `add`; the frontend, the dispatcher, the
-    worker table and the reports read it, so a flip is seen by all of them at once.
+    Only the ReloadManager calls `switch` (in its flip) and `add`; the frontend, the
+    dispatcher, the worker table and the reports read it, so a flip is seen by all of
+    them at once.
     It is a dict for them to read at a dict's speed (it is read several times per
     request); every other way to change it is refused.
     """
@@ -28,7 +29,7 @@ class LiveVersions(dict[str, str]):
         return cls({name: resolve_version(m, saved.get(name)) for name, m in config.models.items()}, previous)
 
     def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError("the live versions change only through flip() and add()")
+        raise TypeError("the live versions change only through switch() and add()")
 
     __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _refuse
 
@@ -36,8 +37,8 @@ class LiveVersions(dict[str, str]):
         """The version that was live before the last reload of `model`, if it was reloaded."""
         return self._previous.get(model)
 
-    def flip(self, model: str, version: str) -> str:
-        """Make `version` live; return the version it replaces."""
+    def switch(self, model: str, version: str) -> str:
+        """Record `version` as live; return the version it replaces."""
         before = self[model]
         dict.__setitem__(self, model, version)
         self._previous[model] = before

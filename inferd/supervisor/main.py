@@ -287,8 +287,8 @@ class Supervisor:
                 self.queue.put_back(left)
                 blocked.add(batch[0])
         # Shadow work only on executor time no request wants.
-        if self.dispatcher.shadow and not len(self.queue) and self.state == DaemonState.SERVING:
-            self.dispatcher.run_shadow(now)
+        if self.dispatcher.shadow_jobs and not len(self.queue) and self.state == DaemonState.SERVING:
+            self.dispatcher.run_shadow_jobs(now)
 
     def _housekeeping(self, now: float) -> None:
         if self.state in (DaemonState.STARTING, DaemonState.SERVING):

@@ -270,7 +270,7 @@ class ReloadManager:
         """Make `version` (loaded on every ready worker) live, retire the version it replaces once its last
         batch is back, and answer `reply` with `result` once the new state is on disk."""
         switch_started = time.perf_counter()
-        previous = self.live.flip(model, version)
+        previous = self.live.switch(model, version)
         switch_ms = (time.perf_counter() - switch_started) * 1000
         for worker in self.workers.workers:
             if (model, previous) in worker.loaded:
