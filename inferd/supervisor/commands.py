@@ -19,7 +19,7 @@ import msgspec
 from inferd import __version__
 from inferd.repository import RepositoryError, describe_versions
 from inferd.supervisor.candidates import Mode
-from inferd.supervisor.control import ControlReply, deferred
+from inferd.supervisor.control_server import ControlReply, deferred
 from inferd.supervisor.report import candidate_status, stats_report, worker_summary
 from inferd.supervisor.state import DaemonState
 

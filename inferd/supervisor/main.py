@@ -44,7 +44,7 @@ from inferd.supervisor.batcher import Batcher, Capacity, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.commands import Commands
-from inferd.supervisor.control import ControlServer
+from inferd.supervisor.control_server import ControlServer
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import ComputeTimes, Forecast
