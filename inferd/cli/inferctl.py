@@ -578,6 +578,3 @@ def main_inferctl() -> None:
     """Entry point of `inferctl`."""
     run_command(inferctl, "inferctl")
 
-
-if __name__ == "__main__":
-    main_inferd()
