@@ -24,7 +24,8 @@ import torch
 import yaml
 
 from inferd import config, paths, repository
-from inferd.cli.inferctl import inferctl, inferd
+from inferd.cli.daemon import inferd
+from inferd.cli.inferctl import inferctl
 from inferd.fleet.decisions import FRAGMENTED_LABEL, version_label
 from inferd.fleet.main import fleet
 from inferd.harness import DaemonProcess, free_port

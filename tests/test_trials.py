@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.exceptions import BadParameter
 
-from inferd.cli.inferctl import Duration
+from inferd.cli.common import Duration
 from inferd.config import CanaryGuard
 from inferd.ipc.messages import TensorRef
 from inferd.supervisor.canary import P99_MIN_OK, judge

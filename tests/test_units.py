@@ -566,7 +566,8 @@ def test_a_gateway_request_the_supervisor_never_answers_still_gets_one_answer(tm
 def test_the_daemons_processes_do_not_load_the_client_until_a_program_asks_for_it():
     # The supervisor, the workers and the gateways import inferd's package; its client (and what the
     # client imports) is for programs that send requests, so importing the package must not load it.
-    code = ("import sys, inferd, inferd.cli.inferctl, inferd.supervisor.main, inferd.worker.main, inferd.oip.gateway\n"
+    code = ("import sys, inferd, inferd.cli.daemon, inferd.cli.inferctl, inferd.supervisor.main, inferd.worker.main, "
+            "inferd.oip.gateway\n"
             "assert 'inferd.client' not in sys.modules, 'loaded by the daemon'\n"
             "from inferd import Client, AsyncClient, RetryPolicy\n"
             "assert Client.__module__ == 'inferd.client'\n")

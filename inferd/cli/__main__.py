@@ -1,5 +1,5 @@
 """`python -m inferd.cli`: the `inferd` command, for a daemon started without its console script."""
 
-from inferd.cli.inferctl import main_inferd
+from inferd.cli.daemon import main
 
-main_inferd()
+main()

@@ -9,7 +9,7 @@ import sys
 import click
 
 from inferd import addresses
-from inferd.cli.inferctl import CliError, Duration, run_command
+from inferd.cli.common import CliError, Duration, run_command
 from inferd.fleet.decisions import Policy
 from inferd.logs import setup_logging
 

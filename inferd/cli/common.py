@@ -1,0 +1,68 @@
+"""What the `inferd`, `inferctl` and `inferd-fleet` commands share: one-sentence errors, running a
+click command as a program, loading a config, and durations such as 10m."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+
+from inferd import config as config_module
+
+DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+class CliError(click.ClickException):
+    """An error printed as one sentence."""
+
+
+def run_command(command: click.Command, prog: str) -> None:
+    """Run a click command as a program: its errors are one sentence on stderr and a non-zero exit."""
+    try:
+        code = command.main(prog_name=prog, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo(f"{prog}: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        click.echo(f"{prog}: {exc.format_message()}", err=True)
+        sys.exit(exc.exit_code)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def load_config(path: str) -> config_module.Config:
+    """The config at `path`, with its model repositories checked; every problem is one CliError."""
+    from inferd import repository
+
+    try:
+        config = config_module.load(path)
+    except config_module.ConfigError as exc:
+        raise CliError(f"{path} has {len(exc.problems)} problem(s): " + "; ".join(exc.problems)) from None
+    problems = repository.check(config)
+    if problems:
+        raise CliError("; ".join(problems))
+    return config
+
+
+class Duration(click.ParamType):
+    """A span of time: 90, 90s, 10m, 1h or 1h30m (seconds when no unit is given)."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        """Seconds, above zero; anything else is one sentence."""
+        text = str(value).strip().lower()
+        seconds, number = 0.0, ""
+        try:
+            for char in text:
+                if char in DURATION_UNITS:
+                    seconds += float(number) * DURATION_UNITS[char]
+                    number = ""
+                else:
+                    number += char
+            seconds += float(number) if number else 0.0
+        except ValueError:
+            self.fail(f"{value!r} is not a duration (say 90s, 10m or 1h)", param, ctx)
+        if not seconds > 0 or not text:
+            self.fail(f"{value!r} is not a duration above zero (say 90s, 10m or 1h)", param, ctx)
+        return seconds

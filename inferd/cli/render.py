@@ -1,0 +1,153 @@
+"""The daemon's answers to status, stats and the switches, as the lines and tables `inferctl` prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def status_table(status: dict[str, Any]) -> str:
+    """The status object as the lines `inferctl status` prints: the daemon, its models, workers and gateways."""
+    lines = [f"inferd {status['version']}, pid {status['pid']}, {status['state']} "
+             f"for {status['uptime_s']:.1f} s, listening on {', '.join(status['listen'])}", "models:"]
+    for name, model in status["models"].items():
+        candidate = model["candidate"]
+        trial = ""
+        if candidate is not None:
+            trial = f"  {candidate['mode']} {candidate['version']} at {candidate['weight']:g} %"
+            trial += ", guarded" if candidate["guarded"] else ""
+            if candidate["promote_in_s"] is not None:
+                trial += f", promoted in {candidate['promote_in_s']:.0f} s if clean"
+        lines.append(f"  {name:<20} live {model['live_version']:<12} queued {model['queue_depth']}{trial}")
+    lines.append("workers:")
+    for w in status["workers"]:
+        line = (f"  worker{w['worker']:<3} pid {w['pid']!s:<8} {w['device']:<8} {w['state']:<9}"
+                f" generation {w['generation']}  restarts {w['restarts']}  busy executors {w['executors_busy']}"
+                f"  loaded: {', '.join(w['loaded']) or 'nothing'}")
+        if w["last_error"]:
+            line += f"  last error: {w['last_error']}"
+        lines.append(line)
+    if status["gateways"]:
+        lines.append("gateways:")
+    lines += [f"  {g['protocol']:<8} pid {g['pid']!s:<8} {g['address']:<22} restarts {g['restarts']}"
+              for g in status["gateways"]]
+    return "\n".join(lines)
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _scheduling_lines(stats: dict[str, Any]) -> list[str]:
+    """Each model's priority levels (since start) and its admission estimate."""
+    lines = ["", f"{'model':<14}{'priority':>8}{'requests':>10}{'not ok':>8}{'p50 ms':>9}{'p99 ms':>9}"
+                 "   (since start)"]
+    for name, model in stats["models"].items():
+        for level, part in model["priorities"].items():
+            requests = sum(part["requests"].values())
+            lines.append(f"{name:<14}{level:>8}{requests:>10}{requests - part['requests'].get('ok', 0):>8}"
+                         f"{part['latency_ms']['p50']:>9.2f}{part['latency_ms']['p99']:>9.2f}")
+    for name, model in stats["models"].items():
+        admission = model["admission"]
+        estimate = "not known yet" if admission["estimate_ms"] is None else f"{admission['estimate_ms']:.1f} ms"
+        lines.append(f"admission: a new request to {name} would finish in {estimate} at the soonest; "
+                     f"{admission['refused_as_late']} refused as sure to miss their deadline")
+    return lines
+
+
+def _trial_lines(stats: dict[str, Any]) -> list[str]:
+    """Each model's running trial with the guard's view of it, and each shadowed version's comparison."""
+    lines = []
+    for name, model in stats["models"].items():
+        candidate = model["candidate"]
+        if candidate is not None:
+            routed = "" if candidate["routed_share"] is None else f", {candidate['routed_share']:.1%} routed so far"
+            line = f"{name}: {candidate['mode']} {candidate['version']} at {candidate['weight']:g} %{routed}"
+            guard = candidate.get("guard")
+            if guard is not None:
+                line += f"; guard ({guard['window_s']:g} s window): {guard['verdict']}, {guard['reason']}"
+            lines.append(line)
+        for version, shadow in model["shadow"].items():
+            close = "-" if shadow["allclose_share"] is None else f"{shadow['allclose_share']:.1%}"
+            compute = shadow["compute_ms"]
+            lines.append(f"{name} shadow {version}: {shadow['compared']} of {shadow['chosen']} compared, {close} "
+                         f"allclose, max difference {shadow['max_abs_difference']:.3g} (relative "
+                         f"{shadow['max_rel_difference']:.3g}), compute p50 {compute['shadow']['p50']:.2f} ms against "
+                         f"{compute['live']['p50']:.2f} ms live, {shadow['failed']} failed, "
+                         f"{sum(shadow['dropped'].values())} dropped")
+    return ["", *lines] if lines else []
+
+
+def stats_table(stats: dict[str, Any]) -> str:
+    """The stats object as a few aligned lines a person reads in a terminal."""
+    lines = [f"inferd {stats['state']}, up {stats['uptime_s']:.0f} s; latencies over the last minute, "
+             "throughput over the last 10 s"]
+    header = (f"{'model':<14}{'version':<10}{'requests':>9}{'not ok':>8}{'samples':>9}{'p50 ms':>9}{'p99 ms':>9}"
+              f"{'queue p99':>10}{'compute p99':>12}{'samples/s':>10}{'goodput/s':>10}{'batch':>7}{'queued':>7}"
+              f"{'peak':>6}")
+    lines += ["", header]
+    for name, model in stats["models"].items():
+        for version, part in [("all", model), *model["versions"].items()]:
+            requests = sum(part["requests"].values())
+            latency = part["latency_ms"]
+            live = version == model["live_version"]
+            lines.append(
+                f"{(name if version == 'all' else ''):<14}{version + ('*' if live else ''):<10}{requests:>9}"
+                f"{requests - part['requests'].get('ok', 0):>8}{part['samples']:>9}{latency['total']['p50']:>9.2f}"
+                f"{latency['total']['p99']:>9.2f}{latency['queue']['p99']:>10.2f}{latency['compute']['p99']:>12.2f}"
+                f"{part['throughput']['samples_per_s_10s']:>10.1f}{part['goodput']['requests_per_s_10s']:>10.1f}"
+                f"{part['batch_size']['mean']:>7.1f}"
+                + (f"{model['queue_depth']:>7}{part['queue_depth_peak_60s']:>6}" if version == "all" else "")
+            )
+    lines += _scheduling_lines(stats)
+    lines += _trial_lines(stats)
+    lines += ["", f"{'worker':<8}{'pid':>8}  {'device':<8}{'state':<10}{'busy':>5}{'batches':>9}{'restarts':>9}"
+                  f"{'rss MiB':>9}{'cpu %':>7}{'growth MiB':>11}  gpu"]
+    for w in stats["workers"]:
+        gpu = ""
+        if "gpu_memory_used_bytes" in w:
+            gpu = (f"{_mib(w['gpu_memory_used_bytes'])}/{_mib(w['gpu_memory_total_bytes'])} MiB, "
+                   f"{w['gpu_utilization']:.0%} busy")
+        if "torch_reserved_bytes" in w:
+            gpu += (f"{', ' if gpu else ''}torch {_mib(w['torch_allocated_bytes'])}/"
+                    f"{_mib(w['torch_reserved_bytes'])} MiB, fragmentation {w['fragmentation']:.0%}")
+        warn = "  LEAK?" if w["leak_warning"] else ""
+        lines.append(f"{'worker' + str(w['worker']):<8}{w['pid']!s:>8}  {w['device']:<8}{w['state']:<10}"
+                     f"{w['executors_busy']:>5}{w['batches']:>9}{w['restarts']:>9}{_mib(w.get('rss_bytes')):>9}"
+                     f"{w.get('cpu_percent', 0):>7.0f}{_mib(w['memory_growth_bytes']):>11}  {gpu}{warn}")
+    if stats.get("regions"):
+        regions = stats["regions"]
+        name = max(len("region"), *(len(r["name"]) for r in regions)) + 2
+        key = max(len("shared memory"), *(len(r["key"]) for r in regions)) + 2
+        lines += ["", f"{'region':<{name}}{'shared memory':<{key}}{'bytes':>12}{'requests':>10}  owner"]
+        lines += [f"{r['name']:<{name}}{r['key']:<{key}}{r['byte_size']:>12}{r['requests']:>10}  {r['owner']}"
+                  for r in regions]
+    return "\n".join(lines)
+
+
+def switch_outcome(result: dict[str, Any]) -> str:
+    """The last line of a switch: what is live, or what is tried, now."""
+    name = result["model"]
+    if "ended" in result:
+        return f"the {result['ended']} of {name} ended; {result['version']} serves everything"
+    if "was" in result:
+        return f"{name} {result['mode']} {result['version']} now at {result['weight']:g} % (was {result['was']:g} %)"
+    if "mode" in result:
+        extra = ", guarded" if result["guarded"] else ""
+        if result["promote_after_s"] is not None:
+            extra += f", promoted after {result['promote_after_s']:g} s if it stays clean"
+        return (f"{name} {result['version']} is a {result['mode']} at {result['weight']:g} % beside {result['live']}"
+                f"{extra}: {_steps(result)}")
+    if "promoted" in result:
+        return (f"{name} {result['version']} is live (was {result['previous']}), promoted from its "
+                f"{result['promoted']}: {_steps(result)}")
+    return f"{name} {result['version']} is live (was {result['previous']}): {_steps(result)}"
+
+
+def _steps(result: dict[str, Any]) -> str:
+    """What a switch's steps took, of those it had."""
+    steps = []
+    if "load_s" in result:
+        steps += [f"load {result['load_s']:.2f} s", f"warm-up {result['warm_s']:.2f} s"]
+    if "switch_ms" in result:
+        steps.append(f"switch {result['switch_ms']:.3f} ms")
+    return ", ".join([*steps, f"{result['total_s']:.2f} s in all"])
