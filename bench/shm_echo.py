@@ -43,7 +43,7 @@ from bench import models
 from bench.common import ROOT, run_loadgen, start_daemon, table
 from bench.loadgen import percentiles
 from bench.run import model_configs
-from inferd.client import Client
+from inferd.client.client import Client
 from inferd.harness import free_port
 from inferd.shm_names import CLIENT_PREFIX, SHM_DIR
 

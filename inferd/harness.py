@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from inferd.client import Client
+from inferd.client.client import Client
 from inferd.ipc.control import ControlClient, ControlError
 
 

@@ -11,7 +11,7 @@ import pytest
 from wire import error, ok
 
 from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable, protocol
-from inferd.client import _Call, _Mailbox
+from inferd.client.client import _Call, _Mailbox
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 

@@ -570,7 +570,7 @@ def test_the_daemons_processes_do_not_load_the_client_until_a_program_asks_for_i
             "inferd.oip.gateway\n"
             "assert 'inferd.client' not in sys.modules, 'loaded by the daemon'\n"
             "from inferd import Client, AsyncClient, RetryPolicy\n"
-            "assert Client.__module__ == 'inferd.client'\n")
+            "assert Client.__module__ == 'inferd.client.client'\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 
