@@ -11,7 +11,8 @@ import pytest
 from wire import error, ok
 
 from inferd import AsyncClient, Client, InvalidRequest, Overloaded, RetryPolicy, Timeout, Unavailable, protocol
-from inferd.client.client import _Call, _Mailbox
+from inferd.client.call import Call
+from inferd.client.mailbox import Mailbox
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 
@@ -118,8 +119,8 @@ def test_async_client_retries_and_times_out(server_factory):
 
 
 def test_a_call_with_no_attempts_left_reports_the_dropped_connection():
-    call = _Call(1, lambda left_ms: protocol.encode_request(1, "m", [X], None, left_ms), 5.0,
-                 RetryPolicy(max_attempts=1))
+    call = Call(1, lambda left_ms: protocol.encode_request(1, "m", [X], None, left_ms), 5.0,
+                RetryPolicy(max_attempts=1))
     call.frames()
     outcome = call.missed()
     assert isinstance(outcome, Unavailable) and "connection" in outcome.message
@@ -155,7 +156,7 @@ def test_calls_beyond_the_send_queue_wait_for_room_not_for_their_deadline(server
 def test_posting_past_a_full_wake_pipe_neither_blocks_nor_loses_a_post():
     # Nobody drains the wake pipe here, as when the I/O thread is busy or stopping: a post
     # that blocked on the full pipe would hold the mailbox lock the I/O thread needs to shut it.
-    mailbox = _Mailbox()
+    mailbox = Mailbox()
     posted = []
     poster = threading.Thread(target=lambda: posted.extend(mailbox.post(None) for _ in range(200_000)), daemon=True)
     poster.start()

@@ -1,0 +1,71 @@
+"""One logical request across its attempts: what to send, and what each answer means."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from inferd import protocol
+from inferd.client.retry import RETRY_STATUSES, Retry, RetryPolicy, retry_after
+from inferd.endpoints import Endpoint
+from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
+
+Outputs = np.ndarray | tuple[np.ndarray, ...]
+Encode = Callable[[int], list[protocol.Buffer]]  # the time left in ms -> the message of an attempt
+Result = Callable[[protocol.ReplyHeader, list[np.ndarray]], Any]  # an `ok` reply -> what the caller gets
+
+
+def _outputs(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Outputs:
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+class Call:
+    """One logical request across its attempts: what to send, and what each answer means."""
+
+    def __init__(self, request_id: int, encode: Encode, timeout: float, policy: RetryPolicy,
+                 result: Result = _outputs) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.endpoint: Endpoint | None = None  # where the current attempt is in flight
+        self.avoid: Endpoint | None = None  # where the last attempt failed: elsewhere first
+        self.id = request_id
+        self.encode = encode
+        self.result = result
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.policy = policy
+        self.attempts = 0
+
+    def frames(self) -> list[protocol.Buffer]:
+        """The next attempt's message, carrying the time left as its timeout."""
+        self.attempts += 1
+        return self.encode(max(1, int((self.deadline - time.monotonic()) * 1000)))
+
+    def settle(self, header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Any:
+        """The call's result, its error, or a retry after a delay."""
+        if header.status == protocol.OK:
+            return self.result(header, outputs)
+        if header.status in RETRY_STATUSES:
+            retry = retry_after(self.policy, self.attempts, self.deadline)
+            if retry is not None:
+                return retry
+        cls = ERROR_BY_STATUS.get(header.status, InferdError)
+        return cls(header.error or header.status, self.id)
+
+    def missed(self) -> InferdError | Retry:
+        """The connection dropped with this call in flight: retry, or give up."""
+        return (retry_after(self.policy, self.attempts, self.deadline)
+                or Unavailable("the connection to the daemon dropped before the reply came", self.id))
+
+    def refused(self) -> Unavailable:
+        """The daemon refused this client's CURVE key: retrying cannot help."""
+        return Unavailable("the daemon refused this client's CURVE key (is its public key in the daemon's "
+                           "server.curve_authorized_keys folder?)", self.id)
+
+    def expired(self, unreachable: str | None = None) -> Timeout:
+        """The error of a call whose deadline passed with no reply (and why, if no daemon could be reached)."""
+        reason = f": no daemon reachable at {unreachable}" if unreachable else ""
+        return Timeout(f"no reply within {self.timeout:g} s{reason}", self.id)
