@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from inferd.config import Config, ModelConfig, version_problem
+from inferd.config.schema import Config, ModelConfig, version_problem
 
 log = logging.getLogger("inferd.repository")
 

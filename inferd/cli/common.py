@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from inferd import config as config_module
+from inferd.config import loading
+from inferd.config.schema import Config
 
 DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 
@@ -30,13 +31,13 @@ def run_command(command: click.Command, prog: str) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def load_config(path: str) -> config_module.Config:
+def load_config(path: str) -> Config:
     """The config at `path`, with its model repositories checked; every problem is one CliError."""
     from inferd import repository
 
     try:
-        config = config_module.load(path)
-    except config_module.ConfigError as exc:
+        config = loading.load(path)
+    except loading.ConfigError as exc:
         raise CliError(f"{path} has {len(exc.problems)} problem(s): " + "; ".join(exc.problems)) from None
     problems = repository.check(config)
     if problems:

@@ -6,8 +6,8 @@ import click
 import msgspec
 
 from inferd import __version__, paths
-from inferd import config as config_module
 from inferd.cli.common import CliError, load_config, run_command
+from inferd.config import loading
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,7 +31,7 @@ def serve(config_path: str | None, log_level: str | None) -> int:
     if config_path is None:
         state_dir = paths.state_dir()
         demo.ensure_repository(state_dir)
-        config = config_module.parse(demo.demo_config(state_dir), source="demo")
+        config = loading.parse(demo.demo_config(state_dir), source="demo")
     else:
         config = load_config(config_path)
     if log_level is not None:
@@ -51,8 +51,8 @@ def check_config(config_path: str) -> None:
     from inferd import repository
 
     try:
-        config = config_module.load(config_path)
-    except config_module.ConfigError as exc:
+        config = loading.load(config_path)
+    except loading.ConfigError as exc:
         problems = exc.problems
     else:
         problems = repository.check(config)

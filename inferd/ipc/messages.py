@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from inferd.config import ModelConfig
+from inferd.config.schema import ModelConfig
 
 
 class TensorRef(msgspec.Struct, frozen=True, array_like=True):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Sequence
 
-from inferd.config import ModelConfig
+from inferd.config.schema import ModelConfig
 from inferd.ipc.messages import TensorSpec
 from inferd.protocol import tensor_bytes
 

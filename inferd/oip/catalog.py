@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from inferd import protocol
-from inferd.config import ModelConfig
+from inferd.config.schema import ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.shm import EXTENSION, InRegion

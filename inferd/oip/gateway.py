@@ -21,8 +21,9 @@ import zmq
 import zmq.asyncio
 
 from inferd import addresses
-from inferd import config as config_module
 from inferd.child import begin_child
+from inferd.config import loading
+from inferd.config.schema import Config
 from inferd.oip.catalog import Catalog
 from inferd.oip.shm import SharedMemory
 from inferd.oip.spec import GatewaySpec
@@ -43,7 +44,7 @@ class FrontEnd(Protocol):
     def stop(self) -> None: ...
 
 
-async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
+async def _serve(spec: GatewaySpec, config: Config) -> None:
     context = zmq.asyncio.Context()
     data_context = zmq.Context()
     control = Control(context, spec.control)
@@ -82,7 +83,7 @@ async def _serve(spec: GatewaySpec, config: config_module.Config) -> None:
 def gateway_main(encoded_spec: bytes) -> None:
     """Entry point of a spawned gateway process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=GatewaySpec)
-    config = config_module.decode(spec.config)
+    config = loading.decode(spec.config)
     # It stops after the drain, once the last reply it carries has gone.
     begin_child(f"inferd: gateway {spec.protocol}", f"gateway-{spec.protocol}", config.server.log_level,
                 WorkerExit.PARENT_GONE)

@@ -23,7 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from inferd import addresses
-from inferd.config import ServerConfig, client_shm_protocols
+from inferd.config.schema import ServerConfig, client_shm_protocols
 from inferd.oip.shm import peer_name
 
 log = logging.getLogger("inferd.oip.http")

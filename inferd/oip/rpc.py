@@ -21,7 +21,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from inferd import __version__, protocol
-from inferd.config import ServerConfig
+from inferd.config.schema import ServerConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from inferd.config import Config
+from inferd.config.schema import Config
 from inferd.supervisor.queue import Bounds, Lane, Levels, QueuedRequest, RequestQueue
 
 # The "auto" window sends a batch this long before its executor is expected to be free: the time to

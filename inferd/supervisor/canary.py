@@ -22,7 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from inferd.config import CanaryGuard, Config
+from inferd.config.schema import CanaryGuard, Config
 from inferd.repository import RepositoryError, model_file
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, weight_problem
 from inferd.supervisor.control_server import LoggedReply, Reply

@@ -16,7 +16,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from inferd import protocol
 from inferd.addresses import loopback
-from inferd.config import ServerConfig, client_shm_protocols
+from inferd.config.schema import ServerConfig, client_shm_protocols
 from inferd.errors import InvalidRequest
 from inferd.protocol import Buffer, RegionInfo
 from inferd.supervisor.regions import Region, Regions, RegionSlice

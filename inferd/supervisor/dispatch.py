@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import zmq
 
 from inferd import protocol
-from inferd.config import Config
+from inferd.config.schema import Config
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place

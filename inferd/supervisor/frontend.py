@@ -22,7 +22,7 @@ import zmq
 
 from inferd import protocol
 from inferd.addresses import loopback
-from inferd.config import Config, ModelConfig
+from inferd.config.schema import Config, ModelConfig
 from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
 from inferd.ipc.sockets import recv_routed

@@ -20,8 +20,8 @@ from multiprocessing.process import BaseProcess
 import msgspec
 
 from inferd import addresses
-from inferd import config as config_module
-from inferd.config import Config
+from inferd.config import loading
+from inferd.config.schema import Config
 from inferd.oip.spec import PROTOCOLS, GatewaySpec
 from inferd.supervisor.state import StartupError
 from inferd.worker.exits import describe_exit
@@ -82,7 +82,7 @@ class Gateway:
 
     def start(self) -> None:
         """Spawn the gateway process."""
-        spec = GatewaySpec(protocol=self.protocol, config=config_module.encode(self.config), devices=self._devices,
+        spec = GatewaySpec(protocol=self.protocol, config=loading.encode(self.config), devices=self._devices,
                            control=self._control, upstream=self.upstream)
         self.process = _spawn.Process(target=_run, args=(msgspec.msgpack.encode(spec),),
                                       name=f"inferd-gateway-{self.protocol}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-from inferd.config import Config
+from inferd.config.schema import Config
 from inferd.repository import resolve_version
 
 

@@ -29,7 +29,7 @@ import setproctitle
 import zmq
 
 from inferd import __version__, protocol
-from inferd.config import Config
+from inferd.config.schema import Config
 from inferd.curve import CurveServer
 from inferd.ipc import messages
 from inferd.ipc.arena import arena_name, new_instance, sweep_stale

@@ -3,8 +3,8 @@ and name what needs a restart.
 
 `plan` compares the running config with the one just read and returns the
 config to run with from now on: the new values of keys that can change live
-(config.py marks them), the old values of keys that cannot (each named, so the
-operator is told). `Reconfigurer` carries the plan out: new models, new
+(config/schema.py marks them), the old values of keys that cannot (each named,
+so the operator is told). `Reconfigurer` carries the plan out: new models, new
 versions (a blue-green reload each), and the new config for every part.
 """
 
@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import msgspec
 
-from inferd import config as config_module
-from inferd.config import SECTIONS, Config, ModelConfig, live_keys
+from inferd.config import loading
+from inferd.config.schema import SECTIONS, Config, ModelConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
 from inferd.repository import RepositoryError, resolve_version
 from inferd.supervisor.control_server import LoggedReply
@@ -121,8 +121,8 @@ class Reconfigurer:
             log.warning("SIGHUP: the demo has no config file to re-read; nothing changed")
             return
         try:
-            new = config_module.load(running.source)
-        except config_module.ConfigError as exc:
+            new = loading.load(running.source)
+        except loading.ConfigError as exc:
             log.error("SIGHUP: %s has %d problem(s), nothing changed: %s", running.source,
                       len(exc.problems), "; ".join(exc.problems))
             return

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferd.config import Config
+from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.repository import RepositoryError, SavedVersions, model_file
 from inferd.supervisor.candidates import Candidates

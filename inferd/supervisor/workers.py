@@ -25,8 +25,8 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from inferd import config as config_module
-from inferd.config import Config
+from inferd.config import loading
+from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.ipc.arena import Arena, ArenaError, arena_name
 from inferd.ipc.messages import LoadedModel
@@ -193,7 +193,7 @@ class WorkerTable:
             device=worker.device,
             backend=self.endpoint,
             arena=worker.arena.name,
-            config=config_module.encode(self.config),
+            config=loading.encode(self.config),
             versions=dict(self.live),
             stacks=str(worker.stacks_path),
         )

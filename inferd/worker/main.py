@@ -19,8 +19,9 @@ import threading
 import msgspec
 import zmq
 
-from inferd import config as config_module
 from inferd.child import begin_child
+from inferd.config import loading
+from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.logs import set_level
 from inferd.worker.exits import WorkerExit
@@ -78,7 +79,7 @@ def _unpin(arena) -> None:
 def worker_main(encoded_spec: bytes) -> None:
     """Entry point of a spawned worker process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
-    config = config_module.decode(spec.config)
+    config = loading.decode(spec.config)
     begin_child(f"inferd: worker{spec.worker} gen{spec.generation} {spec.device}", f"worker{spec.worker}",
                 config.server.log_level, WorkerExit.PARENT_GONE)
     # Written from the signal handler itself, so a worker hung inside a model still answers.
@@ -129,7 +130,7 @@ def worker_main(encoded_spec: bytes) -> None:
     os._exit(0)
 
 
-def _boot(spec: WorkerSpec, config: config_module.Config, context: zmq.Context, stop_fd: int):
+def _boot(spec: WorkerSpec, config: Config, context: zmq.Context, stop_fd: int):
     """Attach the arena, load and warm every model, create the executors (not yet started)."""
     import torch
 

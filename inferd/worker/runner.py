@@ -18,7 +18,7 @@ import psutil
 import torch
 
 from inferd.arrays import to_numpy
-from inferd.config import ModelConfig
+from inferd.config.schema import ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.protocol import DTYPES
 from inferd.repository import CANARY_ATOL, CANARY_RTOL, model_file

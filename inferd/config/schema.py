@@ -1,14 +1,13 @@
 """Every option of inferd, declared once: type, default, check and documentation.
 
-The structs below are the declaration. `load` validates a TOML file against them
-and names every problem with its key; `reference_markdown` renders the same
-declarations as the README's config reference, so the docs cannot drift.
+The structs below are the declaration; `CHECKS` adds what a type cannot say (an
+endpoint's form, a file that must exist). `_doc` notes each key's meaning and
+whether a SIGHUP applies it, which `live_keys` and the README reference read back.
 """
 
 from __future__ import annotations
 
 import re
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,7 +15,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from inferd import paths
 from inferd.protocol import DTYPES
 from inferd.shm_names import ARENA_PREFIX, CLIENT_PREFIX
 
@@ -322,14 +320,6 @@ SECTIONS: dict[str, type[msgspec.Struct]] = {
 }
 
 
-class ConfigError(Exception):
-    """The config has problems; `problems` names each one with its key."""
-
-    def __init__(self, problems: list[str]) -> None:
-        super().__init__("; ".join(problems))
-        self.problems = problems
-
-
 def _check_endpoint(value: str) -> str | None:
     if value.startswith("ipc://") and len(value) > len("ipc://"):
         return None
@@ -416,6 +406,7 @@ def client_shm_protocols(server: ServerConfig) -> frozenset[str]:
         return frozenset(SHM_PROTOCOLS) if allowed else frozenset()
     return frozenset(allowed)
 
+
 CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ServerConfig, "log_level"): lambda v: None if v in LOG_LEVELS else f"{v!r}: use one of {', '.join(LOG_LEVELS)}",
     (ServerConfig, "listen"): _check_listen,
@@ -437,191 +428,18 @@ CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
 }
 
 
-def _value_at(value: Any, where: str) -> Any:
-    """The part of `value` that a msgspec path such as `[0].shape[1]` points at."""
-    for key, index in re.findall(r"\.(\w+)|\[(\d+)\]", where):
-        try:
-            value = value[key] if key else value[int(index)]
-        except (KeyError, IndexError, TypeError):
-            break
-    return value
-
-
-def _convert_error(key: str, raw: Any, exc: msgspec.ValidationError) -> str:
-    """Turn msgspec's `... - at `$[0].dtype`` into a problem named by its full key and bad value."""
-    message, _, where = str(exc).partition(" - at `$")
-    where = where.rstrip("`")
-    value = _value_at(raw, where)
-    if not message.startswith("Invalid enum value"):  # that one names the value already
-        message += f" {value!r}" if ", got" in message else f", got {value!r}"
-    return f"{key}{where}: {message}"
-
-
-def _build(cls: type[msgspec.Struct], table: Any, prefix: str, problems: list[str]) -> Any:
-    """Build one section from its TOML table, adding a problem for each bad key."""
-    if not isinstance(table, dict):
-        problems.append(f"{prefix.rstrip('.')}: expected a table, got {type(table).__name__}")
-        return None
-    fields = {field.name: field for field in msgspec.structs.fields(cls)}
-    values: dict[str, Any] = {}
-    for key, raw in table.items():
-        field = fields.get(key)
-        if field is None:
-            problems.append(f"{prefix}{key}: unknown key; known keys are {', '.join(fields)}")
-            continue
-        try:
-            value = msgspec.convert(raw, field.type)
-        except msgspec.ValidationError as exc:
-            problems.append(_convert_error(prefix + key, raw, exc))
-            continue
-        check = CHECKS.get((cls, key))
-        problem = check(value) if check else None
-        if problem:
-            problems.append(f"{prefix}{key}: {problem}")
-            continue
-        values[key] = value
-    missing = [f.name for f in fields.values() if f.required and f.name not in table]
-    problems.extend(f"{prefix}{name}: required, and missing" for name in missing)
-    if len(values) != len(table) or missing:
-        return None
-    return cls(**values)
-
-
-def _build_model(name: str, table: Any, state_dir: str, problems: list[str]) -> ModelConfig | None:
-    prefix = f"models.{name}."
-    if not MODEL_NAME.match(name):
-        problems.append(f"models.{name}: a model name is letters, digits, '_', '.' or '-' (at most 64)")
-        return None
-    model = _build(ModelConfig, table, prefix, problems)
-    if model is None:
-        return None
-    warmup = model.warmup_batch_sizes or tuple(sorted({1, model.max_batch_size}))
-    too_big = [size for size in warmup if size > model.max_batch_size]
-    if too_big:
-        problems.append(
-            f"{prefix}warmup_batch_sizes: {too_big[0]} is over max_batch_size ({model.max_batch_size})"
-        )
-        return None
-    repository = model.repository or str(Path(state_dir) / "models" / name)
-    return msgspec.structs.replace(model, warmup_batch_sizes=warmup, repository=repository)
-
-
-def parse(raw: dict[str, Any], source: str | None = None) -> Config:
-    """Validate a config already read as a dict; raise `ConfigError` naming every problem."""
-    problems: list[str] = []
-    for key in raw:
-        if key not in SECTIONS and key != "models":
-            problems.append(f"{key}: unknown section; known sections are {', '.join([*SECTIONS, 'models'])}")
-    sections = {name: _build(cls, raw.get(name, {}), f"{name}.", problems) for name, cls in SECTIONS.items()}
-    server = sections["server"]
-    state_dir = (server.state_dir if server else None) or str(paths.state_dir())
-    models_table = raw.get("models", {})
-    models: dict[str, ModelConfig] = {}
-    if not isinstance(models_table, dict) or not models_table:
-        problems.append("models: no model is configured; add a [models.NAME] table")
-    else:
-        for name, table in models_table.items():
-            model = _build_model(name, table, state_dir, problems)
-            if model is not None:
-                models[name] = model
-    if problems:
-        raise ConfigError(problems)
-    if bool(server.curve_secret_key) != bool(server.curve_authorized_keys):
-        raise ConfigError(["server.curve_secret_key and server.curve_authorized_keys go together: set both or neither"])
-    if bool(server.tls_cert) != bool(server.tls_key):
-        raise ConfigError(["server.tls_cert and server.tls_key go together: set both or neither"])
-    queue = sections["queue"]
-    if queue.default_priority is not None and queue.default_priority >= queue.priority_levels:
-        levels = queue.priority_levels
-        raise ConfigError([f"queue.default_priority: {queue.default_priority} is not a level; with "
-                           f"priority_levels = {levels} the levels are 0 to {levels - 1}"])
-    server = msgspec.structs.replace(
-        server, state_dir=state_dir, control=server.control or paths.default_control()
-    )
-    return Config(
-        server=server, workers=sections["workers"], queue=queue, models=models, source=source
-    )
-
-
-def load(path: str | Path) -> Config:
-    """Read and validate a TOML config file; raise `ConfigError` naming every problem."""
-    try:
-        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError([f"cannot read {path}: {exc.strerror}"]) from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError([f"{path} is not valid TOML: {exc}"]) from None
-    return parse(raw, source=str(path))
-
-
-def encode(config: Config) -> bytes:
-    """The config as msgpack, to hand to a spawned worker."""
-    return msgspec.msgpack.encode(config)
-
-
-def decode(data: bytes) -> Config:
-    """The inverse of `encode`."""
-    return msgspec.msgpack.decode(data, type=Config)
-
-
-def _default_text(field: msgspec.structs.FieldInfo, meta: Meta | None) -> str:
-    if meta is not None and _extra(meta).get("default_doc"):
-        return str(_extra(meta)["default_doc"])
-    if field.required:
-        return "(required)"
-    default = field.default
-    if isinstance(default, tuple):
-        default = list(default)
-    return "`" + msgspec.json.encode(default).decode() + "`"
-
-
-def _extra(meta: Meta) -> dict[str, Any]:
-    return meta.extra or {}
-
-
-def _meta(field: msgspec.structs.FieldInfo) -> Meta | None:
+def field_doc(field: msgspec.structs.FieldInfo) -> Meta | None:
+    """The documentation `_doc` gave a field; None if it has none."""
     metas = [m for m in getattr(field.type, "__metadata__", ()) if isinstance(m, Meta)]
     return next((m for m in metas if m.description), None)
 
 
+def doc_extra(field: msgspec.structs.FieldInfo) -> dict[str, Any]:
+    """What `_doc` noted beside a field's text: `live`, and `default_doc` where the default is put in words."""
+    meta = field_doc(field)
+    return (meta.extra or {}) if meta else {}
+
+
 def live_keys(cls: type[msgspec.Struct]) -> frozenset[str]:
     """The keys of a section that a SIGHUP applies at once."""
-    return frozenset(f.name for f in msgspec.structs.fields(cls) if (meta := _meta(f)) and _extra(meta).get("live"))
-
-
-def reference_markdown() -> str:
-    """The config reference as a Markdown table per section, from the declarations above."""
-    out: list[str] = []
-    tables: list[tuple[str, type[msgspec.Struct]]] = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()),
-                                                      ("[models.NAME]", ModelConfig),
-                                                      ("[models.NAME.canary_guard]", CanaryGuard)]
-    for title, cls in tables:
-        out += [f"#### `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
-        for field in msgspec.structs.fields(cls):
-            meta = _meta(field)
-            when = "applied" if meta and _extra(meta).get("live") else "restart"
-            out.append(f"| `{field.name}` | {_default_text(field, meta)} | {when} | "
-                       f"{meta.description if meta else ''} |")
-        out.append("")
-    return "\n".join(out)
-
-
-README_BEGIN = "<!-- config reference: python -m inferd.config -->\n"
-README_END = "<!-- end of config reference -->"
-
-
-def update_readme(path: Path) -> None:
-    """Replace the config reference between README's markers with a fresh one."""
-    text = path.read_text(encoding="utf-8")
-    head, _, rest = text.partition(README_BEGIN)
-    _, _, tail = rest.partition(README_END)
-    path.write_text(head + README_BEGIN + reference_markdown() + README_END + tail, encoding="utf-8")
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:2] == ["--update"]:
-        update_readme(Path(sys.argv[2]))
-    else:
-        print(reference_markdown())
+    return frozenset(f.name for f in msgspec.structs.fields(cls) if doc_extra(f).get("live"))
