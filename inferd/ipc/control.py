@@ -1,4 +1,4 @@
-"""The control socket's messages, and the client `inferctl` talks through.
+"""The control socket's messages, how a command's answer is read, and the client `inferctl` talks through.
 
 A command is a JSON frame `{"command": NAME, "args": {...}}`; its answer is a
 JSON frame `{"ok": true, "result": ...}` or `{"ok": false, "error": SENTENCE}`.
@@ -58,8 +58,20 @@ def encode_answer(answer: Answer) -> bytes:
     return _encoder.encode(answer)
 
 
+def decode_answer(frame: Buffer) -> Answer:
+    """An answer frame; raises msgspec errors on a malformed one."""
+    return _answer_decoder.decode(frame)
+
+
 class ControlError(Exception):
     """The daemon cannot be reached, or refused the command; the message is one sentence."""
+
+
+def answer_result(command: str, answer: Answer, error: type[Exception] = ControlError) -> Any:
+    """The result of `command`'s final answer; raises `error` with the daemon's sentence when it failed."""
+    if not answer.ok:
+        raise error(answer.error or f"{command} failed")
+    return answer.result
 
 
 class NoAnswer(ControlError):
@@ -120,7 +132,7 @@ class ControlClient:
         deadline = None if limit is None else time.monotonic() + limit
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            answer = _answer_decoder.decode(self._receive(left, limit)[0].buffer)
+            answer = decode_answer(self._receive(left, limit)[0].buffer)
             if answer.progress is None:
                 break
             if on_progress is not None:
@@ -129,9 +141,7 @@ class ControlClient:
                 promised = time.monotonic() + answer.wait_s + FINISH_GRACE_S
                 deadline = promised if deadline is None else max(deadline, promised)
                 limit = max(limit or 0.0, answer.wait_s + FINISH_GRACE_S)
-        if not answer.ok:
-            raise ControlError(answer.error or f"{command} failed")
-        return answer.result
+        return answer_result(command, answer)
 
     def _receive(self, wait: float | None, limit: float | None = None) -> list[zmq.Frame]:
         """The next message; `wait` seconds at most (None: until the connection drops)."""

@@ -14,12 +14,11 @@ import zmq
 import zmq.asyncio
 
 from inferd import protocol
-from inferd.ipc.control import Answer, encode_command
+from inferd.ipc.control import answer_result, decode_answer, encode_command
 from inferd.protocol import Buffer, ReplyHeader
 
 log = logging.getLogger("inferd.oip.upstream")
 
-_answer_decoder = msgspec.json.Decoder(Answer)
 SEND_HWM = 0  # the gateway bounds what it has in flight itself (its server's connection limits)
 
 
@@ -158,12 +157,10 @@ class Control:
                     socket.close()
                     self._socket = None
                     raise ConnectionError(f"the daemon did not answer {command} within {self._timeout_s:g} s")
-                answer = _answer_decoder.decode(await socket.recv())
+                answer = decode_answer(await socket.recv())
                 if answer.progress is None:
                     break
-        if not answer.ok:
-            raise ConnectionError(answer.error or f"{command} failed")
-        return answer.result
+        return answer_result(command, answer, ConnectionError)
 
     def close(self) -> None:
         """Close the socket."""
