@@ -27,11 +27,12 @@ def free_port() -> int:
 
 
 def local_config(workdir: Path, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> dict[str, Any]:
-    """A config for a daemon on this machine: one CPU worker, a free loopback port,
-    control socket and state in `workdir`, no metrics; `sections` update its tables."""
+    """A config for a daemon on this machine: one CPU worker, a loopback port the daemon picks
+    (DaemonProcess reads it from `status` once the daemon is up), control socket and state in
+    `workdir`, no metrics; `sections` update its tables."""
     config: dict[str, Any] = {
         "server": {
-            "listen": [f"tcp://127.0.0.1:{free_port()}"],
+            "listen": ["tcp://127.0.0.1:0"],
             "control": f"ipc://{workdir}/control.sock",
             "state_dir": str(workdir / "state"),
             "metrics": "",
@@ -88,6 +89,7 @@ class DaemonProcess:
         if config is not None:
             self.config_path = self.workdir / "inferd.toml"
             self.config_path.write_text(to_toml(config))
+        # A port 0 is known once the daemon is up (wait_healthy reads it).
         self.endpoint = config["server"]["listen"][0] if config else "tcp://127.0.0.1:5555"
         self.control = control or (config["server"]["control"] if config else None)
         self.env = env
@@ -102,6 +104,12 @@ class DaemonProcess:
 
     def start(self, wait: bool = True, timeout: float = 120) -> DaemonProcess:
         """Start the daemon; with `wait`, return once `health` says it serves."""
+        listen = self.config["server"]["listen"] if self.config is not None else None
+        if self._process is not None and listen and listen[0] != self.endpoint:
+            # A restart listens where the daemon listened before (a port it picked): its clients know that one.
+            listen[0] = self.endpoint
+            assert self.config is not None and self.config_path is not None
+            self.config_path.write_text(to_toml(self.config))
         argv = [sys.executable, "-m", "inferd.cli", "serve"]
         if self.config_path is not None:
             argv += ["--config", str(self.config_path)]
@@ -120,6 +128,7 @@ class DaemonProcess:
                 raise RuntimeError(f"the daemon exited with {self.process.returncode}:\n{self.log()}")
             try:
                 if self.call("health", timeout=1.0)["healthy"]:
+                    self.endpoint = self.status()["listen"][0]
                     return
             except ControlError:
                 pass

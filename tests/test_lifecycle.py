@@ -14,6 +14,7 @@ from conftest import BLOCKER, FAILING, MLP, ONE_AT_A_TIME, SLOW, requests_accoun
 from wire import RawPeer
 
 from inferd import Client, RetryPolicy
+from inferd.harness import free_port
 from inferd.shm_names import SHM_DIR
 
 ONE_SLOW = {**SLOW, "max_batch_size": 1, "warmup_batch_sizes": [1]}
@@ -243,7 +244,8 @@ def test_saved_live_version_wins_over_the_config(start_daemon, workdir):
 
 
 def test_client_retries_while_the_daemon_is_starting(start_daemon):
-    daemon = start_daemon({"mlp": MLP}, wait=False)
+    # The client connects before the daemon is up: to a port known in advance, not one it picks.
+    daemon = start_daemon({"mlp": MLP}, server={"listen": [f"tcp://127.0.0.1:{free_port()}"]}, wait=False)
     retry = RetryPolicy(max_attempts=200, initial_delay=0.05, max_delay=0.2)
     with Client(daemon.endpoint, timeout=60.0, retry=retry) as client:
         y = client.infer("mlp", X_MLP)

@@ -50,8 +50,11 @@ class Fleet:
         return daemons
 
     def restart(self, daemon: Daemon) -> Daemon:
-        """A new daemon with the same config (so the same port) as `daemon`, which is dead."""
-        again = Daemon(daemon.workdir, daemon.config)
+        """A new daemon with the same config as `daemon`, which is dead, on the port it had (its clients
+        know that one)."""
+        assert daemon.config is not None
+        server = {**daemon.config["server"], "listen": [daemon.endpoint]}
+        again = Daemon(daemon.workdir, {**daemon.config, "server": server})
         self.daemons.append(again)
         return again.start()
 

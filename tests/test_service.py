@@ -34,6 +34,7 @@ def service(workdir, repo):
         started.append((daemon, systemd))
         daemon.start(wait=False)
         systemd.wait_for("READY=1")
+        daemon.wait_healthy()  # and learn the port it picked
         return daemon, systemd
 
     yield start

@@ -36,7 +36,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """[server]: endpoints, limits and the drain."""
 
     listen: Annotated[
-        tuple[str, ...], Meta(min_length=1), _doc("Data endpoints clients connect to: tcp://HOST:PORT or ipc://PATH.")
+        tuple[str, ...], Meta(min_length=1),
+        _doc("Data endpoints clients connect to: tcp://HOST:PORT or ipc://PATH. With port 0 the system picks a "
+             "free one; `inferctl status --json` lists the endpoints as bound."),
     ] = ("tcp://127.0.0.1:5555",)
     control: Annotated[
         str | None,

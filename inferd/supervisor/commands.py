@@ -124,7 +124,7 @@ class Commands:
             "version": __version__,
             "state": self.daemon.state,
             "uptime_s": round(time.monotonic() - self.daemon.started, 3),
-            "listen": list(self.daemon.config.server.listen),
+            "listen": list(self.daemon.listening),
             "models": {
                 name: {
                     "live_version": version,

@@ -119,6 +119,7 @@ class Frontend:
         self.live = live
         self.candidates = candidates
         self.sockets: list[zmq.Socket] = []
+        self.listening: list[str] = []  # the server.listen endpoints as bound
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
@@ -161,11 +162,13 @@ class Frontend:
                 self._curve.secure(socket)
             self.sockets.append(socket)
             socket.bind(endpoint)
+            bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0: the one the system picked
+            self.listening.append(bound)
             if tcp and not self._curve.enabled and not loopback(endpoint):
                 log.warning("%s is reachable from the network without authentication; "
-                            "set server.curve_secret_key and server.curve_authorized_keys", endpoint)
-            log.info("listening on %s%s", endpoint, " (CURVE)" if tcp and self._curve.enabled else "")
-            self.client_regions.add(socket, endpoint, endpoint, "zmq", gateway=False)
+                            "set server.curve_secret_key and server.curve_authorized_keys", bound)
+            log.info("listening on %s%s", bound, " (CURVE)" if tcp and self._curve.enabled else "")
+            self.client_regions.add(socket, bound, bound, "zmq", gateway=False)
 
     def _router(self) -> zmq.Socket:
         largest, recv_hwm = receive_limits(self.config)

@@ -152,6 +152,11 @@ class Supervisor:
         self._spin_s = config.server.spin_us / 1e6
         self._active = False  # the last poll found work: spin before the next blocks
 
+    @property
+    def listening(self) -> list[str]:
+        """The data endpoints as bound (a port 0 is the one the system picked)."""
+        return self.frontend.listening
+
     # -- life cycle -------------------------------------------------------------
 
     def run(self) -> int:

@@ -41,6 +41,10 @@ class DaemonView(Protocol):
         """The config it runs with now."""
 
     @property
+    def listening(self) -> list[str]:
+        """The data endpoints as bound: a tcp:// one configured with port 0 has the port the system picked."""
+
+    @property
     def live(self) -> LiveVersions:
         """The live version of each model."""
 
