@@ -1,7 +1,7 @@
 """A gateway process: one of the Open Inference Protocol's front ends (HTTP or gRPC), in front of the
 supervisor.
 
-Spawned by the supervisor (supervisor/gateway.py), which restarts it when it
+Spawned by the supervisor (supervisor/gateway_processes.py), which restarts it when it
 dies and stops it at the end of a drain. It serves its protocol on its own
 asyncio loop and sends every inference request to the supervisor's ipc://
 endpoint for that protocol, in inferd's own wire protocol; it reads the models'

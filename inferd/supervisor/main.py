@@ -49,7 +49,7 @@ from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import ComputeTimes, Forecast
 from inferd.supervisor.frontend import Frontend
-from inferd.supervisor.gateway import Gateway, configured_gateways
+from inferd.supervisor.gateway_processes import Gateway, configured_gateways
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.liveness import Liveness
 from inferd.supervisor.metrics import MetricsServer

@@ -14,7 +14,7 @@ from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import Forecast
-from inferd.supervisor.gateway import Gateway
+from inferd.supervisor.gateway_processes import Gateway
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.probes import Probes
 from inferd.supervisor.queue import RequestQueue
