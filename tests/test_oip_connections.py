@@ -155,6 +155,39 @@ def test_a_dead_gateway_is_restarted_and_serves_again(start_daemon, protocol_nam
     assert after["protocol"] == protocol_name and after["restarts"] == 1 and after["pid"] not in (None, before["pid"])
 
 
+def test_a_crash_looping_gateway_is_given_up_and_zeromq_serves_on(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, server={"http": f"127.0.0.1:{free_port()}"}, workers={"max_restarts": 2})
+    target = daemon.config["server"]["http"]
+
+    def given_up() -> bool:
+        return "gateway http given up" in daemon.log()
+
+    def gateway_pid() -> int | None:
+        return daemon.status()["gateways"][0]["pid"]
+
+    deaths = 0
+    while not given_up():
+        pid = wait_for(lambda: given_up() or gateway_pid(), what="a gateway process")
+        if given_up():
+            break
+        os.kill(pid, signal.SIGKILL)
+        deaths += 1
+        wait_for(lambda p=pid: given_up() or gateway_pid() not in (None, p), what="a replacement or the give-up")
+    assert deaths == 3, "the third death within a minute is more than workers.max_restarts (2)"
+    assert ("gateway http given up (3 deaths within 60 s): killed by signal 9 (SIGKILL) (perhaps out of memory?); "
+            "it is not restarted again") in daemon.log()
+    [gateway] = daemon.status()["gateways"]
+    assert gateway["pid"] is None and gateway["restarts"] == 2
+    assert not served("http", target)
+    assert daemon.call("health")["healthy"], "the models are served over ZeroMQ"
+    with daemon.client() as client:
+        assert client.infer("mlp", np.zeros((1, models.MLP_IN), np.float32)).shape == (1, models.MLP_OUT)
+    # Not given up, it would have been started again within its 1 s backoff and a housekeeping tick.
+    since = daemon.status()["uptime_s"]
+    wait_for(lambda: daemon.status()["uptime_s"] > since + 2, what="two seconds of the daemon's time")
+    assert daemon.log().count("gateway http started") == 3 and gateway_pid() is None
+
+
 @pytest.mark.parametrize("protocol_name", ["http", "grpc"])
 def test_a_port_in_use_is_one_sentence_naming_the_key(start_daemon, protocol_name):
     with socket.socket() as taken:

@@ -1,5 +1,6 @@
 """The thin unit layer, without processes: the slot layout, the dispatcher's stacking and reply
-slicing, the worker table's restart backoff, the reload manager's state machine, the executor.
+slicing, a child process's restart backoff, the worker table's restarts, the reload manager's
+state machine, the executor.
 
 Workers here are sockets in this process that speak the worker's side of the messages; only
 spawning is left out (WorkerTable.spawn is what the end-to-end tests exercise).
@@ -32,6 +33,7 @@ from inferd.ipc.slots import batch_bytes, place, slot_shortfall
 from inferd.paths import RuntimeFiles
 from inferd.repository import SavedVersions
 from inferd.supervisor.candidates import Candidate, Candidates, Mode
+from inferd.supervisor.children import MAX_BACKOFF_S, ChildProcess
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.live import LiveVersions
@@ -166,6 +168,16 @@ def die(table: WorkerTable, index: int, now: float, code: int = -signal.SIGKILL)
     worker = table.workers[index]
     worker.process = Process(code)  # type: ignore[assignment]
     return table.reap(worker, now, retry=True)
+
+
+# -- child processes ----------------------------------------------------------------
+
+
+def test_a_child_restarts_at_once_then_with_doubling_backoff_up_to_the_cap_then_is_given_up():
+    child = ChildProcess()
+    delays = [child.crashed(float(now), max_restarts=10) for now in range(11)]
+    assert delays == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, MAX_BACKOFF_S, MAX_BACKOFF_S, MAX_BACKOFF_S, None]
+    assert child.restarts == 10 and child.respawn_at == 9.0 + MAX_BACKOFF_S
 
 
 # -- the worker table ---------------------------------------------------------------

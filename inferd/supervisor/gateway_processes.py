@@ -2,20 +2,18 @@
 workers.
 
 Each is started once the supervisor's sockets are bound, restarted with backoff
-when it dies, and stopped at the end of a drain, after the last reply it carries
-has gone. Its ports are checked at start, so that one in use is a sentence
-naming the key to change rather than a gateway that keeps dying.
+when it dies, given up when it keeps dying (the rest of the daemon serves on), and
+stopped at the end of a drain, after the last reply it carries has gone. Its
+ports are checked at start, so that one in use is a sentence naming the key to
+change rather than a gateway that keeps dying.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
 import signal
 import socket
 from collections.abc import Callable
-from multiprocessing.process import BaseProcess
 
 import msgspec
 
@@ -23,15 +21,11 @@ from inferd import addresses
 from inferd.config import loading
 from inferd.config.schema import Config
 from inferd.oip.spec import PROTOCOLS, GatewaySpec
+from inferd.supervisor.children import CRASH_WINDOW_S, STOP_TIMEOUT_S, ChildProcess
 from inferd.supervisor.state import StartupError
 from inferd.worker.exits import describe_exit
 
 log = logging.getLogger("inferd.gateway")
-
-MAX_BACKOFF_S = 30.0
-STOP_TIMEOUT_S = 10.0
-
-_spawn = multiprocessing.get_context("spawn")
 
 
 def _run(encoded_spec: bytes) -> None:
@@ -54,19 +48,17 @@ def check_port(address: str, key: str) -> None:
                                "to turn it off") from None
 
 
-class Gateway:
+class Gateway(ChildProcess):
     """One gateway process (one protocol's front end): its spec, its process, its restarts."""
 
     def __init__(self, protocol: str, config: Config, devices: list[str], control: str, upstream: str) -> None:
+        super().__init__()
         self.protocol = protocol
         self.config = config
         self.upstream = upstream  # the supervisor's endpoint the gateway sends its requests to
         self._devices, self._control = devices, control
-        self.process: BaseProcess | None = None
-        self.restarts = 0
-        self.respawn_at = 0.0
         self.stopping = False
-        self._deaths: list[float] = []
+        self.given_up = False
 
     @property
     def address(self) -> str:
@@ -84,49 +76,39 @@ class Gateway:
         """Spawn the gateway process."""
         spec = GatewaySpec(protocol=self.protocol, config=loading.encode(self.config), devices=self._devices,
                            control=self._control, upstream=self.upstream)
-        self.process = _spawn.Process(target=_run, args=(msgspec.msgpack.encode(spec),),
-                                      name=f"inferd-gateway-{self.protocol}")
-        self.process.start()
-        log.info("gateway %s started (%s), pid %d", self.protocol, self.address, self.process.pid)
+        pid = self.spawn(_run, msgspec.msgpack.encode(spec), f"inferd-gateway-{self.protocol}")
+        log.info("gateway %s started (%s), pid %d", self.protocol, self.address, pid)
 
-    def reaped(self, now: float) -> None:
-        """Its process exited: restart it (at once the first time, then with doubling backoff) unless stopping."""
-        assert self.process is not None
-        self.process.join(timeout=1.0)
-        reason = describe_exit(self.process.exitcode)
-        self.process = None
+    def reaped(self, now: float, max_restarts: int) -> None:
+        """Its process exited: unless stopping, restart it (at once the first time, then with doubling
+        backoff), or give it up when it died more than `max_restarts` times within the crash window."""
+        reason = describe_exit(self.exited())
         if self.stopping:
             log.info("gateway %s exited (%s)", self.protocol, reason)
             return
-        self._deaths = [t for t in self._deaths if now - t < 60.0] + [now]
-        delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (len(self._deaths) - 2)) if len(self._deaths) > 1 else 0.0
-        self.restarts += 1
-        self.respawn_at = now + delay
+        delay = self.crashed(now, max_restarts)
+        if delay is None:
+            self.given_up = True
+            log.error("gateway %s given up (%d deaths within %g s): %s; it is not restarted again", self.protocol,
+                      len(self.deaths), CRASH_WINDOW_S, reason)
+            return
         log.error("gateway %s died (%s); restarting in %.1f s", self.protocol, reason, delay)
 
     def respawn_due(self, now: float) -> bool:
-        """True when it is down and its backoff has passed."""
-        return not self.stopping and self.process is None and now >= self.respawn_at
+        """True when it is down, not given up, and its backoff has passed."""
+        return not self.stopping and not self.given_up and self.process is None and now >= self.respawn_at
 
     def stop(self) -> None:
         """Ask it to finish what it carries and exit."""
         self.stopping = True
-        if self.process is not None and self.process.pid is not None:
-            try:
-                os.kill(self.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        self.signal(signal.SIGTERM)
 
     def wait(self) -> None:
         """At exit: wait for it, killing it if it outlasts STOP_TIMEOUT_S."""
         if self.process is None:
             return
         self.stop()
-        self.process.join(STOP_TIMEOUT_S)
-        if self.process.exitcode is None and self.process.pid is not None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.join(5.0)
-        self.process = None
+        self.wait_or_kill(STOP_TIMEOUT_S)
 
 
 def configured_gateways(config: Config, devices: list[str], control: str,

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 
+from inferd.supervisor.children import STOP_TIMEOUT_S
 from inferd.supervisor.dispatch import Batch, Dispatcher
 from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.workers import ABORT_GRACE_S, STOP_TIMEOUT_S, WorkerState, WorkerTable
+from inferd.supervisor.workers import ABORT_GRACE_S, WorkerState, WorkerTable
 
 log = logging.getLogger("inferd.liveness")
 

@@ -43,6 +43,7 @@ from inferd.supervisor.backstop import failure
 from inferd.supervisor.batcher import Batcher, Capacity, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
+from inferd.supervisor.children import STOP_TIMEOUT_S
 from inferd.supervisor.commands import Commands
 from inferd.supervisor.control_server import ControlServer
 from inferd.supervisor.devices import resolve_devices
@@ -64,7 +65,7 @@ from inferd.supervisor.state import DaemonState, StartupError
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.trim_requests import TRIM_ANNOTATION, TrimRequests
 from inferd.supervisor.wakeup import Wakeup
-from inferd.supervisor.workers import STOP_TIMEOUT_S, WorkerHandle, WorkerState, WorkerTable
+from inferd.supervisor.workers import WorkerHandle, WorkerState, WorkerTable
 from inferd.systemd import StatusReport, notify
 
 log = logging.getLogger("inferd.supervisor")
@@ -271,7 +272,7 @@ class Supervisor:
             self.frontend.client_regions.on_monitor(target)
         elif target in self._gateway_sentinels:
             self.poller.unregister(target)
-            self._gateway_sentinels.pop(target).reaped(time.monotonic())
+            self._gateway_sentinels.pop(target).reaped(time.monotonic(), self.config.workers.max_restarts)
             self._check_stopped()
         else:
             self.frontend.on_readable(target)

@@ -11,7 +11,6 @@ through a method of this table.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import signal
 import time
@@ -19,7 +18,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import msgspec
@@ -33,6 +31,7 @@ from inferd.ipc.messages import LoadedModel
 from inferd.ipc.slots import SlotPool, slot_shortfall
 from inferd.ipc.sockets import send_parts
 from inferd.paths import RuntimeFiles
+from inferd.supervisor.children import CRASH_WINDOW_S, ChildProcess
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.state import StartupError
 from inferd.worker.exits import WorkerExit, describe_exit
@@ -41,12 +40,7 @@ from inferd.worker.main import WorkerSpec, worker_main
 log = logging.getLogger("inferd.workers")
 
 PIPELINE_DEPTH = 2  # batches an executor may hold: one running, one waiting behind it
-CRASH_WINDOW_S = 60.0  # deaths counted against workers.max_restarts within this window
-MAX_BACKOFF_S = 30.0
 ABORT_GRACE_S = 2.0  # a hung worker gets SIGABRT, then SIGKILL this much later
-STOP_TIMEOUT_S = 10.0
-
-_spawn = multiprocessing.get_context("spawn")
 
 
 class WorkerState(StrEnum):
@@ -79,7 +73,7 @@ class ExecutorHandle:
 
 
 @dataclass(eq=False)
-class WorkerHandle:
+class WorkerHandle(ChildProcess):
     """One worker slot: a device, an arena, and the process currently serving them."""
 
     index: int
@@ -89,19 +83,15 @@ class WorkerHandle:
     stacks_path: Path
     generation: int = 0
     state: WorkerState = WorkerState.DEAD
-    process: BaseProcess | None = None
     control: bytes | None = None
     executors: list[ExecutorHandle] = field(default_factory=list)
     loaded: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)  # (model, version) -> signature
     loading: dict[tuple[str, str], float] = field(default_factory=dict)  # (model, version) -> when it was asked
     started: float = 0.0
-    respawn_at: float = 0.0
-    restarts: int = 0
     batches: int = 0
     last_error: str = ""
     give_up: bool = False
     stopping_since: float = 0.0
-    deaths: deque[float] = field(default_factory=deque)  # times of its recent unexpected exits
     hung: str | None = None  # why it is being aborted as hung
     hung_since: float = 0.0
     memory: int = 0  # after its last batch: device bytes allocated on a GPU, resident bytes on the CPU
@@ -113,11 +103,6 @@ class WorkerHandle:
     def memory_growth(self) -> int:
         """Bytes the worker's memory grew over its level after warm-up."""
         return 0 if self.memory_baseline is None else max(0, self.memory - self.memory_baseline)
-
-    @property
-    def pid(self) -> int | None:
-        """The pid of the current process, if one runs."""
-        return self.process.pid if self.process is not None else None
 
     @property
     def inflight(self) -> int:
@@ -197,11 +182,7 @@ class WorkerTable:
             versions=dict(self.live),
             stacks=str(worker.stacks_path),
         )
-        process = _spawn.Process(
-            target=worker_main, args=(msgspec.msgpack.encode(spec),), name=f"inferd-worker{worker.index}"
-        )
-        process.start()
-        worker.process = process
+        pid = worker.spawn(worker_main, msgspec.msgpack.encode(spec), f"inferd-worker{worker.index}")
         worker.state = WorkerState.BOOTING
         worker.started = now
         worker.control = None
@@ -210,8 +191,7 @@ class WorkerTable:
         worker.memory_baseline = None
         worker.leak_warned = False
         worker.executors = [ExecutorHandle(worker, k) for k in range(self.config.workers.streams)]
-        log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device,
-                 process.pid)
+        log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device, pid)
 
     def respawn_due(self, now: float) -> None:
         """Start a process for every dead worker whose backoff has passed."""
@@ -228,14 +208,10 @@ class WorkerTable:
         new process would fail the same way. Returns the reason of the exit, for the
         requests it leaves unanswered.
         """
-        process = worker.process
-        assert process is not None
-        process.join(timeout=1.0)
-        code = process.exitcode
+        code = worker.exited()
         was = worker.state
         for identity in [i for i, role in self._roles.items() if role[0] is worker]:
             del self._roles[identity]
-        worker.process = None
         worker.control = None
         worker.executors = []
         worker.loading = {}
@@ -253,24 +229,20 @@ class WorkerTable:
         if hung:
             reason = f"{hung}; it was killed ({reason})"
             worker.last_error = hung
-        worker.deaths.append(now)
-        while worker.deaths and now - worker.deaths[0] > CRASH_WINDOW_S:
-            worker.deaths.popleft()
-        crashes = len(worker.deaths)
         cannot_boot = code == WorkerExit.BOOT_ERROR
-        if not retry or worker.give_up or cannot_boot or crashes > self.config.workers.max_restarts:
-            worker.state = WorkerState.FAILED
-            why = ("it cannot start" if not retry or cannot_boot else
-                   "it cannot serve this config" if worker.give_up else
-                   f"{crashes} deaths within {CRASH_WINDOW_S:g} s")
-            log.error("worker%d given up (%s): %s", worker.index, why, worker.last_error or reason)
-            return reason
-        worker.restarts += 1
-        # The first death restarts at once; a worker that keeps dying waits longer each time.
-        delay = min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2)) if crashes > 1 else 0.0
+        if not retry or cannot_boot or worker.give_up:
+            return self._give_up(worker, "it cannot start" if not retry or cannot_boot else
+                                 "it cannot serve this config", reason)
+        delay = worker.crashed(now, self.config.workers.max_restarts)
+        if delay is None:
+            return self._give_up(worker, f"{len(worker.deaths)} deaths within {CRASH_WINDOW_S:g} s", reason)
         worker.state = WorkerState.DEAD
-        worker.respawn_at = now + delay
         log.error("worker%d (%s) died: %s; restarting in %.1f s", worker.index, was, reason, delay)
+        return reason
+
+    def _give_up(self, worker: WorkerHandle, why: str, reason: str) -> str:
+        worker.state = WorkerState.FAILED
+        log.error("worker%d given up (%s): %s", worker.index, why, worker.last_error or reason)
         return reason
 
     def abort_hung(self, worker: WorkerHandle, why: str, now: float) -> None:
@@ -280,12 +252,9 @@ class WorkerTable:
         if worker.hung is None:
             worker.hung, worker.hung_since = why, now
             log.error("worker%d is hung: %s; aborting it", worker.index, why)
-            try:
-                os.kill(worker.process.pid, signal.SIGABRT)
-            except ProcessLookupError:
-                pass
+            worker.signal(signal.SIGABRT)
         elif now - worker.hung_since > ABORT_GRACE_S:
-            self.kill(worker)
+            worker.kill()
 
     def replace(self, worker: WorkerHandle, why: str) -> None:
         """Take a worker whose loader hung out of service; it is killed once its batches are back
@@ -299,11 +268,7 @@ class WorkerTable:
 
     def kill(self, worker: WorkerHandle) -> None:
         """SIGKILL the worker's process; its sentinel then reports the death."""
-        if worker.process is not None and worker.process.pid is not None:
-            try:
-                os.kill(worker.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        worker.kill()
 
     def stop(self, worker: WorkerHandle, give_up: bool = False) -> None:
         """Ask a worker to exit once its executors finish what they run.
@@ -317,7 +282,7 @@ class WorkerTable:
         worker.state = WorkerState.STOPPING
         worker.stopping_since = time.monotonic()
         if not self.send_control(worker, messages.Shutdown()):
-            self.kill(worker)
+            worker.kill()
 
     def wait_all(self, timeout: float) -> None:
         """Wait for every process to exit, killing the ones that outlast `timeout`."""
@@ -325,12 +290,8 @@ class WorkerTable:
         for worker in self.workers:
             if worker.process is None:
                 continue
-            worker.process.join(max(0.0, deadline - time.monotonic()))
-            if worker.process.exitcode is None:
+            if worker.wait_or_kill(deadline - time.monotonic()):
                 log.warning("worker%d did not stop in time; killing it", worker.index)
-                self.kill(worker)
-                worker.process.join(5.0)
-            worker.process = None
             worker.state = WorkerState.DEAD
 
     # -- messages ---------------------------------------------------------------

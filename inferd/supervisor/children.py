@@ -1,0 +1,100 @@
+"""The supervisor's child processes (workers, gateways): how each is spawned, restarted, given up and stopped.
+
+A child that dies unexpectedly is started again at once the first time, then
+after a doubling backoff; one that dies more than `workers.max_restarts` times
+within CRASH_WINDOW_S is given up, since a new process would most likely die the
+same way and a crash loop only burns the cores the others serve on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+CRASH_WINDOW_S = 60.0  # deaths counted against workers.max_restarts within this window
+MAX_BACKOFF_S = 30.0
+STOP_TIMEOUT_S = 10.0  # how long a child told to stop may take before it is killed
+KILLED_JOIN_S = 5.0  # how long a killed child may take to be reaped
+
+# A fresh interpreter for each child: a forked one would inherit the supervisor's sockets and threads.
+_spawn = multiprocessing.get_context("spawn")
+
+
+def backoff(crashes: int) -> float:
+    """Seconds before the next process after the `crashes`-th death within the window: none after the first,
+    then doubling from half a second, at most MAX_BACKOFF_S."""
+    return min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2)) if crashes > 1 else 0.0
+
+
+@dataclass(eq=False, kw_only=True)
+class ChildProcess:
+    """One child the supervisor keeps running: the process serving now, its restarts and its recent deaths."""
+
+    process: BaseProcess | None = None
+    restarts: int = 0
+    respawn_at: float = 0.0  # when the next process may start (monotonic)
+    deaths: deque[float] = field(default_factory=deque)  # times of its unexpected exits within the window
+
+    @property
+    def pid(self) -> int | None:
+        """The pid of the current process, if one runs."""
+        return self.process.pid if self.process is not None else None
+
+    def spawn(self, target: Callable[[bytes], None], spec: bytes, name: str) -> int:
+        """Start a process that runs `target(spec)`; its pid."""
+        process = _spawn.Process(target=target, args=(spec,), name=name)
+        process.start()
+        self.process = process
+        assert process.pid is not None
+        return process.pid
+
+    def exited(self) -> int | None:
+        """Collect the process, whose sentinel said it exited; its exit code."""
+        assert self.process is not None
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        self.process = None
+        return code
+
+    def crashed(self, now: float, max_restarts: int) -> float | None:
+        """Count an unexpected exit at `now` and schedule the next process: the seconds until it may start,
+        or None when this is more than `max_restarts` deaths within CRASH_WINDOW_S (it is given up)."""
+        self.deaths.append(now)
+        while self.deaths and now - self.deaths[0] > CRASH_WINDOW_S:
+            self.deaths.popleft()
+        if len(self.deaths) > max_restarts:
+            return None
+        delay = backoff(len(self.deaths))
+        self.restarts += 1
+        self.respawn_at = now + delay
+        return delay
+
+    def signal(self, signum: int) -> None:
+        """Send `signum` to the process, if one runs; one that has just exited is no error."""
+        if self.process is not None and self.process.pid is not None:
+            try:
+                os.kill(self.process.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        """SIGKILL the process; its sentinel then reports the death."""
+        self.signal(signal.SIGKILL)
+
+    def wait_or_kill(self, timeout: float) -> bool:
+        """At exit: wait up to `timeout` for the process (told to stop) to exit, then kill it; True when it had
+        to be killed."""
+        if self.process is None:
+            return False
+        self.process.join(max(0.0, timeout))
+        killed = self.process.exitcode is None
+        if killed:
+            self.kill()
+            self.process.join(KILLED_JOIN_S)
+        self.process = None
+        return killed
