@@ -177,15 +177,11 @@ def test_a_crash_looping_gateway_is_given_up_and_zeromq_serves_on(start_daemon):
     assert ("gateway http given up (3 deaths within 60 s): killed by signal 9 (SIGKILL) (perhaps out of memory?); "
             "it is not restarted again") in daemon.log()
     [gateway] = daemon.status()["gateways"]
-    assert gateway["pid"] is None and gateway["restarts"] == 2
+    assert gateway["pid"] is None and gateway["restarts"] == 2 and gateway["given_up"]
     assert not served("http", target)
     assert daemon.call("health")["healthy"], "the models are served over ZeroMQ"
     with daemon.client() as client:
         assert client.infer("mlp", np.zeros((1, models.MLP_IN), np.float32)).shape == (1, models.MLP_OUT)
-    # Not given up, it would have been started again within its 1 s backoff and a housekeeping tick.
-    since = daemon.status()["uptime_s"]
-    wait_for(lambda: daemon.status()["uptime_s"] > since + 2, what="two seconds of the daemon's time")
-    assert daemon.log().count("gateway http started") == 3 and gateway_pid() is None
 
 
 @pytest.mark.parametrize("protocol_name", ["http", "grpc"])

@@ -135,7 +135,8 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_restarts: Annotated[
         int,
         Meta(ge=0),
-        _doc("A worker that dies more often than this within a minute is given up (shown in status).", live=True),
+        _doc("A worker or gateway that dies more often than this within a minute is given up (shown in "
+             "status).", live=True),
     ] = 5
     leak_warn_mb: Annotated[
         float,

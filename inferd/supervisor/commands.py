@@ -148,7 +148,7 @@ class Commands:
             ],
             "gateways": [
                 {"protocol": g.protocol, "address": g.address, "pid": g.process.pid if g.process else None,
-                 "restarts": g.restarts}
+                 "restarts": g.restarts, "given_up": g.given_up}
                 for g in self.daemon.gateways
             ],
             "replies": dict(self.daemon.stats.replies),
