@@ -1,0 +1,170 @@
+"""The supervisor's parts, built and wired together: the composition root.
+
+Each part gets, when it is built, the others it reads or hands work to; none
+looks another up later. Nothing is bound or started here (the loop in main.py
+does that), except the reaper, which starts first so that whatever kills the
+process, what it makes is cleaned up. `configure` hands a SIGHUP's config to
+every part that reads one; `close` releases everything, whatever state the
+daemon got to.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import zmq
+
+from inferd.config.schema import Config
+from inferd.curve import CurveServer
+from inferd.ipc import messages
+from inferd.ipc.arena import arena_name, new_instance
+from inferd.logs import set_level
+from inferd.oip.spec import PROTOCOLS
+from inferd.paths import RuntimeFiles
+from inferd.repository import RepositoryError, SavedVersions
+from inferd.shm_names import SHM_DIR
+from inferd.supervisor.batcher import Batcher, queue_settings
+from inferd.supervisor.canary import CanaryManager
+from inferd.supervisor.candidates import Candidates
+from inferd.supervisor.children import STOP_TIMEOUT_S
+from inferd.supervisor.commands import Commands
+from inferd.supervisor.control_server import ControlServer
+from inferd.supervisor.devices import resolve_devices
+from inferd.supervisor.dispatch import Dispatcher
+from inferd.supervisor.forecast import ComputeTimes, Forecast
+from inferd.supervisor.frontend import Frontend
+from inferd.supervisor.gateway_processes import configured_gateways
+from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.liveness import Liveness
+from inferd.supervisor.metrics import MetricsServer
+from inferd.supervisor.probes import Probes
+from inferd.supervisor.queue import RequestQueue
+from inferd.supervisor.reaper import Reaper
+from inferd.supervisor.reconfigure import Reconfigurer
+from inferd.supervisor.regions import Regions
+from inferd.supervisor.reload import ReloadManager
+from inferd.supervisor.replies import Replies
+from inferd.supervisor.state import DaemonState, StartupError
+from inferd.supervisor.stats import Stats
+from inferd.supervisor.trim_requests import TrimRequests
+from inferd.supervisor.wakeup import Wakeup
+from inferd.supervisor.workers import WorkerTable
+from inferd.systemd import StatusReport
+
+REPLY_FLUSH_MS = 1000  # at exit, how long replies still queued to clients may take to leave
+
+
+class Parts:
+    """Every part of the supervisor, and what the control commands and the metrics read of them."""
+
+    def __init__(self, config: Config) -> None:
+        """Build every part; StartupError when a model has no version to serve."""
+        self.config = config
+        self.state = DaemonState.STARTING  # the loop's to change; read by commands and admission
+        self.started = time.monotonic()
+        saved = SavedVersions(config.server.state_dir or "")
+        saved_live, previous, saved_candidates = saved.load()
+        try:
+            self.live = LiveVersions.first(config, saved_live, previous)
+        except RepositoryError as exc:
+            raise StartupError(f"cannot resolve model versions: {exc}") from None
+        devices = resolve_devices(config.workers.devices)
+        self.instance = new_instance()
+        self.files = RuntimeFiles(config.server.control or "", self.instance)
+        self.reaper = Reaper()
+        # First, while this process has no thread and no socket: whatever kills it, this cleans up.
+        self.reaper.start(
+            arenas=[SHM_DIR / arena_name(self.instance, i) for i in range(len(devices))],
+            sockets=[path for path in (self.files.control_socket, self.files.backend,
+                                       *(self.files.upstream(name) for name in PROTOCOLS)) if path is not None],
+            pid_file=self.files.pid,
+            files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices)))],
+        )
+        self.context = zmq.Context()
+        if hasattr(os, "SCHED_BATCH"):
+            # ZeroMQ's I/O thread, woken by a reply, then does not preempt the loop that sent it:
+            # it runs when the loop next waits, or on an idle core, and writes a whole batch of
+            # replies in one go instead of costing a context switch each.
+            self.context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
+        self.wakeup = Wakeup(self.files.stacks)
+        self.systemd = StatusReport()
+        self.stats = Stats(self.started)
+        self.probes = Probes()
+        times = ComputeTimes()
+        bounds, policies, levels = queue_settings(config)
+        self.queue = RequestQueue(bounds, policies, levels)
+        self.batcher = Batcher(self.queue, policies, times)
+        self.curve = CurveServer(self.context, config.server.curve_secret_key, config.server.curve_authorized_keys)
+        self.regions = Regions(config.server.client_shm_prefix)
+        self.workers = WorkerTable(config, self.context, devices, self.files, self.live)
+        self.forecast = Forecast(times, self.queue, self.workers, self.live)
+        self.candidates = Candidates()
+        self.replies = Replies(self.stats, self.live)
+        self.dispatcher = Dispatcher(config, self.workers, self.replies, self.live, self.candidates, self.stats, times)
+        self.frontend = Frontend(self.context, config, self.queue, self.replies, self.stats, self.live,
+                                 self.candidates, self.curve, self.regions, self.forecast,
+                                 self.dispatcher.cancel_running)
+        self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, self.candidates, saved,
+                                     self.wakeup.call_soon_threadsafe)
+        self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
+                                      self.stats)
+        self.canaries.restore(saved_candidates)
+        self.liveness = Liveness(self.workers, self.dispatcher, self.reloads)
+        self.trim_requests = TrimRequests()
+        self.trim_requests.configure(config.workers.trim_request_file)
+        self.reconfigurer = Reconfigurer(self.workers, self.reloads, self.live, saved_live, self.configure)
+        self.control = ControlServer(self.context, config.server.control or "", Commands(self), self.frontend,
+                                     self.curve)
+        self.metrics = MetricsServer(self)
+        self.gateways = configured_gateways(config, devices, config.server.control or "",
+                                             lambda name: f"ipc://{self.files.upstream(name)}")
+
+    @property
+    def listening(self) -> list[str]:
+        """The data endpoints as bound (a port 0 is the one the system picked)."""
+        return self.frontend.listening
+
+    def call_soon_threadsafe(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on the loop's thread; any thread may call this."""
+        self.wakeup.call_soon_threadsafe(callback)
+
+    def configure(self, config: Config) -> None:
+        """Hand a new config (a SIGHUP's) to every part that reads one."""
+        self.config = config
+        bounds, policies, levels = queue_settings(config)
+        self.queue.configure(bounds, policies, levels)
+        self.batcher.configure(policies)
+        self.frontend.configure(config)
+        self.dispatcher.configure(config)
+        self.workers.configure(config)
+        self.reloads.configure(config)
+        self.canaries.configure(config)
+        self.trim_requests.configure(config.workers.trim_request_file)
+        set_level(config.server.log_level)
+        for worker in self.workers.workers:
+            self.workers.send_control(worker, messages.SetLogLevel(config.server.log_level))
+
+    def close(self) -> None:
+        """Release everything this process made, whatever state it got to."""
+        self.metrics.close()
+        self.reloads.close()
+        for worker in self.workers.workers:
+            if worker.process is not None and worker.process.exitcode is None:
+                self.workers.stop(worker)
+        self.workers.wait_all(STOP_TIMEOUT_S)
+        for front in self.gateways:
+            front.wait()
+        # Replies still queued in ZeroMQ get a moment to leave, unless some still
+        # point into an arena that is about to close.
+        self.frontend.close(linger_ms=0 if self.dispatcher.sending else REPLY_FLUSH_MS)
+        self.control.close()
+        self.curve.stop()
+        self.workers.close()
+        self.wakeup.close()
+        if self.files.pid.exists() and self.files.pid.read_text().strip() == str(os.getpid()):
+            self.files.pid.unlink()
+        self.probes.close()
+        self.context.term()
+        self.reaper.release()
