@@ -228,7 +228,7 @@ class Frontend:
         try:
             message = protocol.decode_message(body, self.max_message_bytes)
             if isinstance(message, protocol.Cancel):
-                self._cancel((id(reply_to.socket), reply_to.envelope[0]), message.id)
+                self._cancel(reply_to.connection, message.id)
                 return
             if not isinstance(message, protocol.Request):
                 listed = self.client_regions.message(reply_to.socket, reply_to.envelope[0], message, first)
@@ -279,7 +279,7 @@ class Frontend:
             self.replies.refuse(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
-        client = (id(reply_to.socket), reply_to.envelope[0])
+        client = reply_to.connection
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,
                                priority, places=places)
         finish = self.forecast.too_late(name, model.max_batch_size, priority, samples, timeout, now)

@@ -44,6 +44,12 @@ class ReplyTo(NamedTuple):
     socket: zmq.Socket
     envelope: list[bytes]
 
+    @property
+    def connection(self) -> tuple[int, bytes]:
+        """The client connection it names: the socket and the peer's routing id (what the queue's
+        per-client bounds and a cancel go by)."""
+        return id(self.socket), self.envelope[0]
+
 
 class Replies:
     """Sends every reply and counts it: by status, model, version, priority and protocol."""
