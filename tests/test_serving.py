@@ -333,8 +333,8 @@ def _supervisor_cpu_seconds(repo: Path, workdir: Path, spin_us: int) -> dict[str
         time.sleep(1.0)
         used = {"idle": _cpu_used(supervisor, lambda: time.sleep(2.0))}
         x = np.ones((4, models.SLOW_FEATURES), dtype=np.float32)
-        # What is measured is CPU time, so a busy machine may stretch the backlog (about 14 s on a quiet
-        # one; past 60 s once beside a CPU burner and another test run): 180 s, not the default 20.
+        # What is measured is CPU time, so a busy machine may stretch the backlog (about 10 s on a quiet
+        # one, and beside a CPU burner): 180 s, not the default 20.
         with daemon.client(timeout=180.0) as client:
             def backlog() -> None:
                 for future in [client.submit("slow", x) for _ in range(300)]:
@@ -349,3 +349,20 @@ def _cpu_used(process: psutil.Process, work: Callable[[], None]) -> float:
     before = sum(process.cpu_times()[:2])
     work()
     return sum(process.cpu_times()[:2]) - before
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: OpenMP starts no team anyway")
+def test_a_cpu_worker_computes_on_cpu_threads_threads_in_its_executors_too(workdir, repo):
+    # OpenMP's thread count is per thread: an executor thread that did not set it ran MKL's matmuls on
+    # a team of one thread per core, which starts when the first batch computes and stays.
+    config = base_config(workdir, repo, {"slow": SLOW}, workers={"devices": ["cpu"], "streams": 1, "cpu_threads": 1})
+    daemon = Daemon(workdir, config).start()
+    try:
+        worker = psutil.Process(daemon.status()["workers"][0]["pid"])
+        before = worker.num_threads()
+        with daemon.client() as client:
+            for _ in range(5):
+                client.infer("slow", np.ones((4, models.SLOW_FEATURES), dtype=np.float32))
+        assert worker.num_threads() == before, "a thread pool started for the batches"
+    finally:
+        daemon.stop()

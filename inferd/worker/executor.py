@@ -107,6 +107,7 @@ class Executor(threading.Thread):
         self.socket.send(messages.encode(hello))
         device = runner.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._cpu_threads = torch.get_num_threads() if self.stream is None else None  # workers.cpu_threads
         # Read around every batch: a descriptor kept open costs one pread, where opening the
         # file each time cost several times that.
         self._statm = os.open("/proc/self/statm", os.O_RDONLY) if self.stream is None else None
@@ -116,6 +117,11 @@ class Executor(threading.Thread):
         if self.stream is not None:
             # The current device is per thread: without this, a worker on cuda:1 would run on cuda:0.
             torch.cuda.set_device(self.runner.device)
+        if self._cpu_threads is not None:
+            # So is OpenMP's thread count: a new thread gets one per core, and MKL then ran each matmul on
+            # a team whose threads spin-wait for each other. Beside a busy core that made a 50 ms batch
+            # take 400 ms (the idle-CPU test's backlog stalled behind a CPU burner).
+            torch.set_num_threads(self._cpu_threads)
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.stop_fd, zmq.POLLIN)
