@@ -52,12 +52,12 @@ class Liveness:
                 self.workers.note_error(worker, f"did not become ready within {config.start_timeout_s:g} s")
                 log.error("worker%d did not become ready within %g s; killing it", worker.index,
                           config.start_timeout_s)
-                self.workers.kill(worker)
+                worker.kill()
             elif worker.state == WorkerState.STOPPING and now - worker.stopping_since > STOP_TIMEOUT_S:
                 log.warning("worker%d did not stop within %g s; killing it", worker.index, STOP_TIMEOUT_S)
-                self.workers.kill(worker)
+                worker.kill()
             elif worker.state == WorkerState.REPLACING and not worker.inflight:
-                self.workers.kill(worker)
+                worker.kill()
 
     def next_check_in(self, now: float) -> float:
         """Seconds until a running batch needs a look: when it would count as hung, or when its hung

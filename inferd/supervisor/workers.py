@@ -266,10 +266,6 @@ class WorkerTable:
         worker.loading = {}
         log.error("worker%d: %s; replacing it once its running batches are back", worker.index, why)
 
-    def kill(self, worker: WorkerHandle) -> None:
-        """SIGKILL the worker's process; its sentinel then reports the death."""
-        worker.kill()
-
     def stop(self, worker: WorkerHandle, give_up: bool = False) -> None:
         """Ask a worker to exit once its executors finish what they run.
 
