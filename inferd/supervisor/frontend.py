@@ -2,12 +2,13 @@
 
 It decodes and validates each request, and puts it in the RequestQueue or
 refuses it at once (`invalid`, `overloaded`, `unavailable`) through replies.py,
-where every reply leaves. Admission is decided here: whether the daemon takes requests at all, which
-models no worker serves yet, the bounds of the queue (where an urgent request may
-displace a less urgent one), and whether a request could still finish before its
-deadline. A cancel takes its request out of the queue, or marks it in its running
-batch (through the dispatcher's `cancel_running`). Region messages and requests that name
-clients' shared-memory regions go to client_regions.py.
+where every reply leaves. Admission is decided here: whether the daemon takes
+requests at all, which models no worker serves yet, the bounds of the queue
+(where an urgent request may displace a less urgent one), and whether a request
+could still finish before its deadline. A cancel takes its request out of the
+queue, or marks it in its running batch (through the dispatcher's
+`cancel_running`). Region messages and requests that name clients'
+shared-memory regions go to client_regions.py.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class Frontend:
             self._internal_paths.append(Path(endpoint[len("ipc://"):]))
             os.chmod(self._internal_paths[-1], 0o600)
             self.client_regions.add(socket, protocol_name, getattr(self.config.server, protocol_name), protocol_name,
-                         gateway=True)
+                                    gateway=True)
         for endpoint in self.config.server.listen:
             socket = self._router()
             tcp = endpoint.startswith("tcp://")
