@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 import zmq
-from conftest import SLOW, Daemon, base_config
+from conftest import SLOW, Daemon, base_config, requests_accounted, wait_for
 from wire import RawPeer
 
 from inferd import AsyncClient, InferenceError, InvalidRequest, RetryPolicy
@@ -240,11 +240,31 @@ def test_a_client_that_leaves_mid_request_costs_only_its_request(shared_daemon):
     def answered() -> int:
         return sum(shared_daemon.status()["replies"].values())
 
-    before, undelivered = answered(), shared_daemon.status()["undelivered_replies"]
-    with RawPeer(shared_daemon.endpoint) as peer:
-        peer.socket.linger = 5000  # leave only once the requests are on their way
-        for i in range(20):
-            peer.send(i, "slow", [np.ones((4, 64), dtype=np.float32)])
+    supervisor = psutil.Process(shared_daemon.process.pid)
+    port = int(shared_daemon.endpoint.rsplit(":", 1)[1])
+
+    def peers() -> int:
+        return sum(c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED
+                   for c in supervisor.net_connections("tcp"))
+
+    status = shared_daemon.status()
+    before, undelivered, connected = answered(), status["undelivered_replies"], peers()
+    read_before = requests_accounted(shared_daemon)
+    # The workers are stopped until the daemon has seen the peer go, so no reply is on its way before
+    # (ZeroMQ would take one and drop it unseen): on a slow machine every reply once beat the hang-up.
+    workers = [psutil.Process(w["pid"]) for w in status["workers"]]
+    for worker in workers:
+        worker.suspend()
+    try:
+        with RawPeer(shared_daemon.endpoint) as peer:
+            peer.socket.linger = 5000  # leave only once the requests are on their way
+            for i in range(20):
+                peer.send(i, "slow", [np.ones((4, 64), dtype=np.float32)])
+            wait_for(lambda: requests_accounted(shared_daemon) == read_before + 20, what="every request read")
+        wait_for(lambda: peers() == connected, what="the daemon seeing the peer hang up")
+    finally:
+        for worker in workers:
+            worker.resume()
     # The peer is gone; its requests still run, their replies go nowhere, and
     # nobody else notices.
     with shared_daemon.client() as client:
