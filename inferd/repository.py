@@ -21,6 +21,7 @@ log = logging.getLogger("inferd.repository")
 
 MODEL_FILES = ("model.pt", "model.pt2")
 LIVE_FILE = "live_versions.json"
+NUMBERS_FILE = "version_numbers.json"
 # A version's outputs count as the expected ones within these: its canary file's, checked at load, and
 # the live version's, when it runs as a shadow.
 CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
@@ -113,23 +114,65 @@ class SavedVersions:
 
     def save(self, live: dict[str, str], previous: dict[str, str], candidates: dict[str, Any]) -> None:
         """Write atomically: a crash leaves the old file or the new one, never half of one."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".live-", dir=self.path.parent)
+        write_atomically(self.path, {"live": live, "previous": previous, "candidates": candidates})
+
+
+class VersionNumbers:
+    """Each version's number, for the protocols whose versions are integers (Triton's tools parse
+    them): kept in `state_dir`, so a version keeps its number once given, whatever is added or
+    removed later. A version first seen is given the next number after the model's highest, in
+    natural order among those first seen together; one named by a whole number is given that
+    number if it is free."""
+
+    def __init__(self, state_dir: str | Path) -> None:
+        self.path = Path(state_dir) / NUMBERS_FILE
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as out:
-                json.dump({"live": live, "previous": previous, "candidates": candidates}, out, indent=2,
-                          sort_keys=True)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            data = {}
+        except (OSError, ValueError) as exc:
+            log.warning("ignoring %s: %s", self.path, exc)
+            data = {}
+        self._numbers: dict[str, dict[str, int]] = {
+            str(model): {str(v): n for v, n in numbers.items() if isinstance(n, int)}
+            for model, numbers in (data.items() if isinstance(data, dict) else ()) if isinstance(numbers, dict)
+        }
+
+    def of(self, model: str, repository: str | Path) -> dict[str, int]:
+        """The number of each version in `model`'s repository now, giving the new ones theirs."""
+        found = versions(repository)
+        numbers = self._numbers.setdefault(model, {})
+        new = [version for version in found if version not in numbers]
+        for version in new:
+            taken = set(numbers.values())
+            numbers[version] = int(version) if version.isdigit() and 0 < int(version) not in taken \
+                else max(taken, default=0) + 1
+        if new:
+            try:
+                write_atomically(self.path, self._numbers)
+            except OSError as exc:  # the numbers hold for this run; the next may give new ones
+                log.warning("cannot save the version numbers in %s: %s", self.path, exc)
+        return {version: numbers[version] for version in found}
+
+
+def write_atomically(path: Path, data: Any) -> None:
+    """Write `data` as JSON to `path` so that a crash leaves the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            json.dump(data, out, indent=2, sort_keys=True)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def describe_versions(repository: str | Path) -> list[dict[str, object]]:

@@ -70,8 +70,17 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
              "address; elsewhere it is refused."),
     ] = False
     client_shm_prefix: Annotated[
-        str, _doc("Every client region's shared-memory name starts with this (so it can name no other file).")
+        str, _doc("Every client region's shared-memory name starts with this (so it can name no other file); "
+                  '"" allows any name but the daemon\'s own arenas, as Triton does (perf_analyzer\'s '
+                  "`--shared-memory system` names its regions after the tensors).")
     ] = CLIENT_PREFIX
+    client_shm_scope: Annotated[
+        Literal["connection", "server"],
+        _doc('Whose a region registered over HTTP or gRPC is: "connection", the connection it was registered '
+             'on (it goes when that closes); "server", every local client\'s, until unregistered, as in '
+             "Triton (its clients may register on one connection and infer on another). ZeroMQ clients' "
+             "regions are always their connection's."),
+    ] = "connection"
     state_dir: Annotated[
         str | None,
         _doc(
@@ -386,7 +395,7 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SHM_PROTOCOLS = ("zmq", "http", "grpc")
-SHM_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+SHM_PREFIX = re.compile(r"^[A-Za-z0-9_.-]{0,100}$")
 
 
 def _check_shm_protocols(value: bool | tuple[str, ...]) -> str | None:
@@ -396,7 +405,7 @@ def _check_shm_protocols(value: bool | tuple[str, ...]) -> str | None:
 
 def _check_shm_prefix(value: str) -> str | None:
     if not SHM_PREFIX.match(value):
-        return f"{value!r} is not a shared-memory name prefix: letters, digits, '_', '.', '-' (1 to 100)"
+        return f"{value!r} is not a shared-memory name prefix: letters, digits, '_', '.', '-' (at most 100)"
     if re.match(rf"^{ARENA_PREFIX}\d", value):
         return f"{value!r} would let clients name the daemon's own arenas (inferd-PID-...)"
     return None

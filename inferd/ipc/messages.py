@@ -82,6 +82,9 @@ class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
     (allocated device bytes on a GPU, resident host bytes on the CPU); `reserved`: the GPU
     allocator's reserved bytes (0 on the CPU); `growth`: what this batch alone grew the
     memory by, where that can be told apart from other executors' batches (else 0).
+    `phases_us`: how `compute_us` divides into taking the inputs to the device, the model's
+    forward, and writing the outputs to the arena (what Triton's statistics call
+    compute_input, compute_infer and compute_output).
     """
 
     batch_id: int
@@ -91,6 +94,7 @@ class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reserved: int
     growth: int
     expired: tuple[int, ...]
+    phases_us: tuple[int, int, int] = (0, 0, 0)
 
 
 class BatchFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):

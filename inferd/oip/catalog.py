@@ -19,11 +19,16 @@ from inferd.oip.shm import EXTENSION, InRegion
 from inferd.oip.upstream import Control
 from inferd.protocol import Buffer
 
-# What server metadata says is served, in both protocols.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "parameters", EXTENSION]
+# What server metadata says is served, in both protocols (client shared memory where it is on).
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "parameters")
 # What either protocol answers when the gateway itself raised.
 GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
+
+def server_extensions(shared_memory: bool) -> list[str]:
+    """The extensions server metadata names, `shared_memory`: whether this front end's clients may register regions."""
+    return [*EXTENSIONS, EXTENSION] if shared_memory else list(EXTENSIONS)
+
 
 class NotFound(Exception):
     """No such model, or not that version of it; the message says which."""
@@ -110,11 +115,24 @@ class ModelView:
         self.version: str = state["live_version"]
         self.canary: str | None = state.get("canary_version")  # may be named too while it runs
         self.ready: bool = state["ready"]
+        self.ready_versions: list[str] = state["ready_versions"]
+        self.numbers: dict[str, int] = state["version_numbers"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
         self.inputs = input_names(self.config)
         self.output_names = [output_name(self.config, i) for i in range(len(self.outputs))]
         self._streams = streams
         self._devices = devices
+
+    def named(self, version: str | None) -> str | None:
+        """A version as the request gave it, by name or by number, as its name (a name wins)."""
+        if version is None or version in self.numbers or not version.isdigit():
+            return version
+        return next((name for name, number in self.numbers.items() if number == int(version)), version)
+
+    def number(self, version: str) -> str:
+        """A version's number as the protocol's version string; its name if it has none."""
+        number = self.numbers.get(version)
+        return version if number is None else str(number)
 
     def metadata(self) -> dict[str, Any]:
         """The model metadata response."""
@@ -231,37 +249,59 @@ class Catalog:
                     self._read_at = time.monotonic()
         view = self._views.get(name)
         if view is None:
-            raise NotFound(f"unknown model {name!r}; this daemon serves {', '.join(sorted(self._views))}")
-        if version is not None and version not in (view.version, view.canary):
-            raise NotFound(f"version {version!r} of {name} is not served; the live version is {view.version!r}")
+            # Triton's words, which its users and clients look for.
+            raise NotFound(f"Request for unknown model: {name!r} is not found; this daemon serves "
+                           f"{', '.join(sorted(self._views))}")
+        if view.named(version) not in (None, view.version, view.canary):
+            raise NotFound(f"Request for unknown model: {name!r} version {version!r} is not found; the live "
+                           f"version is {view.version!r} (number {view.number(view.version)})")
         return view
 
     async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
-        """The statistics extension's answer for model `name` (every model if None), from the numbers
-        `inferctl stats` keeps."""
+        """The statistics extension's answer for model `name` (every model if None), at `version` (a name
+        or a number) or each ready version, from the numbers `inferctl stats` keeps; a ready version
+        that has answered nothing yet is there with zero counts, as Triton lists it."""
         models = await self._control.call("models")
-        return {"model_stats": [_model_statistics(model, served, numbers)
-                                for model in sorted(models) if name in (None, model)
-                                for served, numbers in sorted(models[model]["versions"].items())
-                                if version in (None, served)]}
+        entries = []
+        for model in sorted(models):
+            if name not in (None, model):
+                continue
+            state = models[model]
+            view = self._views.get(model)
+            wanted = view.named(version) if view is not None else version
+            numbers: dict[str, int] = state["version_numbers"]
+            for served in sorted(state["ready_versions"], key=lambda v: numbers.get(v, 0)):
+                if wanted in (None, served):
+                    entries.append(_model_statistics(model, str(numbers.get(served, served)),
+                                                     state["versions"].get(served)))
+        return {"model_stats": entries}
 
 
 def _spent(count: int, seconds: float) -> dict[str, int]:
     return {"count": count, "ns": int(seconds * 1e9)}
 
 
-def _model_statistics(name: str, version: str, numbers: dict[str, Any]) -> dict[str, Any]:
+def _model_statistics(name: str, version: str, numbers: dict[str, Any] | None) -> dict[str, Any]:
+    """One version's statistics as Triton gives them: each `ok` request counted once in each of
+    queue and the compute phases, with the time it spent there; each batch by the samples it computed."""
+    if numbers is None:
+        numbers = {"requests": {}, "samples": 0, "total_s": 0.0, "queue_s": 0.0,
+                   "phases_s": [0.0, 0.0, 0.0], "computed": {}, "last_inference_s": 0.0}
     requests = numbers["requests"]
     ok = requests.get(protocol.OK, 0)
     failed = sum(n for status, n in requests.items() if status != protocol.OK)
+    inputs_s, infer_s, outputs_s = numbers["phases_s"]
     return {
         "name": name, "version": version, "last_inference": int(numbers["last_inference_s"] * 1000),
-        "inference_count": numbers["samples"], "execution_count": numbers["batches"],
+        "inference_count": numbers["samples"],
+        "execution_count": int(sum(sums[0] for sums in numbers["computed"].values())),
         "inference_stats": {
             "success": _spent(ok, numbers["total_s"]), "fail": _spent(failed, 0.0),
-            "queue": _spent(ok, numbers["queue_s"]), "compute_input": _spent(ok, 0.0),
-            "compute_infer": _spent(ok, numbers["compute_s"]), "compute_output": _spent(ok, 0.0),
+            "queue": _spent(ok, numbers["queue_s"]), "compute_input": _spent(ok, inputs_s),
+            "compute_infer": _spent(ok, infer_s), "compute_output": _spent(ok, outputs_s),
         },
-        "batch_stats": [{"batch_size": int(size), "compute_infer": _spent(count, 0.0)}
-                        for size, count in sorted(numbers["batch_sizes"].items(), key=lambda kv: int(kv[0]))],
+        "batch_stats": [{"batch_size": int(size), "compute_input": _spent(int(count), inputs),
+                         "compute_infer": _spent(int(count), infer), "compute_output": _spent(int(count), outputs)}
+                        for size, (count, inputs, infer, outputs)
+                        in sorted(numbers["computed"].items(), key=lambda kv: int(kv[0]))],
     }

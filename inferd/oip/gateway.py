@@ -23,7 +23,7 @@ import zmq.asyncio
 from inferd import addresses
 from inferd.child import begin_child
 from inferd.config import loading
-from inferd.config.schema import Config
+from inferd.config.schema import Config, client_shm_protocols
 from inferd.oip.catalog import Catalog
 from inferd.oip.shm import SharedMemory
 from inferd.oip.spec import GatewaySpec
@@ -55,7 +55,9 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
     server = config.server
     max_message_bytes = int(server.max_message_mb * (1 << 20))
     address = server.http if spec.protocol == "http" else server.grpc
-    shared_memory = SharedMemory(upstream, int(addresses.split(address)[1]), sweep=spec.protocol == "grpc")
+    shared_memory = SharedMemory(upstream, int(addresses.split(address)[1]), sweep=spec.protocol == "grpc",
+                                 enabled=spec.protocol in client_shm_protocols(server),
+                                 server_wide=server.client_shm_scope == "server")
     # Each front end imports only its own server.
     if spec.protocol == "http":
         from inferd.oip.http_server import HttpServer

@@ -33,16 +33,16 @@ from inferd import __version__, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.catalog import (
-    EXTENSIONS,
     GATEWAY_BUG,
     Catalog,
     GivenInput,
     ModelView,
     NotFound,
     Requested,
+    server_extensions,
 )
 from inferd.oip.http_server import CONNECTION, WATCH, Watch
-from inferd.oip.shm import InRegion, SharedMemory, region_parameters, region_response
+from inferd.oip.shm import CUDA_REFUSED, InRegion, SharedMemory, cuda_region_missing, region_parameters
 from inferd.oip.upstream import Control, Upstream
 from inferd.protocol import ReplyHeader
 
@@ -61,10 +61,13 @@ HTTP_STATUS = {
 }
 MAX_HEADER_JSON = 1 << 20  # the JSON part of a binary request: names, shapes and parameters, never data
 _ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$")
-_SHM_ROUTE = re.compile(r"^/v2/systemsharedmemory(?:/region/([^/]+))?/(status|register|unregister)$")
+_SHM_ROUTE = re.compile(r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$")
 T = TypeVar("T")
 _json = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
+JSON = b"application/json"
+BINARY = b"application/octet-stream"  # Triton's type for a response with binary tensors after its JSON
+Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]  # status, body, headers (content-type: JSON unless named)
 
 
 class HttpError(Exception):
@@ -136,26 +139,33 @@ class RestApp:
         except Exception:
             log.exception("handling %s %s raised", scope.get("method"), scope.get("path"))
             status, body, headers = 500, _encode({"error": GATEWAY_BUG}), []
+        if not any(key == b"content-type" for key, _ in headers):
+            headers = [(b"content-type", JSON), *headers]
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                *headers]})
+                    "headers": [(b"content-length", str(len(body)).encode()), *headers]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _route(self, scope: Scope, receive: Receive) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _route(self, scope: Scope, receive: Receive) -> Answer:
+        # Readiness answers carry KServe's JSON body; Triton's clients read only the status.
         path, method = scope["path"], scope["method"]
         if path == "/v2/health/live" and method == "GET":
             await self.control.call("status")
-            return 200, b"", []
+            return 200, _encode({"live": True}), []
         if path == "/v2/health/ready" and method == "GET":
             ready = (await self.control.call("health"))["healthy"]
-            return (200 if ready else 400), b"" if ready else _encode({"error": "the daemon is not ready"}), []
+            return (200, _encode({"ready": True}), []) if ready else \
+                (400, _encode({"ready": False, "error": "the daemon is not ready"}), [])
         if path == "/v2" and method == "GET":
-            return 200, _encode({"name": "inferd", "version": __version__, "extensions": EXTENSIONS}), []
+            return 200, _encode({"name": "inferd", "version": __version__,
+                                 "extensions": server_extensions(self.shared_memory.enabled)}), []
         if path == "/v2/models/stats" and method == "GET":
             return 200, _encode(await self.catalog.statistics(None, None)), []
         shm = _SHM_ROUTE.match(path)
         if shm is not None:
-            return await self._shared_memory(scope, receive, *shm.groups())
+            kind, region, action = shm.groups()
+            if kind == "cuda":
+                return _cuda_shared_memory(method, region, action)
+            return await self._shared_memory(scope, receive, region, action)
         match = _ROUTE.match(path)
         if match is None:
             raise HttpError(404, f"no such endpoint: {method} {path}")
@@ -167,26 +177,22 @@ class RestApp:
         if action == "infer":
             if method != "POST":
                 raise HttpError(405, "infer takes POST")
-            return await self._infer(scope, receive, model, version)
+            return await self._infer(scope, receive, model, model.named(version))
         if method != "GET":
             raise HttpError(405, f"{path} takes GET")
         if action is None:
             return 200, _encode(model.metadata()), []
         if action == "ready":
-            return (200, b"", []) if model.ready else (400, _encode({"error": f"{name} is not ready"}), [])
+            return (200, _encode({"name": name, "ready": True}), []) if model.ready else \
+                (400, _encode({"name": name, "ready": False, "error": f"{name} is not ready"}), [])
         if action == "config":
             return 200, _encode(model.triton_config()), []
         return 200, _encode(await self.catalog.statistics(name, version)), []
 
-    async def _shared_memory(self, scope: Scope, receive: Receive, region: str | None,
-                             action: str) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _shared_memory(self, scope: Scope, receive: Receive, region: str | None, action: str) -> Answer:
         """The system shared-memory extension: a region's (or every region's) status, register, unregister."""
-        method, peer = scope["method"], _peer(scope)
-        if action == "status":
-            if method != "GET":
-                raise HttpError(405, "status takes GET")
-        elif method != "POST":
-            raise HttpError(405, f"{action} takes POST")
+        method, peer = scope["method"], self.shared_memory.http_peer(_peer(scope))
+        _check_method(method, action)
         try:
             if action == "status":
                 return 200, _encode(await self.shared_memory.status(peer, region)), []
@@ -205,8 +211,7 @@ class RestApp:
         except InvalidRequest as exc:
             raise HttpError(400, exc.message) from None
 
-    async def _infer(self, scope: Scope, receive: Receive, model: ModelView,
-                     version: str | None) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+    async def _infer(self, scope: Scope, receive: Receive, model: ModelView, version: str | None) -> Answer:
         headers = {key.lower(): value for key, value in scope["headers"]}
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_message_bytes:
@@ -225,9 +230,11 @@ class RestApp:
         else:
             split = len(body)
         try:
-            request = _json.decode(body[:split])
+            request = _raw_request(model, len(body)) if split == 0 else _json.decode(body[:split])
         except (msgspec.DecodeError, RecursionError) as exc:
             raise HttpError(400, f"the request is not JSON: {exc}") from None
+        except InvalidRequest as exc:
+            raise HttpError(400, exc.message) from None
         try:
             parsed = JsonRequest.parse(request, memoryview(body)[split:], model)
             places = parsed.places(model)
@@ -236,7 +243,7 @@ class RestApp:
         requested = parsed.requested
         reply, outputs = await _unless_gone(scope, self.upstream.infer(
             model.name, version, requested.inputs, requested.timeout_ms, places,
-            _peer(scope) if places or requested.in_regions else None, requested.level))
+            self.shared_memory.http_peer(_peer(scope)) if places or requested.in_regions else None, requested.level))
         if reply.status != protocol.OK:
             extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
             raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
@@ -244,7 +251,42 @@ class RestApp:
         encoded = _encode(json_part)
         if not binary:
             return 200, encoded, []
-        return 200, b"".join([encoded, *binary]), [(b"inference-header-content-length", str(len(encoded)).encode())]
+        return 200, b"".join([encoded, *binary]), [(b"content-type", BINARY),
+                                                   (b"inference-header-content-length", str(len(encoded)).encode())]
+
+
+def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
+    """The request a raw binary body stands for (Inference-Header-Content-Length 0: the body is the one
+    input's bytes, as many samples as they hold), in the JSON form JsonRequest parses."""
+    if len(model.inputs) != 1:
+        raise InvalidRequest(f"a raw binary request (Inference-Header-Content-Length 0) is for a model of one "
+                             f"input; {model.name} takes {', '.join(model.inputs)}: send JSON naming each")
+    spec = model.config.inputs[0]
+    sample = protocol.tensor_bytes(spec.dtype, spec.shape)
+    if size == 0 or size % sample:
+        raise InvalidRequest(f"a raw binary request's {size} bytes are not a whole number of samples of "
+                             f"{model.inputs[0]!r} ({tensors.WIRE_TO_DATATYPE[spec.dtype]} {list(spec.shape)}, "
+                             f"{sample} bytes each)")
+    return {"inputs": [{"name": model.inputs[0], "datatype": tensors.WIRE_TO_DATATYPE[spec.dtype],
+                        "shape": [size // sample, *spec.shape], "parameters": {"binary_data_size": size}}]}
+
+
+def _check_method(method: str, action: str) -> None:
+    """A shared-memory call's status takes GET, the others POST."""
+    if action == "status" and method != "GET":
+        raise HttpError(405, "status takes GET")
+    if action != "status" and method != "POST":
+        raise HttpError(405, f"{action} takes POST")
+
+
+def _cuda_shared_memory(method: str, region: str | None, action: str) -> Answer:
+    """Triton's CUDA shared-memory extension, as a server that has no CUDA region."""
+    _check_method(method, action)
+    if action == "register":
+        raise HttpError(400, CUDA_REFUSED)
+    if action == "status" and region is not None:
+        raise HttpError(400, cuda_region_missing(region))
+    return 200, _encode([]) if action == "status" else b"", []
 
 
 async def _unless_gone(scope: Scope, answer: Coroutine[Any, Any, T]) -> T:
@@ -310,11 +352,10 @@ class JsonRequest(NamedTuple):
     @classmethod
     def parse(cls, request: Any, binary: memoryview, model: ModelView) -> JsonRequest:
         """The request's JSON (and the binary data after it), checked against `model`."""
+        # Fields the protocol does not name are left alone, as the spec's schema and KServe's server
+        # allow (KServe's client sends model_name).
         if not isinstance(request, dict):
             raise InvalidRequest("the request is not a JSON object")
-        unknown = sorted(set(request) - {"id", "parameters", "inputs", "outputs"})
-        if unknown:
-            raise InvalidRequest(f"the request has unknown field {unknown[0]!r}")
         request_id = request.get("id")
         if request_id is not None and not isinstance(request_id, str):
             raise InvalidRequest("the request's id must be a string")
@@ -367,12 +408,12 @@ class JsonRequest(NamedTuple):
                 continue
             entry: dict[str, Any] = {"name": name, "datatype": tensors.WIRE_TO_DATATYPE[meta.dtype],
                                      "shape": list(meta.shape)}
-            if data is None:
-                entry["parameters"] = region_response(meta)
-            elif as_binary:
+            # One in a region has neither data nor parameters, as Triton answers: Triton's C++ client
+            # takes an output's parameters for binary_data_size.
+            if data is not None and as_binary:
                 entry["parameters"] = {"binary_data_size": len(data)}
                 binary.append(data)
-            else:
+            elif data is not None:
                 entry["data"] = tensors.to_json(data, meta.dtype)
             entries.append(entry)
         response: dict[str, Any] = {"model_name": model.name, "model_version": reply.version, "outputs": entries}
@@ -391,6 +432,8 @@ def _wanted(outputs: Any, model: ModelView,
     regions: dict[str, InRegion] = {}
     for entry in outputs:
         name = model.check_output(entry.get("name") if isinstance(entry, dict) else None)
+        if name in wanted:
+            raise InvalidRequest(f"output {name!r} is requested twice")
         parameters = _parameters(entry, f"output {name!r}")
         wanted[name] = parameters.get("binary_data", binary_default) is True
         region = region_parameters(parameters, f"output {name!r}")

@@ -25,8 +25,8 @@ from inferd.config.schema import ServerConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
-from inferd.oip.catalog import EXTENSIONS, GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound
-from inferd.oip.shm import SharedMemory, region_parameters, region_response
+from inferd.oip.catalog import GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, server_extensions
+from inferd.oip.shm import CUDA_REFUSED, SharedMemory, cuda_region_missing, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.grpc")
@@ -127,10 +127,18 @@ class InferenceService:
         return pb.ServerReadyResponse(ready=(await self.control.call("health"))["healthy"])
 
     async def server_metadata(self, request: pb.ServerMetadataRequest, call: Call) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="inferd", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name="inferd", version=__version__,
+                                         extensions=server_extensions(self.shared_memory.enabled))
 
     async def model_ready(self, request: pb.ModelReadyRequest, call: Call) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=(await self._model(request.name, request.version)).ready)
+        # As Triton answers: a model (or version) it does not serve is not ready, not an error.
+        try:
+            model = await self._model(request.name, request.version)
+        except RpcError as exc:
+            if exc.code != grpc.StatusCode.NOT_FOUND:
+                raise
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=model.ready)
 
     async def model_metadata(self, request: pb.ModelMetadataRequest, call: Call) -> pb.ModelMetadataResponse:
         model = await self._model(request.name, request.version)
@@ -147,12 +155,15 @@ class InferenceService:
         return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
 
     async def model_infer(self, request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
-        version = request.model_version or None
         model = await self._model(request.model_name, request.model_version)
+        version = model.named(request.model_version or None)
         timeout, priority = (request.parameters.get(key) for key in ("timeout", "priority"))
         requested = model.request(_given(request), None if timeout is None else _parameter(timeout),
                                   None if priority is None else _parameter(priority))
         wanted = {model.check_output(output.name) for output in request.outputs} or None
+        if wanted is not None and len(wanted) < len(request.outputs):
+            names = [output.name for output in request.outputs]
+            raise InvalidRequest(f"output {next(n for n in names if names.count(n) > 1)!r} is requested twice")
         regions = {output.name: region for output in request.outputs
                    if (region := region_parameters(_parameters(output.parameters), f"output {output.name!r}"))}
         places = [model.place(name, regions[name], requested.samples) if name in regions else None
@@ -174,10 +185,9 @@ class InferenceService:
             output = response.outputs.add(name=name, datatype=tensors.WIRE_TO_DATATYPE[meta.dtype], shape=meta.shape)
             if data is None:
                 _set_parameters(output.parameters, region_response(meta))
-            # tritonclient finds an output's bytes at its position: one in a region keeps its place empty
+            # Triton's clients find an output's bytes at its position: one in a region keeps its place
+            # empty (the C++ client reads a place for every output, and crashes on a missing one).
             raw.append(b"" if data is None else bytes(data))
-        while raw and not raw[-1] and response.outputs[len(raw) - 1].parameters:
-            raw.pop()  # none needed after the last output that has bytes
         response.raw_output_contents.extend(raw)
         return response
 
@@ -199,6 +209,20 @@ class InferenceService:
                                               call: Call) -> pb.SystemSharedMemoryUnregisterResponse:
         await self.shared_memory.unregister(self.shared_memory.grpc_peer(call.peer()), request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def cuda_shared_memory_status(self, request: pb.CudaSharedMemoryStatusRequest,
+                                        call: Call) -> pb.CudaSharedMemoryStatusResponse:
+        if request.name:
+            raise InvalidRequest(cuda_region_missing(request.name))
+        return pb.CudaSharedMemoryStatusResponse()
+
+    async def cuda_shared_memory_register(self, request: pb.CudaSharedMemoryRegisterRequest,
+                                          call: Call) -> pb.CudaSharedMemoryRegisterResponse:
+        raise InvalidRequest(CUDA_REFUSED)
+
+    async def cuda_shared_memory_unregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                            call: Call) -> pb.CudaSharedMemoryUnregisterResponse:
+        return pb.CudaSharedMemoryUnregisterResponse()  # none is registered
 
     async def _model(self, name: str, version: str) -> ModelView:
         if not name:
@@ -223,6 +247,9 @@ class InferenceService:
             "SystemSharedMemoryRegister": (self.system_shared_memory_register, pb.SystemSharedMemoryRegisterRequest),
             "SystemSharedMemoryUnregister": (self.system_shared_memory_unregister,
                                              pb.SystemSharedMemoryUnregisterRequest),
+            "CudaSharedMemoryStatus": (self.cuda_shared_memory_status, pb.CudaSharedMemoryStatusRequest),
+            "CudaSharedMemoryRegister": (self.cuda_shared_memory_register, pb.CudaSharedMemoryRegisterRequest),
+            "CudaSharedMemoryUnregister": (self.cuda_shared_memory_unregister, pb.CudaSharedMemoryUnregisterRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(_answering(name, method, kind),

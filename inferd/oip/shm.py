@@ -9,6 +9,9 @@ only. An address alone would not do: on loopback a port comes back as soon as it
 connections and says when each ends. gRPC says neither, so the gateway names a gRPC connection by its
 socket's inode and looks at its own established connections every SWEEP_S, unregistering the regions
 of those gone; a connection's first region call looks its inode up afresh.
+
+With server.client_shm_scope "server" the supervisor files every region under one owner, whoever
+registered it, so the gateway names no connection (SERVER_PEER) and unregisters nothing when one ends.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ log = logging.getLogger("inferd.oip.shm")
 
 SWEEP_S = 1.0
 EXTENSION = "system_shared_memory"
+# Triton's CUDA shared-memory extension: none is registered, so its status and unregister answer as a
+# server with none (Triton's tools ask both at start and end) and register is refused.
+CUDA_REFUSED = "inferd takes no CUDA shared memory; register system shared memory (/dev/shm) instead"
+SERVER_PEER = "server"  # the peer every region call and request names when regions are server-wide
 
 
 class InRegion(NamedTuple):
@@ -63,6 +70,11 @@ def region_response(meta: protocol.TensorMeta) -> dict[str, Any]:
             "shared_memory_byte_size": size}
 
 
+def cuda_region_missing(name: str) -> str:
+    """The sentence for a CUDA region asked for by name: there is none."""
+    return f"no CUDA shared-memory region {name!r} is registered ({CUDA_REFUSED})"
+
+
 def peer_name(host: str, port: int) -> str:
     """A client's address as the gateway names it: host:port ([host]:port for IPv6)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -78,8 +90,12 @@ def grpc_address(peer: str) -> str:
 class SharedMemory:
     """The region calls of one front end, and the end of its clients' connections."""
 
-    def __init__(self, upstream: Upstream, port: int, sweep: bool) -> None:
-        """`sweep`: the server does not say when a connection ends (gRPC), so look every SWEEP_S."""
+    def __init__(self, upstream: Upstream, port: int, sweep: bool, enabled: bool, server_wide: bool) -> None:
+        """`sweep`: the server does not say when a connection ends (gRPC), so look every SWEEP_S;
+        `enabled`: whether server.allow_client_shm lets this front end's clients register regions;
+        `server_wide`: whether they are every client's (server.client_shm_scope)."""
+        self.enabled = enabled
+        self.server_wide = server_wide
         self._upstream = upstream
         self._port = port
         self._sweep_connections = sweep
@@ -88,8 +104,14 @@ class SharedMemory:
         self._sweeping: asyncio.Task[None] | None = None
         self._forgetting: set[asyncio.Task[None]] = set()  # held, or the loop may drop them unfinished
 
+    def http_peer(self, connection: str) -> str:
+        """The peer an HTTP connection's region calls and requests name."""
+        return SERVER_PEER if self.server_wide else connection
+
     def grpc_peer(self, peer: str, fresh: bool = False) -> str:
         """A gRPC client connection's name: its address and its socket's inode (`fresh`: looked up now)."""
+        if self.server_wide:
+            return SERVER_PEER
         address = grpc_address(peer)
         if fresh or address not in self._inodes:
             self._inodes = self._established()
@@ -111,6 +133,8 @@ class SharedMemory:
             if not isinstance(value, int) or isinstance(value, bool):
                 raise InvalidRequest(f"the register request's {field} must be a number of bytes")
         await self._call(protocol.RegisterRegion, peer, name=name, key=key, offset=offset, byte_size=byte_size)
+        if self.server_wide:
+            return  # no connection's end unregisters it
         self._with_regions.add(peer)
         if self._sweep_connections and self._sweeping is None:
             self._sweeping = asyncio.get_running_loop().create_task(self._sweep())
@@ -121,6 +145,8 @@ class SharedMemory:
 
     async def status(self, peer: str, name: str | None) -> list[dict[str, Any]]:
         """`peer`'s region `name`, or (None) all of them: name, key, offset, byte_size each."""
+        if name is None and not self.enabled:
+            return []  # none can be registered; a named one is refused by the supervisor, with why
         regions = await self._call(protocol.RegionStatus, peer, name=name)
         return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size} for r in regions]
 

@@ -3,7 +3,9 @@ may use, region messages, a request's references resolved, and regions dropped w
 
 A region's owner is its connection: a ZeroMQ peer's routing id on its socket, and for a gateway's
 socket also the gateway's client (`peer`). Each registration is also filed under the transport
-connection it came over (its descriptor, zmq.SRCFD), which the socket's monitor names when it drops.
+connection it came over (its descriptor, zmq.SRCFD), which the socket's monitor names when it drops. With
+server.client_shm_scope "server", every gateway client's regions have one owner (SERVER_OWNER), filed
+under no connection: they stay until unregistered, whichever connection or protocol uses them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ log = logging.getLogger("inferd.frontend")
 
 Owner = tuple[int, bytes, str | None]  # (socket, routing id, gateway peer)
 Places = tuple[tuple[Region, int] | None, ...]  # per output: the region and offset to write it at
+SERVER_OWNER: Owner = (0, b"", "server")
 
 
 class ClientRegions:
@@ -37,6 +40,7 @@ class ClientRegions:
         self._names: dict[zmq.Socket, str] = {}
         self._gateways: dict[zmq.Socket, str] = {}
         self._protocols = client_shm_protocols(server)
+        self._server_wide = server.client_shm_scope == "server"
 
     def add(self, socket: zmq.Socket, name: str, address: str, protocol_name: str, gateway: bool) -> None:
         """Note a client-facing socket: regions are allowed on it if its protocol's are and `address` (where
@@ -75,7 +79,8 @@ class ClientRegions:
                 # reports a disconnect before it closes the descriptor, so before a later connection on
                 # it can send anything: taking the reports first keeps an old drop off the new connection.
                 self.on_monitor(self._monitor_of[socket])
-                link = (id(socket), first.get(zmq.SRCFD)) if first is not None else None
+                link = (id(socket), first.get(zmq.SRCFD)) if first is not None and owner is not SERVER_OWNER \
+                    else None
                 who = (f"{self._gateways[socket]} client {op.peer}" if op.peer is not None
                        else f"{self._names[socket]} connection {identity.hex()}")
                 regions = [self.regions.register(owner, op.name, op.key, op.offset, op.byte_size, describe=who,
@@ -140,4 +145,6 @@ class ClientRegions:
                                  "it is only ever allowed over ipc:// and loopback endpoints", request_id)
         if (peer is None) != (socket not in self._gateways):
             raise InvalidRequest("`peer` is for the daemon's own gateways, and they always give it", request_id)
+        if self._server_wide and peer is not None:
+            return SERVER_OWNER
         return (id(socket), identity, peer)

@@ -87,9 +87,10 @@ class Commands:
         return stats_report(self.daemon)
 
     def command_models(self) -> dict[str, Any]:
-        """Each model's live version, whether a ready worker serves it, its outputs, its config and the
-        daemon's priority levels as they are now (a SIGHUP changes them), and per version the counts and
-        times the Open Inference Protocol's statistics report (what the gateway asks)."""
+        """Each model's live version, whether a ready worker serves it, its outputs, its config, the
+        daemon's priority levels as they are now (a SIGHUP changes them), each version's number (for
+        the protocols whose versions are integers), and per version the counts and times the Open
+        Inference Protocol's statistics report (what the gateway asks)."""
         since_epoch = time.time() - time.monotonic()
         result = {}
         for name, live in self.daemon.live.items():
@@ -99,19 +100,28 @@ class Commands:
                     continue
                 versions[version] = {
                     "requests": dict(series.replies), "samples": series.samples,
-                    "batches": sum(series.batch_sizes.values()),
-                    "batch_sizes": {str(size): n for size, n in series.batch_sizes.items()},
                     "total_s": series.total.sum, "queue_s": series.queue.sum, "compute_s": series.compute.sum,
+                    "phases_s": series.phases,
+                    "computed": {str(size): sums for size, sums in series.computed.items()},
                     "last_inference_s": since_epoch + series.last_answered if series.last_answered else 0.0,
                 }
             outputs = self.daemon.workers.signature(name, live) or ()
             queue = self.daemon.config.queue
+            config = self.daemon.config.models[name]
+            canary = self.daemon.candidates.canary_version(name)
+            try:
+                numbers = self.daemon.version_numbers.of(name, config.repository or "")
+            except RepositoryError:  # the folder went away: the versions served keep what they had
+                numbers = {}
             result[name] = {
-                "config": msgspec.to_builtins(self.daemon.config.models[name]),
+                "config": msgspec.to_builtins(config),
                 "priority_levels": queue.priority_levels, "default_level": queue.default_level,
                 "live_version": live,
-                "canary_version": self.daemon.candidates.canary_version(name),
+                "canary_version": canary,
                 "ready": any(w.serves(name, live) for w in self.daemon.workers.workers),
+                "ready_versions": [v for v in (live, canary)
+                                   if v is not None and any(w.serves(name, v) for w in self.daemon.workers.workers)],
+                "version_numbers": numbers,
                 "outputs": [[spec.dtype, list(spec.shape)] for spec in outputs],
                 "versions": versions,
             }

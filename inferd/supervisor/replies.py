@@ -155,7 +155,7 @@ class Replies:
         self.stats.answered(now, batch.model, batch.version, sum(r.samples for r in computed),
                             [now - r.received for r in computed], [batch.started - r.received for r in computed],
                             done.compute_us / 1e6, [r.priority for r in computed],
-                            sum(now <= r.deadline for r in computed))
+                            sum(now <= r.deadline for r in computed), [us / 1e6 for us in done.phases_us])
         return trackers
 
     def _send_all(self, replies: list[tuple[ReplyTo, list[Buffer]]], by_reference: bool) -> list[zmq.MessageTracker]:

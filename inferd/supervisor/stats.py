@@ -112,6 +112,10 @@ class Series:
     queue: Histogram = field(default_factory=Histogram)
     compute: Histogram = field(default_factory=Histogram)
     batch_sizes: Counter = field(default_factory=Counter)  # samples per batch -> batches
+    # Seconds of the batches' phases (inputs in, forward, outputs out), counted once per `ok` request...
+    phases: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    # ... and once per batch, by how many samples it computed: [batches, inputs, forward, outputs].
+    computed: dict[int, list[float]] = field(default_factory=dict)
     queue_peak: int = 0
     last_answered: float = 0.0  # when its last ok reply went (monotonic; 0: none yet)
 
@@ -124,6 +128,10 @@ class Series:
         self.queue.merge(other.queue)
         self.compute.merge(other.compute)
         self.batch_sizes.update(other.batch_sizes)
+        self.phases = [a + b for a, b in zip(self.phases, other.phases)]
+        for size, sums in other.computed.items():
+            mine = self.computed.setdefault(size, [0.0] * 4)
+            self.computed[size] = [a + b for a, b in zip(mine, sums)]
         self.queue_peak = max(self.queue_peak, other.queue_peak)
         self.last_answered = max(self.last_answered, other.last_answered)
 
@@ -222,12 +230,19 @@ class Stats:
 
     def answered(self, now: float, model: str, version: str, samples: int,
                  totals_s: Sequence[float], queues_s: Sequence[float], compute_s: float,
-                 priorities: Sequence[int], good: int) -> None:
+                 priorities: Sequence[int], good: int, phases_s: Sequence[float] = (0.0, 0.0, 0.0)) -> None:
         """Count the `ok` replies of one batch: its samples, each request's total and queue
-        latency and priority level, the batch's compute time once per request, and how many
-        were answered within their deadline."""
+        latency and priority level, the batch's compute time (and its phases) once per request and
+        once per batch, and how many were answered within their deadline."""
         self.replies["ok"] += len(totals_s)
+        requests = len(totals_s)
         for series in self._series(now, model, version):
+            if requests:
+                series.phases = [sum_s + phase_s * requests for sum_s, phase_s in zip(series.phases, phases_s)]
+                batch = series.computed.setdefault(samples, [0.0] * 4)
+                batch[0] += 1
+                for index, phase_s in enumerate(phases_s, 1):
+                    batch[index] += phase_s
             series.replies["ok"] += len(totals_s)
             series.samples += samples
             series.good += good

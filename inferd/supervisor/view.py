@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from inferd.config.schema import Config
+from inferd.repository import VersionNumbers
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.dispatch import Dispatcher
@@ -47,6 +48,10 @@ class DaemonView(Protocol):
     @property
     def live(self) -> LiveVersions:
         """The live version of each model."""
+
+    @property
+    def version_numbers(self) -> VersionNumbers:
+        """Each version's number, for the protocols whose versions are integers."""
 
     @property
     def queue(self) -> RequestQueue:

@@ -10,6 +10,7 @@ one executor's copies overlap another's compute.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -54,6 +55,35 @@ def is_sticky_cuda_error(exc: BaseException) -> bool:
     """True for a CUDA error that leaves the device context unusable (only a new process can serve)."""
     text = str(exc).lower()
     return not is_out_of_memory(exc) and "cuda" in text and any(error in text for error in STICKY_CUDA_ERRORS)
+
+
+class PhaseClock:
+    """Marks between a batch's phases (inputs in, forward, outputs out), read once the batch is done:
+    the host clock on the CPU, CUDA events on a GPU, whose copies and kernels run after the host has
+    moved on."""
+
+    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+        self._stream = stream
+        self._times: list[float] = []
+        self._events: list[torch.cuda.Event] = []
+
+    def mark(self) -> None:
+        """Note that a phase ends here (the first mark is where the first begins)."""
+        if self._stream is None:
+            self._times.append(time.perf_counter())
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self._stream)
+        self._events.append(event)
+
+    def phases_us(self) -> tuple[int, int, int]:
+        """Each phase's length in microseconds; on a GPU, call it after the stream has synchronized."""
+        if self._stream is None:
+            spans = [(end - start) * 1e6 for start, end in itertools.pairwise(self._times)]
+        else:
+            spans = [start.elapsed_time(end) * 1e3 for start, end in itertools.pairwise(self._events)]
+        first, second, third = (int(span) for span in spans)
+        return first, second, third
 
 
 class Overlap:
@@ -154,15 +184,16 @@ class Executor(threading.Thread):
         token = self.overlap.begin()
         before = self.memory()[0]
         started = time.perf_counter()
+        clock = PhaseClock(self.stream)
         try:
-            outputs = self._compute(batch, expired)
+            outputs = self._compute(batch, expired, clock)
         except Exception as exc:  # noqa: BLE001 - a model may raise anything
             self.overlap.end(token)
             return self._failed(batch, exc, len(expired))
         compute_us = int((time.perf_counter() - started) * 1e6)
         memory, reserved = self.memory()
         growth = memory - before if self.overlap.end(token) else 0
-        return BatchDone(batch.batch_id, outputs, compute_us, memory, reserved, growth, expired)
+        return BatchDone(batch.batch_id, outputs, compute_us, memory, reserved, growth, expired, clock.phases_us())
 
     def _failed(self, batch: RunBatch, exc: Exception, expired: int) -> BatchFailed:
         samples = sum(batch.samples) - expired
@@ -191,18 +222,22 @@ class Executor(threading.Thread):
         assert self._statm is not None
         return int(os.pread(self._statm, 128, 0).split()[1]) * PAGE_SIZE, 0
 
-    def _compute(self, batch: RunBatch, expired: tuple[int, ...]) -> tuple[TensorRef, ...]:
+    def _compute(self, batch: RunBatch, expired: tuple[int, ...], clock: PhaseClock) -> tuple[TensorRef, ...]:
         device = self.runner.device
         stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with stream:
+            clock.mark()
             inputs = [arena_tensor(self.arena, ref.dtype, ref.shape, ref.offset) for ref in batch.inputs]
             if expired:
                 rows = _live_rows(batch.samples, expired)
                 inputs = [torch.cat([x[start:end] for start, end in rows]) for x in inputs]
             inputs = [x.to(device, non_blocking=True) for x in inputs]
+            clock.mark()
             outputs = self.runner.infer(batch.model, batch.version, inputs)
+            clock.mark()
             inputs_end = place(batch.slot_offset, [tensor_bytes(ref.dtype, ref.shape) for ref in batch.inputs])[1]
             refs = self._write_outputs(outputs, inputs_end, batch.slot_offset, batch.slot_offset + batch.slot_size)
+            clock.mark()
             if self.stream is not None:
                 # Wait for this stream's copies only, not for the whole device.
                 done = torch.cuda.Event()
