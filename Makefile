@@ -17,10 +17,16 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+THIRD_PARTY := $(VENV)/.third-party
+# Triton's perf_analyzer and KServe's SDK: clients others wrote, which the OIP tests run (tests/third_party.py).
+$(THIRD_PARTY): tests/third_party.py | $(PY)
+	$(PY) tests/third_party.py install $(VENV)
+	touch $(THIRD_PARTY)
+
 demo: $(STAMP)
 	$(PY) -m inferd.demo run
 
-test: $(STAMP)
+test: $(STAMP) $(THIRD_PARTY)
 	$(PY) -m ruff check inferd tests bench deploy
 	$(PY) -m mypy
 	# Two test files at a time (the suite waits on daemons more than it computes), then the few

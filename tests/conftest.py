@@ -234,8 +234,8 @@ def shared_daemon(repo: Path) -> Iterator[Daemon]:
 
 @pytest.fixture(scope="module")
 def oip_daemon(repo: Path) -> Iterator[Daemon]:
-    """One daemon for a whole module serving mlp, pair (with named tensors), failing and bf16 over ZeroMQ and
-    the Open Inference Protocol over HTTP and gRPC, with metrics."""
+    """One daemon for a whole module serving mlp, pair (with named tensors), failing, bf16 and untouched (mlp
+    again, which no test calls) over ZeroMQ and the Open Inference Protocol over HTTP and gRPC, with metrics."""
     from inferd.harness import free_port
 
     path = Path(tempfile.mkdtemp(prefix="inferd-o"))
@@ -243,6 +243,7 @@ def oip_daemon(repo: Path) -> Iterator[Daemon]:
                                       "bf16": {**BF16, "precision": "fp32"}},
                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
                                  "metrics": f"127.0.0.1:{free_port()}"})
+    config["models"]["untouched"] = {"repository": str(repo / "mlp"), **MLP}  # no test sends it a request
     daemon = Daemon(path, config)
     daemon.start()
     yield daemon

@@ -342,7 +342,8 @@ def test_over_the_open_inference_protocol_both_versions_may_be_named_during_a_ca
         for version in ("v1", ""):
             assert infer(version).get_response()["model_version"] == "v1", "weight 0: nothing else goes to v2"
         assert client.get_model_metadata("mlp")["versions"] == ["v1", "v2"]
-        with pytest.raises(InferenceServerException, match="Request for unknown model: 'mlp' version 'v3' is not found"):
+        with pytest.raises(InferenceServerException,
+                           match="Request for unknown model: 'mlp' version 'v3' is not found"):
             infer("v3")
         client.close()
     finally:

@@ -8,6 +8,7 @@ package, so one process cannot hold both): inferd's own messages are looked at i
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import queue
 import signal
@@ -114,7 +115,8 @@ def test_a_pinned_version_compression_and_a_deadline_that_is_met(oip, repo):
                                    timeout=5_000_000)
         np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), reference(repo, "mlp", "v2")(x), rtol=1e-5,
                                    atol=1e-6)
-    with pytest.raises(InferenceServerException, match="Request for unknown model: 'mlp' version 'v1' is not found") as refused:
+    with pytest.raises(InferenceServerException,
+                       match="Request for unknown model: 'mlp' version 'v1' is not found") as refused:
         client(oip).infer("mlp", [mlp_input(x)], model_version="v1")
     assert refused.value.status() == "StatusCode.NOT_FOUND"
 
@@ -133,7 +135,8 @@ def raw_input(name: str, datatype: str, shape: list[int], data: bytes) -> grpccl
 
 ONE = np.zeros((1, models.MLP_IN), dtype=np.float32)
 ERRORS = [
-    ("unknown model", "nope", [mlp_input(ONE)], "StatusCode.NOT_FOUND", "Request for unknown model: 'nope' is not found"),
+    ("unknown model", "nope", [mlp_input(ONE)], "StatusCode.NOT_FOUND",
+     "Request for unknown model: 'nope' is not found"),
     ("unknown input", "mlp", [raw_input("x", "FP32", [1, 16], ONE.tobytes())], "StatusCode.INVALID_ARGUMENT",
      "has no input 'x'"),
     ("wrong datatype", "mlp", [raw_input("INPUT__0", "FP64", [1, 16], bytes(128))], "StatusCode.INVALID_ARGUMENT",
@@ -350,3 +353,30 @@ def test_a_sighup_reaches_both_gateways_a_model_it_adds_is_served_and_changed_ba
     assert http.get_model_config("mlp")["dynamic_batching"]["max_queue_delay_microseconds"] == 7000
     grpc_config = grpc_client.get_model_config("mlp", as_json=True)["config"]
     assert int(grpc_config["dynamic_batching"]["max_queue_delay_microseconds"]) == 7000
+
+
+def test_statistics_list_each_ready_version_from_the_start_and_a_version_is_taken_by_number(oip, repo):
+    [entry] = client(oip).get_inference_statistics("untouched", as_json=True)["model_stats"]
+    assert entry["name"] == "untouched" and entry["version"] == "2"
+    assert "inference_count" not in entry or entry["inference_count"] == "0"  # proto3 JSON leaves zeros out
+    x = np.random.default_rng(8).standard_normal((2, models.MLP_IN), dtype=np.float32)
+    result = client(oip).infer("mlp", [mlp_input(x)], model_version="2")
+    assert result.get_response().model_version == "v2"
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), reference(repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+    [entry] = client(oip).get_inference_statistics("mlp", model_version="2", as_json=True)["model_stats"]
+    stats = entry["inference_stats"]
+    assert all(int(stats[phase]["ns"]) > 0 for phase in ("compute_input", "compute_infer", "compute_output"))
+    assert sum(int(b["compute_infer"]["count"]) for b in entry["batch_stats"]) == int(entry["execution_count"])
+
+
+def test_an_output_asked_twice_is_refused_and_cuda_shared_memory_answers_as_a_server_with_none(oip):
+    twice = [grpcclient.InferRequestedOutput("OUTPUT__0"), grpcclient.InferRequestedOutput("OUTPUT__0")]
+    with pytest.raises(InferenceServerException, match="output 'OUTPUT__0' is requested twice") as refused:
+        client(oip).infer("mlp", [mlp_input(ONE)], outputs=twice)
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "system_shared_memory" not in client(oip).get_server_metadata(as_json=True)["extensions"]
+    assert client(oip).get_system_shared_memory_status(as_json=True) == {}
+    assert client(oip).get_cuda_shared_memory_status(as_json=True) == {}
+    client(oip).unregister_cuda_shared_memory()
+    with pytest.raises(InferenceServerException, match="inferd takes no CUDA shared memory"):
+        client(oip).register_cuda_shared_memory("r", base64.b64encode(b"handle"), 0, 64)

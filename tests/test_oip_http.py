@@ -253,3 +253,116 @@ def test_a_deadline_that_passes_is_504_and_a_draining_daemon_answers_503(start_d
         assert status == 503 and "shutting down" in answer["error"]
         assert peer.recv()[0]["status"] == "ok", "what was running finishes"
     assert daemon.wait(30) == 0
+
+
+def get(daemon: Daemon, path: str) -> tuple[int, dict | list, str]:
+    """GET `path`: the status, the JSON body and its content type."""
+    try:
+        with urllib.request.urlopen(f"http://{url(daemon)}{path}", timeout=20) as response:
+            return response.status, json.loads(response.read() or b"{}"), response.headers["content-type"]
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}"), exc.headers["content-type"]
+
+
+def test_readiness_answers_carry_kserves_json_bodies(oip):
+    assert get(oip, "/v2/health/live")[:2] == (200, {"live": True})
+    assert get(oip, "/v2/health/ready")[:2] == (200, {"ready": True})
+    assert get(oip, "/v2/models/mlp/ready")[:2] == (200, {"name": "mlp", "ready": True})
+    assert get(oip, "/v2/models/mlp/versions/2/ready")[:2] == (200, {"name": "mlp", "ready": True})
+    status, answer, _ = get(oip, "/v2/models/nope/ready")
+    assert status == 404 and "Request for unknown model: 'nope' is not found" in answer["error"]
+
+
+def test_statistics_list_each_ready_version_from_the_start_with_its_number(oip):
+    status, answer, _ = get(oip, "/v2/models/untouched/stats")
+    assert status == 200
+    [entry] = answer["model_stats"]
+    assert entry["name"] == "untouched" and entry["version"] == "2"  # v2 of mlp's repository, the live one
+    assert entry["inference_count"] == entry["execution_count"] == 0 and entry["batch_stats"] == []
+    assert {phase: spent["count"] for phase, spent in entry["inference_stats"].items()} == dict.fromkeys(
+        ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"), 0)
+    assert get(oip, "/v2/models/untouched/versions/2/stats")[1] == answer
+    assert get(oip, "/v2/models/untouched/versions/v2/stats")[1] == answer
+
+
+def test_statistics_split_the_compute_into_its_phases_per_request_and_per_batch_size(oip):
+    x = np.random.default_rng(6).standard_normal((4, models.MLP_IN), dtype=np.float32)
+    given = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+    for _ in range(3):
+        client(oip).infer("mlp", [given])
+    [entry] = client(oip).get_inference_statistics("mlp")["model_stats"]
+    stats = entry["inference_stats"]
+    ok = stats["success"]["count"]
+    assert ok >= 3 and all(stats[phase]["count"] == ok for phase in ("queue", "compute_input", "compute_infer",
+                                                                      "compute_output"))
+    assert all(stats[phase]["ns"] > 0 for phase in ("compute_input", "compute_infer", "compute_output"))
+    # The phases lie within the compute the worker measured, which lies within each request's time.
+    phases_ns = sum(stats[phase]["ns"] for phase in ("compute_input", "compute_infer", "compute_output"))
+    assert phases_ns <= stats["success"]["ns"]
+    batches = entry["batch_stats"]
+    assert sum(b["compute_infer"]["count"] for b in batches) == entry["execution_count"] >= 3
+    assert any(b["batch_size"] == 4 for b in batches)
+    assert all(b["compute_infer"]["ns"] > 0 and b["compute_input"]["count"] == b["compute_infer"]["count"]
+               for b in batches)
+
+
+def test_fields_the_protocol_does_not_name_are_left_alone_as_kserves_client_sends_them(oip, repo):
+    body = {"model_name": "mlp", "model_version": "", "inputs": [{**ONE, "extra": 1}], "unnamed": {"a": 1}}
+    status, answer = post(oip, "/v2/models/mlp/infer", json.dumps(body).encode())
+    assert status == 200, answer
+    expected = reference(repo, "mlp", "v2")(np.zeros((1, models.MLP_IN), dtype=np.float32))
+    np.testing.assert_allclose(answer["outputs"][0]["data"], expected.ravel(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_raw_binary_request_is_the_one_inputs_bytes(oip, repo):
+    x = np.random.default_rng(7).standard_normal((3, models.MLP_IN), dtype=np.float32)
+    status, answer = post(oip, "/v2/models/mlp/infer", x.tobytes(), {"Inference-Header-Content-Length": "0"})
+    assert status == 200, answer
+    [output] = answer["outputs"]
+    assert output["shape"] == [3, models.MLP_OUT]
+    np.testing.assert_allclose(np.array(output["data"]).reshape(3, -1), reference(repo, "mlp", "v2")(x),
+                               rtol=1e-5, atol=1e-6)
+    status, answer = post(oip, "/v2/models/mlp/infer", x.tobytes()[:-4], {"Inference-Header-Content-Length": "0"})
+    assert status == 400 and "not a whole number of samples of 'INPUT__0' (FP32 [16], 64 bytes each)" in \
+        answer["error"]
+    status, answer = post(oip, "/v2/models/pair/infer", b"\0" * 64, {"Inference-Header-Content-Length": "0"})
+    assert status == 400 and "for a model of one input; pair takes a, b" in answer["error"]
+
+
+def test_binary_replies_are_octet_streams_and_an_output_asked_twice_is_refused(oip):
+    request = urllib.request.Request(f"http://{url(oip)}/v2/models/mlp/infer", method="POST",
+                                     data=json.dumps({"inputs": [ONE], "parameters": {"binary_data_output": True}})
+                                     .encode())
+    with urllib.request.urlopen(request, timeout=20) as response:
+        assert response.headers["content-type"] == "application/octet-stream"
+        assert int(response.headers["inference-header-content-length"]) < len(response.read())
+    assert get(oip, "/v2/models/mlp")[2] == "application/json"
+    twice = {"inputs": [ONE], "outputs": [{"name": "OUTPUT__0"}, {"name": "OUTPUT__0"}]}
+    status, answer = post(oip, "/v2/models/mlp/infer", json.dumps(twice).encode())
+    assert status == 400 and "output 'OUTPUT__0' is requested twice" in answer["error"]
+
+
+def test_data_nested_deeper_than_its_shape_is_refused_with_why(oip):
+    deep: list = [0.0] * 16
+    for _ in range(70):
+        deep = [deep]
+    status, answer = post(oip, "/v2/models/mlp/infer", json.dumps({"inputs": [{**ONE, "data": deep}]}).encode())
+    assert status == 400 and "nested over 3 lists deep, but its shape [1, 16] has 2 dims" in answer["error"]
+    ragged = {**ONE, "shape": [2, 16], "data": [[0.0] * 16, [0.0] * 15]}
+    status, answer = post(oip, "/v2/models/mlp/infer", json.dumps({"inputs": [ragged]}).encode())
+    assert status == 400 and "lists differ in length" in answer["error"]
+
+
+def test_with_client_shared_memory_off_status_lists_no_regions_and_metadata_does_not_offer_it(oip):
+    assert "system_shared_memory" not in client(oip).get_server_metadata()["extensions"]
+    assert get(oip, "/v2/systemsharedmemory/status")[:2] == (200, [])
+    assert client(oip).get_system_shared_memory_status() == []
+    status, answer = post(oip, "/v2/systemsharedmemory/region/r/register",
+                          json.dumps({"key": "/inferd-client-x", "byte_size": 64}).encode())
+    assert status == 400 and "server.allow_client_shm is off" in answer["error"]
+    # Triton's CUDA extension, as a server with no CUDA region: what its tools ask at start and end.
+    assert get(oip, "/v2/cudasharedmemory/status")[:2] == (200, [])
+    client(oip).unregister_cuda_shared_memory()
+    status, answer = post(oip, "/v2/cudasharedmemory/region/r/register", b"{}")
+    assert status == 400 and "inferd takes no CUDA shared memory" in answer["error"]

@@ -340,3 +340,36 @@ def test_a_new_connection_from_an_old_ones_address_has_none_of_its_regions(daemo
     assert status(new) == [], "the new connection sees the old one's region"
     new.close()
     wait_for(lambda: not registered(daemon), timeout=15, what="the old connection's region gone")
+
+
+def test_a_region_is_its_connections_unless_client_shm_scope_makes_it_the_servers(daemon, start_daemon, repo,
+                                                                                  regions):
+    x = np.random.default_rng(31).standard_normal((2, models.MLP_IN)).astype(np.float32)
+    expected = reference(repo, "mlp", "v2")(x)
+    inputs, in_key = regions(x.nbytes)
+    shm.set_shared_memory_region(inputs, [x])
+    # "connection", the default: another connection does not see the region.
+    owner, other = connect(daemon, "http"), connect(daemon, "http")
+    owner.register_system_shared_memory("in", in_key, x.nbytes)
+    with pytest.raises(InferenceServerException, match="no region 'in' is registered on this connection"):
+        other.infer("mlp", [in_region(httpclient, "INPUT__0", x, "in")])
+    owner.unregister_system_shared_memory()
+    # "server": registered over one HTTP connection, used by tritonclient's pool of several and over gRPC,
+    # as Triton's clients and perf_analyzer do; a connection that closes takes nothing with it.
+    wide = start_daemon({"mlp": MLP}, server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+                                              "allow_client_shm": True, "client_shm_scope": "server"})
+    registering = connect(wide, "http")
+    registering.register_system_shared_memory("in", in_key, x.nbytes)
+    registering.close()
+    pool = httpclient.InferenceServerClient(wide.config["server"]["http"], concurrency=4)
+    pending = [pool.async_infer("mlp", [in_region(httpclient, "INPUT__0", x, "in")]) for _ in range(16)]
+    for request in pending:
+        np.testing.assert_allclose(request.get_result().as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    over_grpc = connect(wide, "grpc")
+    result = over_grpc.infer("mlp", [in_region(grpcclient, "INPUT__0", x, "in")])
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    assert set(region_status(over_grpc, "grpc")) == {"in"} and set(region_status(pool, "http")) == {"in"}
+    assert [r["requests"] for r in registered(wide)] == [17]
+    over_grpc.unregister_system_shared_memory("in")
+    assert registered(wide) == [] and region_status(pool, "http") == {}
+    pool.close()

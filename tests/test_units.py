@@ -8,6 +8,7 @@ spawning is left out (WorkerTable.spawn is what the end-to-end tests exercise).
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, new_instance
 from inferd.ipc.slots import batch_bytes, place, slot_shortfall
 from inferd.paths import RuntimeFiles
-from inferd.repository import SavedVersions
+from inferd.repository import SavedVersions, VersionNumbers
 from inferd.supervisor.candidates import Candidate, Candidates, Mode
 from inferd.supervisor.children import MAX_BACKOFF_S, ChildProcess
 from inferd.supervisor.dispatch import Dispatcher
@@ -593,3 +594,20 @@ def test_addresses_split_host_and_port_the_way_configs_write_them():
     assert addresses.split("0.0.0.0:8001") == ("0.0.0.0", "8001")
     assert [addresses.loopback(a) for a in ("tcp://127.0.0.2:1", "[::1]:2", "localhost:3", "tcp://0.0.0.0:4",
                                             "10.0.0.1:5")] == [True, True, True, False, False]
+
+
+def test_a_version_keeps_its_number_whatever_is_added_or_removed_later(tmp_path):
+    repository = tmp_path / "repo"
+    for version in ("v10", "v2", "v1"):
+        (repository / version).mkdir(parents=True)
+        (repository / version / "model.pt").write_bytes(b"")
+    state = tmp_path / "state"
+    assert VersionNumbers(state).of("m", repository) == {"v1": 1, "v2": 2, "v10": 3}  # natural order
+    shutil.rmtree(repository / "v1")
+    for version in ("v0", "7", "5"):
+        (repository / version).mkdir()
+        (repository / version / "model.pt").write_bytes(b"")
+    # Read back from state_dir: v2 and v10 keep theirs; of the new ones, a whole number takes its own.
+    numbers = VersionNumbers(state).of("m", repository)
+    assert numbers == {"5": 5, "7": 7, "v0": 8, "v2": 2, "v10": 3}
+    assert VersionNumbers(state).of("other", repository) == {"5": 5, "7": 7, "v0": 8, "v2": 9, "v10": 10}

@@ -63,6 +63,10 @@ def from_values(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> byt
     count = math.prod(shape)
     if not isinstance(data, list):
         raise InvalidRequest(f"{what} has data that is not a list")
+    depth = _depth(data, len(shape) + 1)
+    if depth not in (1, len(shape)):
+        raise InvalidRequest(f"{what} has data nested {'over ' if depth > len(shape) else ''}{depth} lists deep, "
+                             f"but its shape {list(shape)} has {len(shape)} dims: give it flat, or nested as its shape")
     try:
         raw = np.asarray(data)
     except ValueError:
@@ -79,6 +83,15 @@ def from_values(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> byt
     if target.kind in "iu" and raw.size and (raw.min() < np.iinfo(target).min or raw.max() > np.iinfo(target).max):
         raise InvalidRequest(f"{what} has values outside the range of {WIRE_TO_DATATYPE[dtype]}")
     return np.ascontiguousarray(raw, dtype=target).tobytes()
+
+
+def _depth(data: list[Any], limit: int) -> int:
+    """How deep `data` nests lists, along its first elements, counted up to `limit` at most."""
+    depth = 1
+    while depth < limit and data and isinstance(data[0], list):
+        data = data[0]
+        depth += 1
+    return depth
 
 
 def to_json(buffer: memoryview | bytes, dtype: str) -> list[Any]:
