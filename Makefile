@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs proto bench bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
+.PHONY: demo test docs proto bench bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -43,6 +43,10 @@ bench-curve: $(STAMP)
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m bench.curve --model mlp
 	$(PY) -m bench.curve --model cnn
+
+# Triton's perf_analyzer beside inferd's own load generator, HTTP and gRPC, C=1, 8 and 64 (about 3 minutes).
+bench-perf-analyzer: $(STAMP) $(THIRD_PARTY)
+	$(PY) -m bench.perf_analyzer
 
 # An urgent and a default-level client at 3x capacity for 30 s (about a minute in all).
 bench-priority: $(STAMP)
