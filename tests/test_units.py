@@ -8,8 +8,10 @@ spawning is left out (WorkerTable.spawn is what the end-to-end tests exercise).
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import signal
+import socket as stdlib_socket
 import subprocess
 import sys
 import time
@@ -611,3 +613,39 @@ def test_a_version_keeps_its_number_whatever_is_added_or_removed_later(tmp_path)
     numbers = VersionNumbers(state).of("m", repository)
     assert numbers == {"5": 5, "7": 7, "v0": 8, "v2": 2, "v10": 3}
     assert VersionNumbers(state).of("other", repository) == {"5": 5, "7": 7, "v0": 8, "v2": 9, "v10": 10}
+
+
+def test_corked_writes_send_a_turns_writes_together_in_order_and_a_large_one_at_once():
+    from inferd.oip.http_server import CORK_BYTES, CorkedWrites
+
+    async def exchange() -> tuple[bytes, list[int]]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = stdlib_socket.socketpair()
+        transport, _ = await loop.connect_accepted_socket(asyncio.Protocol, ours)
+        sends: list[int] = []
+        real_write = transport.write
+
+        def counted(data: bytes) -> None:
+            sends.append(len(data))
+            real_write(data)
+
+        transport.write = counted  # type: ignore[method-assign]
+        corked = CorkedWrites(transport, loop)
+        large = bytes(range(256)) * (CORK_BYTES // 256 + 1)
+        corked.write(b"head ")
+        corked.write(b"body ")
+        await asyncio.sleep(0)  # the turn ends: both go in one write
+        corked.write(b"next ")
+        corked.write(large)  # what is held goes first, then the large one, now
+        corked.write(b"tail")
+        corked.close()  # what is held goes before the close
+        theirs.setblocking(True)
+        received = b""
+        while chunk := await loop.run_in_executor(None, theirs.recv, 1 << 20):
+            received += chunk
+        theirs.close()
+        assert received == b"head body next " + large + b"tail"
+        return received, sends
+
+    _, sends = asyncio.run(exchange())
+    assert sends == [10, 5, CORK_BYTES // 256 * 256 + 256, 4]
