@@ -3,6 +3,7 @@ without finishing a request or send more header than a request needs."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import models
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 from conftest import MLP, Daemon, wait_for
@@ -201,3 +203,46 @@ def test_beyond_loopback_without_tls_is_a_warning_for_each_front_end(start_daemo
     for name in ("http", "grpc"):
         assert f"the {name} front end at {daemon.config['server'][name]} is reachable from the network without TLS" \
             in daemon.log()
+
+
+def test_several_gateway_processes_share_each_port_and_the_kernel_spreads_connections_over_them(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, server={"http": f"127.0.0.1:{free_port()}",
+                                                "grpc": f"127.0.0.1:{free_port()}",
+                                                "http_processes": 2, "grpc_processes": 2})
+    gateways = {g["name"]: g for g in daemon.status()["gateways"]}
+    assert sorted(gateways) == ["grpc 1", "grpc 2", "http 1", "http 2"]
+    assert len({g["pid"] for g in gateways.values()}) == 4
+    http_host, http_port = address(daemon.config["server"]["http"])
+    connections = [http.client.HTTPConnection(http_host, http_port, timeout=20) for _ in range(16)]
+    for connection in connections:  # each a connection of its own, kept open
+        connection.request("POST", "/v2/models/mlp/infer", body=ONE)
+        answer = connection.getresponse()
+        assert answer.status == 200 and answer.read()
+    channels = [grpcclient.InferenceServerClient(daemon.config["server"]["grpc"],
+                                                 channel_args=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(16)]
+    for channel in channels:
+        given = grpcclient.InferInput("INPUT__0", [1, models.MLP_IN], "FP32")
+        given.set_data_from_numpy(np.zeros((1, models.MLP_IN), dtype=np.float32))
+        channel.infer("mlp", [given])
+
+    def held(name: str) -> int:
+        """Established connections the gateway process `name` holds on its port."""
+        port = address(daemon.config["server"][name.split()[0]])[1]
+        return sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+                   for c in psutil.Process(gateways[name]["pid"]).net_connections("tcp"))
+
+    # 32 connections, each process of a protocol holds some (all on one: odds of 1 in 2**15 per protocol).
+    assert all(held(name) > 0 for name in gateways), {name: held(name) for name in gateways}
+    assert sum(held(name) for name in ("http 1", "http 2")) == 16
+    for connection in connections:
+        connection.close()
+    for channel in channels:
+        channel.close()
+    # One that dies is restarted; its sibling serves on, untouched.
+    os.kill(gateways["http 1"]["pid"], signal.SIGKILL)
+    wait_for(lambda: {g["name"]: g for g in daemon.status()["gateways"]}["http 1"]["pid"]
+             not in (None, gateways["http 1"]["pid"]), timeout=30, what="http 1 restarted")
+    assert {g["name"]: g for g in daemon.status()["gateways"]}["http 2"]["pid"] == gateways["http 2"]["pid"]
+    wait_for(lambda: served("http", daemon.config["server"]["http"]), timeout=30, what="HTTP served")
+    assert "gateway http 1 died (killed by signal 9" in daemon.log()

@@ -20,6 +20,9 @@ from third_party import missing_library, perf_analyzer
 from inferd.harness import free_port
 
 VENV = Path(__file__).resolve().parent.parent / ".venv"
+# In the serial pass: 64 of perf_analyzer's threads at once would take the cores from the timed tests
+# of the parallel one (a 15 ms deadline test found every request timed out beside them).
+pytestmark = pytest.mark.serial
 
 
 @pytest.fixture(scope="module")

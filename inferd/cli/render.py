@@ -28,7 +28,7 @@ def status_table(status: dict[str, Any]) -> str:
         lines.append(line)
     if status["gateways"]:
         lines.append("gateways:")
-    lines += [f"  {g['protocol']:<8} pid {g['pid']!s:<8} {g['address']:<22} restarts {g['restarts']}"
+    lines += [f"  {g['name']:<8} pid {g['pid']!s:<8} {g['address']:<22} restarts {g['restarts']}"
               for g in status["gateways"]]
     return "\n".join(lines)
 

@@ -59,6 +59,14 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         str, _doc('HOST:PORT of the Open Inference Protocol over gRPC (inference.GRPCInferenceService); '
                   '"" turns it off.')
     ] = "127.0.0.1:8001"
+    http_processes: Annotated[
+        int, Meta(ge=1, le=64),
+        _doc("Gateway processes serving server.http, on one port (SO_REUSEPORT): the kernel spreads new "
+             "connections over them, so the HTTP front end uses as many cores.")
+    ] = 1
+    grpc_processes: Annotated[
+        int, Meta(ge=1, le=64), _doc("Gateway processes serving server.grpc, on one port (SO_REUSEPORT).")
+    ] = 1
     tls_cert: Annotated[
         str, _doc('TLS for the HTTP and gRPC front ends: the certificate chain file (PEM); "" turns TLS off.')
     ] = ""

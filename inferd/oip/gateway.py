@@ -87,7 +87,7 @@ def gateway_main(encoded_spec: bytes) -> None:
     spec = msgspec.msgpack.decode(encoded_spec, type=GatewaySpec)
     config = loading.decode(spec.config)
     # It stops after the drain, once the last reply it carries has gone.
-    begin_child(f"inferd: gateway {spec.protocol}", f"gateway-{spec.protocol}", config.server.log_level,
+    begin_child(f"inferd: gateway {spec.name}", f"gateway-{spec.name.replace(' ', '-')}", config.server.log_level,
                 WorkerExit.PARENT_GONE)
     asyncio.run(_serve(spec, config))
     log.info("stopped")

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -211,12 +212,24 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to HOST:PORT that other processes may bind too (SO_REUSEPORT)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
 class HttpServer:
     """The Open Inference Protocol's HTTP front end: serves `app` at server.http until stopped."""
 
     def __init__(self, app: Any, server: ServerConfig, closed: Callable[[str], None]) -> None:
         """`closed(name)`: the connection `name` (CONNECTION in its requests' scopes) has ended."""
         host, port = addresses.split(server.http)
+        # With several HTTP gateway processes, each listens on the port with SO_REUSEPORT, and the kernel
+        # spreads new connections over them; with one, uvicorn binds it, and a port held is an error.
+        self._sockets = [_reuse_port_socket(host, int(port))] if server.http_processes > 1 else None
         protocol = type("ServerProtocol", (GuardedProtocol,), {"closed": staticmethod(closed)})
         self._server = _Server(uvicorn.Config(
             app, host=host, port=int(port), lifespan="off", log_level="error", access_log=False,
@@ -228,7 +241,7 @@ class HttpServer:
 
     async def serve(self) -> None:
         """Serve until stop(); requests in progress are answered first."""
-        await self._server.serve()
+        await self._server.serve(sockets=self._sockets)
 
     def stop(self) -> None:
         """Stop taking connections and return from serve() once what is in progress is answered."""

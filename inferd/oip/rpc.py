@@ -304,7 +304,9 @@ class GrpcServer:
             ("grpc.max_metadata_size", MAX_METADATA_BYTES),
             ("grpc.server_handshake_timeout_ms", HANDSHAKE_TIMEOUT_MS),
             ("grpc.max_connection_idle_ms", IDLE_TIMEOUT_MS),
-            ("grpc.so_reuseport", 0),  # a port another process holds is an error, not a shared port
+            # A port another process holds is an error, not a shared port, unless this protocol has several
+            # gateway processes: then they share it, and the kernel spreads the connections over them.
+            ("grpc.so_reuseport", int(self._config.grpc_processes > 1)),
         ])
         self._server.add_generic_rpc_handlers((self._service.handler(),))
         if self._config.tls_cert:

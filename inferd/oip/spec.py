@@ -12,6 +12,7 @@ class GatewaySpec(msgspec.Struct, frozen=True):
     """Everything a gateway needs, as msgpack."""
 
     protocol: str  # one of PROTOCOLS
+    name: str  # the protocol, and which of its processes this is when it has several ("http 2")
     config: bytes
     devices: list[str]
     control: str

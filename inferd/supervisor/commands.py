@@ -157,8 +157,8 @@ class Commands:
                 for w in self.daemon.workers.workers
             ],
             "gateways": [
-                {"protocol": g.protocol, "address": g.address, "pid": g.process.pid if g.process else None,
-                 "restarts": g.restarts, "given_up": g.given_up}
+                {"protocol": g.protocol, "name": g.name, "address": g.address,
+                 "pid": g.process.pid if g.process else None, "restarts": g.restarts, "given_up": g.given_up}
                 for g in self.daemon.gateways
             ],
             "replies": dict(self.daemon.stats.replies),

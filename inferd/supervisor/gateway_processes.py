@@ -1,5 +1,5 @@
-"""The gateway processes (the Open Inference Protocol's front ends, one per protocol), supervised like
-workers.
+"""The gateway processes (the Open Inference Protocol's front ends: server.http_processes and
+server.grpc_processes of each protocol, sharing its port), supervised like workers.
 
 Each is started once the supervisor's sockets are bound, restarted with backoff
 when it dies, given up when it keeps dying (the rest of the daemon serves on), and
@@ -51,9 +51,11 @@ def check_port(address: str, key: str) -> None:
 class Gateway(ChildProcess):
     """One gateway process (one protocol's front end): its spec, its process, its restarts."""
 
-    def __init__(self, protocol: str, config: Config, devices: list[str], control: str, upstream: str) -> None:
+    def __init__(self, protocol: str, config: Config, devices: list[str], control: str, upstream: str,
+                 name: str) -> None:
         super().__init__()
         self.protocol = protocol
+        self.name = name  # the protocol, numbered when it has several processes: "http 2"
         self.config = config
         self.upstream = upstream  # the supervisor's endpoint the gateway sends its requests to
         self._devices, self._control = devices, control
@@ -74,25 +76,25 @@ class Gateway(ChildProcess):
 
     def start(self) -> None:
         """Spawn the gateway process."""
-        spec = GatewaySpec(protocol=self.protocol, config=loading.encode(self.config), devices=self._devices,
-                           control=self._control, upstream=self.upstream)
-        pid = self.spawn(_run, msgspec.msgpack.encode(spec), f"inferd-gateway-{self.protocol}")
-        log.info("gateway %s started (%s), pid %d", self.protocol, self.address, pid)
+        spec = GatewaySpec(protocol=self.protocol, name=self.name, config=loading.encode(self.config),
+                           devices=self._devices, control=self._control, upstream=self.upstream)
+        pid = self.spawn(_run, msgspec.msgpack.encode(spec), f"inferd-gateway-{self.name.replace(' ', '-')}")
+        log.info("gateway %s started (%s), pid %d", self.name, self.address, pid)
 
     def reaped(self, now: float, max_restarts: int) -> None:
         """Its process exited: unless stopping, restart it (at once the first time, then with doubling
         backoff), or give it up when it died more than `max_restarts` times within the crash window."""
         reason = describe_exit(self.exited())
         if self.stopping:
-            log.info("gateway %s exited (%s)", self.protocol, reason)
+            log.info("gateway %s exited (%s)", self.name, reason)
             return
         delay = self.crashed(now, max_restarts)
         if delay is None:
             self.given_up = True
-            log.error("gateway %s given up (%d deaths within %g s): %s; it is not restarted again", self.protocol,
+            log.error("gateway %s given up (%d deaths within %g s): %s; it is not restarted again", self.name,
                       len(self.deaths), CRASH_WINDOW_S, reason)
             return
-        log.error("gateway %s died (%s); restarting in %.1f s", self.protocol, reason, delay)
+        log.error("gateway %s died (%s); restarting in %.1f s", self.name, reason, delay)
 
     def respawn_due(self, now: float) -> bool:
         """True when it is down, not given up, and its backoff has passed."""
@@ -113,6 +115,13 @@ class Gateway(ChildProcess):
 
 def configured_gateways(config: Config, devices: list[str], control: str,
                         upstream: Callable[[str], str]) -> list[Gateway]:
-    """A gateway for each front end the config turns on; `upstream(protocol)` is its ipc:// endpoint."""
-    return [Gateway(name, config, devices, control, upstream(name))
-            for name in PROTOCOLS if getattr(config.server, name)]
+    """The gateways of each front end the config turns on (server.http_processes of HTTP's, ...);
+    `upstream(protocol)` is the ipc:// endpoint the gateways of a protocol send to."""
+    gateways = []
+    for protocol in PROTOCOLS:
+        if not getattr(config.server, protocol):
+            continue
+        count = getattr(config.server, f"{protocol}_processes")
+        gateways += [Gateway(protocol, config, devices, control, upstream(protocol),
+                             protocol if count == 1 else f"{protocol} {index}") for index in range(1, count + 1)]
+    return gateways

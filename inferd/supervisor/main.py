@@ -94,7 +94,7 @@ class Supervisor(Parts):
             # anything named after it (the backend socket) is touched.
             self.control.bind()
             self.workers.open(self.instance)
-            for front in self.gateways:
+            for front in {front.protocol: front for front in self.gateways}.values():
                 front.check()
             self.frontend.bind({front.protocol: front.upstream for front in self.gateways})
         except zmq.ZMQError as exc:
