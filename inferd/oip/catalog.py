@@ -25,6 +25,7 @@ EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "parame
 GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
 
+
 def server_extensions(shared_memory: bool) -> list[str]:
     """The extensions server metadata names, `shared_memory`: whether this front end's clients may register regions."""
     return [*EXTENSIONS, EXTENSION] if shared_memory else list(EXTENSIONS)
@@ -115,7 +116,6 @@ class ModelView:
         self.version: str = state["live_version"]
         self.canary: str | None = state.get("canary_version")  # may be named too while it runs
         self.ready: bool = state["ready"]
-        self.ready_versions: list[str] = state["ready_versions"]
         self.numbers: dict[str, int] = state["version_numbers"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
         self.inputs = input_names(self.config)

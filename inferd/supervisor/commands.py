@@ -100,7 +100,7 @@ class Commands:
                     continue
                 versions[version] = {
                     "requests": dict(series.replies), "samples": series.samples,
-                    "total_s": series.total.sum, "queue_s": series.queue.sum, "compute_s": series.compute.sum,
+                    "total_s": series.total.sum, "queue_s": series.queue.sum,
                     "phases_s": series.phases,
                     "computed": {str(size): sums for size, sums in series.computed.items()},
                     "last_inference_s": since_epoch + series.last_answered if series.last_answered else 0.0,
