@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import models
@@ -30,13 +31,16 @@ def versions_of(records) -> dict[str, int]:
     return counts
 
 
-def send_each(daemon: Daemon, arrays: list[np.ndarray], **header) -> list[tuple[dict, list[np.ndarray]]]:
-    """One request after the other, each waiting for its reply."""
+def send_each(daemon: Daemon, arrays: list[np.ndarray], after_each: Callable[[], object] | None = None,
+              **header) -> list[tuple[dict, list[np.ndarray]]]:
+    """One request after the other, each waiting for its reply (and then for `after_each`, if given)."""
     replies = []
     with RawPeer(daemon.endpoint) as peer:
         for i, x in enumerate(arrays):
             peer.send(i, "mlp", [x], **header)
             replies.append(peer.recv())
+            if after_each is not None:
+                after_each()
     return replies
 
 
@@ -113,16 +117,24 @@ def test_a_shadow_compares_outputs_and_clients_get_only_the_live_replies(workdir
         for version, same in (("v1_twin", True), ("v2", False)):
             result = inferctl(daemon, "reload", "--version", version, "--shadow", "50")
             assert result.returncode == 0 and f"mlp {version} is a shadow at 50 % beside v1" in result.stdout
-            arrays = rows(200, seed=4)
-            replies = send_each(daemon, arrays)  # one at a time: executors are idle between requests
+
+            def settled(v: str = version) -> dict | None:
+                s = daemon.call("stats")["models"]["mlp"]["shadow"].get(v, {"chosen": 0, "compared": 0, "failed": 0,
+                                                                              "dropped": {}})
+                return s if s["compared"] + s["failed"] + sum(s["dropped"].values()) == s["chosen"] else None
+
+            # Each request waits for the shadow work before it: executors are idle between requests, so no
+            # shadow job finds the queue full (on a loaded machine an unpaced client outruns the candidate).
+            arrays = rows(100, seed=4)
+            replies = send_each(daemon, arrays, after_each=lambda: wait_for(settled, what="the shadow job settled"))
             for (header, outputs), x in zip(replies, arrays):
                 assert header["status"] == "ok" and header["version"] == "v1"
                 np.testing.assert_allclose(outputs[0], expected(references, "v1", x), rtol=1e-5, atol=1e-6)
-            shadow = wait_for(lambda v=version: (s := daemon.call("stats")["models"]["mlp"]["shadow"].get(v))
-                              and s["compared"] + s["failed"] + sum(s["dropped"].values()) >= s["chosen"] >= 80 and s,
-                              what="the shadow jobs settled")
-            assert shadow["chosen"] <= 120, "about half the requests are shadowed"
-            assert shadow["compared"] >= 0.8 * shadow["chosen"], shadow
+            shadow = settled()
+            assert shadow is not None and 40 <= shadow["chosen"] <= 60, "about half the requests are shadowed"
+            # A job is dropped only as stale: one whose candidate took over a second.
+            assert set(shadow["dropped"]) <= {"stale"}, shadow["dropped"]
+            assert shadow["compared"] >= 0.9 * shadow["chosen"], f"dropped {shadow['dropped']} of {shadow['chosen']}"
             assert shadow["compute_ms"]["shadow"]["p50"] > 0 and shadow["compute_ms"]["live"]["p50"] > 0
             if same:
                 assert shadow["allclose_share"] == 1.0 and shadow["max_abs_difference"] < 1e-5, shadow
