@@ -5,14 +5,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs proto bench bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
+.PHONY: demo test docs docs-check proto bench bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
 $(STAMP): pyproject.toml | $(PY)
-	# torch==2.13.0 is the CPU build on local disk; a bare `torch` would pull a multi-GB CUDA build.
+	# torch==2.13.0 only where none is importable: the CPU build where pip finds a local CPU wheel; from PyPI on
+	# Linux x86-64 it is the multi-GB CUDA build (docs/getting-started.md says how to get the CPU one).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
@@ -70,8 +71,20 @@ sim: $(STAMP)
 proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iinferd/oip --python_out=inferd/oip --pyi_out=inferd/oip inferd/oip/inference.proto
 
-docs: $(STAMP)
-	$(PY) -m inferd.config --update README.md
+# The documentation site (mkdocs.yml, docs/) into build/site: the config reference regenerated, then a strict
+# build, which fails on a broken link or anchor. docs-check, which CI runs, rewrites nothing: a stale reference fails.
+DOCS_TOOLS := $(VENV)/.docs-tools
+$(DOCS_TOOLS): pyproject.toml | $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_TOOLS)
+
+docs: $(DOCS_TOOLS)
+	$(PY) -m inferd.config --update docs/reference/config.md
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+docs-check: $(DOCS_TOOLS)
+	$(PY) -m inferd.config --check docs/reference/config.md
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,7 +6,7 @@ First the daemon's capacity is measured (closed loop, concurrency 4). Then open-
 senders, each on its own connection, offer `factor` times that rate for `seconds`,
 reading replies as they come. Every request must be answered `ok` or `overloaded`.
 The supervisor's resident memory is printed every 10 s against the ceiling the
-config states (README, "Memory"): what it held at the start, plus queue.max_bytes,
+config states (docs/operations/memory.md): what it held at the start, plus queue.max_bytes,
 plus what ZeroMQ may hold for each connection, plus the arenas. Afterwards the
 daemon must serve normally.
 """
@@ -87,7 +87,7 @@ def offer(endpoint: str, floats: int, rate: float, seconds: float) -> dict:
 
 
 def ceiling(config: dict, rss_start: int, connections: int) -> int:
-    """The most the supervisor may hold by the config: README, "Memory"."""
+    """The most the supervisor may hold by the config: docs/operations/memory.md."""
     parsed = parse(config)
     largest, hwm = receive_limits(parsed)
     arenas = parsed.workers.shm_mb * 2**20 * len(config["workers"]["devices"])

@@ -2,11 +2,11 @@
 
 `schema` holds the declaration; `loading` validates a TOML file against it and
 names every problem with its key; `docs` renders the same declaration as the
-README's config reference, so the docs cannot drift. The names below are what
+config reference (docs/reference/config.md), so the docs cannot drift. The names below are what
 users import: `from inferd import config; config.load(path)`.
 """
 
-from inferd.config.docs import reference_markdown, update_readme
+from inferd.config.docs import reference_markdown, update_reference
 from inferd.config.loading import ConfigError, decode, encode, load, parse
 from inferd.config.schema import (
     SECTIONS,
@@ -41,6 +41,6 @@ __all__ = [
     "load",
     "parse",
     "reference_markdown",
-    "update_readme",
+    "update_reference",
     "version_problem",
 ]

@@ -1,4 +1,4 @@
-"""The README's config reference, rendered from the declaration in `schema` so the docs cannot drift."""
+"""The config reference of docs/reference/config.md, rendered from the declarations in `schema` to stay true."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import msgspec
 
 from inferd.config.schema import SECTIONS, CanaryGuard, ModelConfig, doc_extra, field_doc
 
-README_BEGIN = "<!-- config reference: python -m inferd.config -->\n"
-README_END = "<!-- end of config reference -->"
+BEGIN_MARKER = "<!-- config reference: python -m inferd.config -->\n"
+END_MARKER = "<!-- end of config reference -->"
 
 
 def _default_text(field: msgspec.structs.FieldInfo) -> str:
@@ -25,13 +25,16 @@ def _default_text(field: msgspec.structs.FieldInfo) -> str:
 
 
 def reference_markdown() -> str:
-    """The config reference as a Markdown table per section, from the declarations in `schema`."""
+    """The config reference as a Markdown table per section, from the declarations in `schema`.
+
+    Each section is a second-level heading: the reference sits under the page's own title.
+    """
     out: list[str] = []
     tables: list[tuple[str, type[msgspec.Struct]]] = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()),
                                                       ("[models.NAME]", ModelConfig),
                                                       ("[models.NAME.canary_guard]", CanaryGuard)]
     for title, cls in tables:
-        out += [f"#### `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
+        out += [f"## `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
         for field in msgspec.structs.fields(cls):
             meta = field_doc(field)
             when = "applied" if doc_extra(field).get("live") else "restart"
@@ -41,9 +44,22 @@ def reference_markdown() -> str:
     return "\n".join(out)
 
 
-def update_readme(path: Path) -> None:
-    """Replace the config reference between README's markers with a fresh one."""
+def _split(path: Path) -> tuple[str, str, str]:
+    """The text of `path` before the reference (markers excluded), the reference, and after it."""
     text = path.read_text(encoding="utf-8")
-    head, _, rest = text.partition(README_BEGIN)
-    _, _, tail = rest.partition(README_END)
-    path.write_text(head + README_BEGIN + reference_markdown() + README_END + tail, encoding="utf-8")
+    head, begin, rest = text.partition(BEGIN_MARKER)
+    reference, end, tail = rest.partition(END_MARKER)
+    if not begin or not end:
+        raise SystemExit(f"{path} has no config reference markers ({BEGIN_MARKER.strip()} ... {END_MARKER})")
+    return head, reference, tail
+
+
+def update_reference(path: Path) -> None:
+    """Replace the config reference between the markers in `path` with a fresh one."""
+    head, _, tail = _split(path)
+    path.write_text(head + BEGIN_MARKER + reference_markdown() + END_MARKER + tail, encoding="utf-8")
+
+
+def reference_is_current(path: Path) -> bool:
+    """Whether the config reference between the markers in `path` is the one the declarations make."""
+    return _split(path)[1] == reference_markdown()

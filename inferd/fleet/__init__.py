@@ -1,1 +1,1 @@
-"""inferd-fleet: a Kubernetes controller for a fleet of inferd pods (README, "Kubernetes")."""
+"""inferd-fleet: a Kubernetes controller for a fleet of inferd pods (docs/scaling/kubernetes.md)."""

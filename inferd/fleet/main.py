@@ -47,7 +47,7 @@ def _host_port(value: str) -> tuple[str, int]:
               type=click.Choice(["debug", "info", "warning", "error"]))
 def fleet(namespace: str, selector: str, kubeconfig: str | None, interval: float, fragmentation_threshold: float,
           hold: float, min_stranded: float, trim_grace: float, metrics_at: str, log_level: str) -> None:
-    """Keep inference pods' version labels true and restart pods stranding GPU memory (README, "Kubernetes")."""
+    """Keep inference pods' version labels true and restart pods stranding GPU memory (docs/scaling/kubernetes.md)."""
     from inferd.fleet.cluster import Cluster
     from inferd.fleet.controller import Controller
     from inferd.fleet.metrics import FleetMetrics

@@ -1,6 +1,6 @@
 """The `inferctl stats` report: one JSON object built from the daemon's measurements.
 
-Its schema is documented in README ("inferctl stats --json"); the Prometheus
+Its schema is documented in docs/operations/watching.md ("inferctl stats --json"); the Prometheus
 endpoint reads the same measurements (see metrics.py).
 """
 
