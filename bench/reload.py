@@ -87,7 +87,7 @@ def trials(args: argparse.Namespace) -> int:
                     stats = control.call("stats")["models"]["mlp"]
                     notes[name].append({"candidate": stats["candidate"], "shadow": stats["shadow"].get("v2")})
                     if trial:
-                        control.call("rollback", model="mlp")
+                        control.call("rollback", model="mlp", confirm=True)
     finally:
         daemon.stop()
     rows = []

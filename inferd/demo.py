@@ -88,11 +88,14 @@ def run_demo() -> int:
     import numpy as np
     import torch
 
-    from inferd import paths
     from inferd.harness import DaemonProcess
 
+    # Everything in a temporary folder (as root too): a demo leaves nothing in /var/lib/inferd or /run/inferd.
     workdir = Path(tempfile.mkdtemp(prefix="inferd-demo-"))
-    daemon = DaemonProcess(workdir, None)
+    ensure_repository(workdir)
+    config = demo_config(workdir)
+    config["server"]["control"] = f"ipc://{workdir}/control.sock"
+    daemon = DaemonProcess(workdir, config)
     try:
         daemon.start(timeout=120)
     except RuntimeError as exc:
@@ -102,8 +105,8 @@ def run_demo() -> int:
         return 1
     try:
         live = daemon.status()["models"][DEMO_MODEL]["live_version"]
-        print(f"\ninferd is serving {DEMO_MODEL} {live} on {DEMO_ENDPOINT} (control: {paths.find_control()})")
-        reference = torch.jit.load(str(repository_path(paths.state_dir()) / DEMO_MODEL / live / "model.pt"))
+        print(f"\ninferd is serving {DEMO_MODEL} {live} on {DEMO_ENDPOINT} (control: {daemon.control})")
+        reference = torch.jit.load(str(repository_path(workdir) / DEMO_MODEL / live / "model.pt"))
         rng = np.random.default_rng(0)
         with daemon.client(timeout=5.0) as client:
             for samples in (1, 4, 16):

@@ -67,6 +67,7 @@ def tensor_bytes(dtype: str, shape: Sequence[int]) -> int:
 
 MAX_DIMS = 8
 MAX_TENSORS = 64
+DEFAULT_MAX_MESSAGE_MB = 64  # server.max_message_mb's default, which the Python client assumes unless told
 
 RequestId = int | str
 

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from inferd.config.schema import Config, ModelConfig, version_problem
+from inferd import model_files
+from inferd.config.schema import ModelConfig, version_problem
 
 log = logging.getLogger("inferd.repository")
 
@@ -74,14 +75,18 @@ def resolve_version(model: ModelConfig, saved: str | None = None) -> str:
     return found[-1]
 
 
-def check(config: Config) -> list[str]:
-    """Problems with the repositories a config names, each a sentence with its key."""
+def check(models: dict[str, ModelConfig]) -> list[str]:
+    """Problems with the repositories of `models`, each a sentence with its key."""
     problems = []
-    for name, model in config.models.items():
+    for name, model in models.items():
         try:
-            resolve_version(model)
+            version = resolve_version(model)
         except RepositoryError as exc:
             problems.append(f"models.{name}: {exc}")
+            continue
+        problem = model_files.inspect(model_file(model.repository or "", version)).problem
+        if problem is not None:
+            problems.append(f"models.{name}: version {version!r}: {problem}")
     return problems
 
 
@@ -175,11 +180,21 @@ def write_atomically(path: Path, data: Any) -> None:
         os.close(dir_fd)
 
 
+def folders_without_model(repository: str | Path) -> list[str]:
+    """Folders of a repository that hold no model file (a version copied in half, or misnamed)."""
+    root = Path(repository)
+    found = [p.name for p in root.iterdir() if p.is_dir() and not any((p / f).is_file() for f in MODEL_FILES)]
+    return sorted(found, key=_natural_key)
+
+
 def describe_versions(repository: str | Path) -> list[dict[str, object]]:
-    """Each version of a repository with its model file, size in bytes and modification time."""
+    """Each version of a repository with its model file, size in bytes, modification time, format,
+    and the sentence saying why it cannot be served (None when it can)."""
     described = []
     for version in versions(repository):
         path = model_file(repository, version)
         stat = path.stat()
-        described.append({"version": version, "file": path.name, "size_bytes": stat.st_size, "modified": stat.st_mtime})
+        found = model_files.inspect(path)
+        described.append({"version": version, "file": path.name, "size_bytes": stat.st_size, "modified": stat.st_mtime,
+                          "format": found.format, "problem": found.problem})
     return described

@@ -148,16 +148,29 @@ def test_usage_errors_are_one_sentence():
 
 def test_operator_mistakes_are_one_sentence(daemon, workdir):
     (workdir / "empty.npy").write_bytes(b"")
+    (workdir / "text.npy").write_text("1 2 3\n")
+    np.savez(workdir / "arrays.npz", x=np.zeros(3))
+    np.save(workdir / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    np.save(workdir / "cut.npy", np.zeros((100, 100), dtype=np.float32))
+    (workdir / "cut.npy").write_bytes((workdir / "cut.npy").read_bytes()[:1000])
     blocked = workdir / "a-file"
     blocked.write_text("")
     good = workdir / "x.npy"
     np.save(good, np.zeros((1, models.MLP_IN), dtype=np.float32))
+    not_npy = "is not a .npy file; save the input with numpy.save(path, array)"
     for result, says in [
         (run(str(BIN / "inferctl"), "--control", "foo://bar", "status"), "cannot connect to foo://bar"),
         (run(str(BIN / "inferctl"), "keygen", str(blocked / "keys")), "cannot write the keys"),
-        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "empty.npy")), "cannot read the input"),
+        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "empty.npy")), not_npy),
+        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "text.npy")), not_npy),
+        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "arrays.npz")), not_npy),
+        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "objects.npy")),
+         "objects.npy as an array (it holds Python objects); save a numeric array with numpy.save"),
+        (inferctl(daemon, "infer", "--model", "mlp", "--input", str(workdir / "cut.npy")),
+         "cut.npy as an array ("),
         (inferctl(daemon, "infer", "--model", "mlp", "--input", str(good), "--output", str(blocked / "y.npy")),
          "cannot write"),
     ]:
         assert_one_sentence(result)
         assert says in result.stderr, result.stderr
+        assert "allow_pickle" not in result.stderr, "numpy's advice to unpickle is not inferctl's"

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
+from inferd import paths
 from inferd.demo import DEMO_ENDPOINT
 
 
@@ -18,9 +23,17 @@ def port_in_use(port: int) -> bool:
 
 @pytest.mark.serial  # the demo listens on fixed ports
 @pytest.mark.skipif(port_in_use(int(DEMO_ENDPOINT.rsplit(":", 1)[1])), reason="the demo's port is taken")
-def test_demo_runs_answers_correctly_and_stops_cleanly():
-    result = subprocess.run([sys.executable, "-m", "inferd.demo", "run"], capture_output=True, text=True, timeout=300)
+def test_demo_runs_answers_correctly_and_stops_cleanly_leaving_no_state(tmp_path):
+    system_state = paths.SYSTEM_STATE_DIR / "demo"
+    was_there = system_state.exists()
+    # A home of its own: the demo must not write the user's state folder either.
+    result = subprocess.run([sys.executable, "-m", "inferd.demo", "run"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "HOME": str(tmp_path)})
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("matches the in-process model") == 3, result.stdout
     assert "DIFFERS" not in result.stdout
     assert "daemon stopped cleanly (exit code 0)" in result.stdout
+    control = re.search(r"\(control: ipc://([^)]+)\)", result.stdout).group(1)
+    assert Path(control).is_relative_to(tempfile.gettempdir()) and not Path(control).parent.exists()
+    assert not (tmp_path / ".local").exists() and system_state.exists() == was_there
+    assert "ERROR" not in result.stdout + result.stderr

@@ -95,7 +95,7 @@ def test_reloads_under_load_drop_nothing_and_every_reply_names_its_version(reloa
             switches.append((began, time.monotonic(), live))
         for _ in range(2):
             began = time.monotonic()
-            result = inferctl(daemon, "rollback")
+            result = inferctl(daemon, "rollback", "--yes")
             assert result.returncode == 0, result.stderr
             switches.append((began, time.monotonic(), result.stdout.strip().splitlines()[-1].split()[1]))
     assert [v for _, _, v in switches] == ["v2", "v1"] * 3 + ["v2", "v1"]
@@ -130,11 +130,10 @@ def test_reload_prints_its_progress_and_timings(reload_daemon):
 
 REFUSALS = [
     ("missing", [], "version 'missing' has no model.pt or model.pt2"),
-    ("corrupt", [], "is not a loadable TorchScript or torch.export file"),
+    ("corrupt", [], "is not a TorchScript or torch.export archive; save it with torch.export.save"),
     ("refuses_big", [], "warm-up of mlp refuses_big at batch 16 failed"),
     ("wide", [], "outputs float32 [N, 8], but the live version outputs float32 [N, 4]"),
     ("canary_bad", [], "does not reproduce expected_output.npy"),
-    ("v1", [], "mlp v1 is already live"),
 ]
 
 
@@ -152,6 +151,17 @@ def test_a_refused_reload_keeps_the_old_version_serving(reload_daemon, reference
     status = daemon.status()
     assert status["models"]["mlp"]["live_version"] == "v1"
     assert status["workers"][0]["loaded"] == ["mlp v1"]
+
+
+def test_a_reload_to_the_live_version_succeeds_doing_nothing_so_scripts_can_rerun_it(reload_daemon):
+    daemon = reload_daemon()
+    for _ in range(2):
+        result = inferctl(daemon, "reload", "--version", "v1")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[-1] == "mlp v1 is already live; nothing to do"
+    assert daemon.status()["models"]["mlp"]["previous_version"] is None, "no switch happened"
+    result = inferctl(daemon, "reload", "--version", "v1", "--canary", "5")
+    assert result.returncode == 1 and "mlp v1 is already live; a trial needs another version" in result.stderr
 
 
 def test_signature_change_is_accepted_when_allowed(reload_daemon):
@@ -227,8 +237,17 @@ def test_restart_serves_the_reloaded_version_and_rollback_still_works(reload_dae
     daemon.start()
     status = daemon.status()["models"]["mlp"]
     assert status["live_version"] == "v3", "the config says v1, but the saved live version wins"
+    assert status["live_from"] == "saved" and status["config_version"] == "v1"
     assert status["previous_version"] == "v1"
+    assert "live v3           queued 0  (saved live version; the config says v1)" in inferctl(daemon, "status").stdout
+    assert ("serving mlp v3, the version saved as live in " f"{daemon.config['server']['state_dir']}/live_versions"
+            ".json, not the config's v1 (version = 'v1')") in daemon.log()
     result = inferctl(daemon, "rollback")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert ("mlp has no canary or shadow; a rollback would switch it from v3 back to v1 (blue-green): run it again "
+            "with --yes") in result.stderr, result.stderr
+    assert daemon.status()["models"]["mlp"]["live_version"] == "v3", "nothing switched without --yes"
+    result = inferctl(daemon, "rollback", "--yes")
     assert result.returncode == 0, result.stderr
     assert "mlp v1 is live (was v3)" in result.stdout
     with RawPeer(daemon.endpoint) as peer:

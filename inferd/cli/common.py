@@ -31,17 +31,22 @@ def run_command(command: click.Command, prog: str) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def load_config(path: str) -> Config:
-    """The config at `path`, with its model repositories checked; every problem is one CliError."""
+def check_config(path: str) -> tuple[Config | None, list[str]]:
+    """The config at `path` and every problem with it, its models' repositories included, in one pass."""
     from inferd import repository
 
     try:
         config = loading.load(path)
     except loading.ConfigError as exc:
-        raise CliError(f"{path} has {len(exc.problems)} problem(s): " + "; ".join(exc.problems)) from None
-    problems = repository.check(config)
-    if problems:
-        raise CliError("; ".join(problems))
+        return None, exc.problems + repository.check(exc.models)
+    return config, repository.check(config.models)
+
+
+def load_config(path: str) -> Config:
+    """The config at `path`, with its model repositories checked; every problem is one CliError."""
+    config, problems = check_config(path)
+    if problems or config is None:
+        raise CliError(f"{path} has {len(problems)} problem(s): " + "; ".join(problems))
     return config
 
 

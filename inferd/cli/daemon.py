@@ -6,6 +6,7 @@ import click
 import msgspec
 
 from inferd import __version__, paths
+from inferd.cli import common
 from inferd.cli.common import CliError, load_config, run_command
 from inferd.config import loading
 
@@ -48,15 +49,8 @@ def serve(config_path: str | None, log_level: str | None) -> int:
 @click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False))
 def check_config(config_path: str) -> None:
     """Validate a config file: exit 0, or 1 naming every problem."""
-    from inferd import repository
-
-    try:
-        config = loading.load(config_path)
-    except loading.ConfigError as exc:
-        problems = exc.problems
-    else:
-        problems = repository.check(config)
-    if problems:
+    config, problems = common.check_config(config_path)
+    if problems or config is None:
         for problem in problems:
             click.echo(f"{config_path}: {problem}", err=True)
         raise CliError(f"{config_path} has {len(problems)} problem(s)")

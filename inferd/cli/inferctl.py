@@ -14,10 +14,10 @@ import numpy as np
 
 from inferd import paths, protocol
 from inferd.cli.common import CliError, Duration, load_config, run_command
-from inferd.cli.render import stats_table, status_table, switch_outcome
+from inferd.cli.render import models_text, stats_table, status_table, switch_outcome
 from inferd.cli.stacks import signalled_stacks
 from inferd.errors import ERROR_BY_STATUS, InferdError
-from inferd.ipc.control import ControlClient, ControlError, encode_command
+from inferd.ipc.control import ControlClient, ControlError, NoDaemon, encode_command
 from inferd.paths import RuntimeFiles
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -47,10 +47,16 @@ def _timeout(ctx: click.Context) -> float:
     return ctx.obj["timeout"] or DEFAULT_TIMEOUT_S
 
 
+NO_DAEMON_HINT = ("; start one with `inferd serve`, or point inferctl at yours with --config PATH, "
+                  "$INFERD_CONFIG or --control ADDR")
+
+
 def _client(ctx: click.Context) -> ControlClient:
     endpoint = _control_endpoint(ctx.obj["control"], ctx.obj["config_path"])
     try:
         return ControlClient(endpoint, timeout=_timeout(ctx))
+    except NoDaemon as exc:
+        raise CliError(f"{exc}{NO_DAEMON_HINT}") from None
     except ControlError as exc:
         raise CliError(str(exc)) from None
 
@@ -141,7 +147,7 @@ def stacks(ctx: click.Context) -> None:
 
 
 @inferctl.command()
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in README).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in docs/operations/watching.md).")
 @click.option("--watch", type=click.FloatRange(min=0.1), help="Refresh every SECONDS until Ctrl-C.")
 @click.pass_context
 def stats(ctx: click.Context, as_json: bool, watch: float | None) -> None:
@@ -161,6 +167,19 @@ def stats(ctx: click.Context, as_json: bool, watch: float | None) -> None:
         stopped.wait(watch)
 
 
+@inferctl.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_context
+def models(ctx: click.Context, as_json: bool) -> None:
+    """Each model's inputs and outputs, batching, live version (and where it came from), the versions on
+    disk (and why any cannot be served), and a request to try it with."""
+    found = _call(ctx, "models", on_disk=True)
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    click.echo(models_text(found, _call(ctx, "status")["listen"]))
+
+
 PERCENT = click.FloatRange(0, 100)
 MODEL_OPTION = click.option("--model", help="Model name (may be left out when the daemon serves one model).")
 
@@ -173,7 +192,7 @@ MODEL_OPTION = click.option("--model", help="Model name (may be left out when th
 @click.option("--shadow", type=PERCENT, help="Compute this percentage of requests again with VERSION, only to "
               "compare; clients get the live version's replies.")
 @click.option("--auto-rollback", is_flag=True, help="With --canary: roll it back by itself when it does worse "
-              "than the live version (README, \"Canary and shadow\").")
+              "than the live version (docs/operations/canary.md).")
 @click.option("--promote-after", type=Duration(), help="With --canary: promote it after this long (10m, 1h) if it "
               "stays clean; implies --auto-rollback.")
 @click.pass_context
@@ -204,10 +223,12 @@ def promote(ctx: click.Context, model: str | None) -> None:
 
 @inferctl.command()
 @MODEL_OPTION
+@click.option("--yes", is_flag=True, help="Without a canary or shadow: do switch back to the version before.")
 @click.pass_context
-def rollback(ctx: click.Context, model: str | None) -> None:
-    """End the canary or shadow; without one, blue-green back to the version live before the last reload."""
-    _switch(ctx, "rollback", model=model)
+def rollback(ctx: click.Context, model: str | None, yes: bool) -> None:
+    """End the canary or shadow; without one, blue-green back to the version live before the last reload
+    (which asks for --yes)."""
+    _switch(ctx, "rollback", model=model, confirm=yes)
 
 
 @inferctl.command()
@@ -240,10 +261,7 @@ def versions(ctx: click.Context, model: str | None) -> None:
 @click.pass_context
 def infer(ctx: click.Context, model: str, inputs: tuple[str, ...], output: str | None) -> None:
     """Run one request through the daemon's control socket."""
-    try:
-        arrays = [np.load(path, allow_pickle=False) for path in inputs]
-    except (OSError, ValueError, EOFError) as exc:  # EOFError: an empty or cut-off .npy
-        raise CliError(f"cannot read the input: {exc}") from None
+    arrays = [_read_npy(path) for path in inputs]
     try:
         request = protocol.encode_request(1, model, arrays, timeout_ms=int(_timeout(ctx) * 1000))
     except InferdError as exc:
@@ -272,6 +290,25 @@ def infer(ctx: click.Context, model: str, inputs: tuple[str, ...], output: str |
         click.echo(f"output {index}: {array.dtype} {list(array.shape)}{saved}")
         if not output:
             click.echo(np.array2string(array, threshold=40, precision=4))
+
+
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def _read_npy(path: str) -> np.ndarray:
+    """The array in a .npy file; anything else (an .npz, a pickle, text) is one sentence saying what to give."""
+    try:
+        with open(path, "rb") as stream:
+            if stream.read(len(NPY_MAGIC)) != NPY_MAGIC:
+                raise CliError(f"{path} is not a .npy file; save the input with numpy.save(path, array)")
+            stream.seek(0)
+            return np.load(stream, allow_pickle=False)
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror}") from None
+    except (ValueError, EOFError) as exc:  # EOFError: cut off; ValueError: an object array, a bad header
+        reason = "it holds Python objects" if "allow_pickle" in str(exc) else str(exc)
+        raise CliError(f"cannot read {path} as an array ({reason}); save a numeric array with "
+                       "numpy.save(path, array)") from None
 
 
 def main() -> None:

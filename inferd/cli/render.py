@@ -17,7 +17,10 @@ def status_table(status: dict[str, Any]) -> str:
             trial += ", guarded" if candidate["guarded"] else ""
             if candidate["promote_in_s"] is not None:
                 trial += f", promoted in {candidate['promote_in_s']:.0f} s if clean"
-        lines.append(f"  {name:<20} live {model['live_version']:<12} queued {model['queue_depth']}{trial}")
+        origin = ""
+        if model["live_from"] == "saved" and model["config_version"] != model["live_version"]:
+            origin = f"  (saved live version; the config says {model['config_version']})"
+        lines.append(f"  {name:<20} live {model['live_version']:<12} queued {model['queue_depth']}{trial}{origin}")
     lines.append("workers:")
     for w in status["workers"]:
         line = (f"  worker{w['worker']:<3} pid {w['pid']!s:<8} {w['device']:<8} {w['state']:<9}"
@@ -127,6 +130,8 @@ def stats_table(stats: dict[str, Any]) -> str:
 def switch_outcome(result: dict[str, Any]) -> str:
     """The last line of a switch: what is live, or what is tried, now."""
     name = result["model"]
+    if result.get("already_live"):
+        return f"{name} {result['version']} is already live; nothing to do"
     if "ended" in result:
         return f"the {result['ended']} of {name} ended; {result['version']} serves everything"
     if "was" in result:
@@ -151,3 +156,55 @@ def _steps(result: dict[str, Any]) -> str:
     if "switch_ms" in result:
         steps.append(f"switch {result['switch_ms']:.3f} ms")
     return ", ".join([*steps, f"{result['total_s']:.2f} s in all"])
+
+
+def models_text(models: dict[str, Any], listen: list[str]) -> str:
+    """What `inferctl models` prints: each model's contract, its versions on disk, and a request to try."""
+    endpoint = next((e.replace("0.0.0.0", "127.0.0.1") for e in listen), "tcp://127.0.0.1:5555")
+    lines: list[str] = []
+    for name, model in models.items():
+        config = model["config"]
+        origin = {"config": "the config", "saved": "the saved live version", "reload": "a reload"}[model["live_from"]]
+        lines.append(f"{name}: live {model['live_version']} (from {origin}; the config says {config['version']!r})")
+        for index, spec in enumerate(config["inputs"]):
+            label = spec["name"] or f"INPUT__{index}"
+            lines.append(f"  input  {label:<16} {_per_sample(spec['dtype'], spec['shape'])}")
+        names = [o["name"] for o in config["outputs"]]
+        for index, (dtype, shape) in enumerate(model["outputs"]):
+            label = names[index] if index < len(names) else f"OUTPUT__{index}"
+            lines.append(f"  output {label:<16} {_per_sample(dtype, shape)}")
+        wait = config["max_wait_ms"]
+        window = "until an executor is about to be free" if wait == "auto" else f"up to {wait:g} ms"
+        lines.append(f"  batches of up to {config['max_batch_size']} samples; a partial batch waits {window} "
+                     "(max_wait_ms)")
+        lines.append(f"  versions in {config['repository']}:")
+        on_disk = model["on_disk"]
+        if isinstance(on_disk, str):
+            lines.append(f"    cannot list them: {on_disk}")
+        for entry in on_disk if isinstance(on_disk, list) else []:
+            live = entry["version"] == model["live_version"]
+            what = (f"cannot be served: {entry['problem']}" if entry["problem"] else
+                    f"{entry['format']:<12} {entry['size_bytes'] / 2**20:8.2f} MiB{'  (live)' if live else ''}")
+            lines.append(f"  {'*' if live else ' '} {entry['version']:<14} {entry['file'] or '-':<10} {what}")
+        lines.append("  try it:")
+        lines += [f"    {line}" for line in _example(name, config["inputs"], endpoint)]
+    return "\n".join(lines)
+
+
+def _per_sample(dtype: str, shape: list[int]) -> str:
+    return f"{dtype} [{', '.join(['N', *map(str, shape)])}]"
+
+
+def _example(name: str, inputs: list[dict[str, Any]], endpoint: str) -> list[str]:
+    """Commands that send `name` one sample of zeros: with inferctl (.npy files), and with the Python client."""
+    zeros = [f"np.zeros({(1, *spec['shape'])}, {spec['dtype']!r})" for spec in inputs]
+    if any(spec["dtype"] == "bfloat16" for spec in inputs):  # numpy has no bfloat16: torch makes the tensor
+        zeros = [f"torch.zeros({(1, *spec['shape'])}, dtype=torch.{spec['dtype']})" for spec in inputs]
+        return [f"python -c \"import torch; from inferd.client import Client; "
+                f"print(Client('{endpoint}').infer('{name}', [{', '.join(zeros)}]))\""]
+    files = [f"{name}-input{index}.npy" for index in range(len(inputs))]
+    saves = "; ".join(f"np.save('{file}', {array})" for file, array in zip(files, zeros))
+    return [f"python -c \"import numpy as np; {saves}\"",
+            f"inferctl infer --model {name} {' '.join(f'--input {file}' for file in files)}",
+            f"python -c \"import numpy as np; from inferd.client import Client; "
+            f"print(Client('{endpoint}').infer('{name}', [{', '.join(zeros)}]))\""]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from inferd import protocol
 from inferd.client.call import Outputs
 from inferd.client.client import Client
 from inferd.client.inputs import Array
@@ -23,8 +24,9 @@ class AsyncClient:
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
                  client_key: KeyFile | None = None, resolve_interval: float = 30.0,
-                 priority: int | None = None) -> None:
-        self._client = Client(endpoints, timeout, retry, server_key, client_key, resolve_interval, priority)
+                 priority: int | None = None, max_message_mb: float = protocol.DEFAULT_MAX_MESSAGE_MB) -> None:
+        self._client = Client(endpoints, timeout, retry, server_key, client_key, resolve_interval, priority,
+                              max_message_mb)
 
     async def __aenter__(self) -> AsyncClient:
         return self

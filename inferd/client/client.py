@@ -19,7 +19,7 @@ from inferd.client.mailbox import Cancel, Mailbox
 from inferd.client.retry import RetryPolicy
 from inferd.curve import KeyFile
 from inferd.endpoints import EndpointPool, Resolver
-from inferd.errors import Unavailable
+from inferd.errors import InvalidRequest, Unavailable
 from inferd.shared_memory import SharedMemoryRegion
 from inferd.shm_names import CLIENT_PREFIX
 
@@ -48,14 +48,18 @@ class Client:
     server's public key file) and `client_key` (this client's secret key file,
     whose public half is in the server's authorized folder). `priority` is the
     level of every call that names none (None: the daemon's queue.default_priority).
+    `max_message_mb` is the daemon's server.max_message_mb: a request with more bytes
+    to send is refused here, before it is sent (a message far over the daemon's limit
+    would make ZeroMQ drop the connection rather than carry an answer).
     """
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
                  client_key: KeyFile | None = None, resolve_interval: float = 30.0,
-                 priority: int | None = None) -> None:
+                 priority: int | None = None, max_message_mb: float = protocol.DEFAULT_MAX_MESSAGE_MB) -> None:
         self.timeout = timeout
         self.priority = priority
+        self.max_message_mb = max_message_mb
         self.retry = retry or RetryPolicy()
         self._ids = itertools.count(1)
         self._mailbox = Mailbox()
@@ -103,6 +107,12 @@ class Client:
         """
         call_id = next(self._ids)
         arrays = [self._in_region(array) for array in as_inputs(inputs)]
+        inline = sum(array.nbytes for array in arrays if isinstance(array, np.ndarray))
+        if inline > self.max_message_mb * (1 << 20):
+            raise InvalidRequest(f"the request holds {inline / 2**20:.1f} MiB of inputs, over the daemon's limit of "
+                                 f"{self.max_message_mb:g} MiB (server.max_message_mb); send fewer samples per "
+                                 "request, put the inputs in shared memory, or raise the limit on both sides "
+                                 "(Client(max_message_mb=...))")
         places = self._places(out)
         level = self.priority if priority is None else priority
 

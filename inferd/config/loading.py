@@ -1,7 +1,8 @@
 """A config from TOML or a dict, checked against the declaration in `schema`, and its msgpack form.
 
 `parse` names every bad key with its full key and value rather than stopping at
-the first, so one `inferd check-config` lists what needs fixing.
+the first, so one `inferd check-config` lists what needs fixing. Paths in a
+config file are read from the file's folder.
 """
 
 from __future__ import annotations
@@ -14,15 +15,17 @@ from typing import Any
 import msgspec
 
 from inferd import paths
-from inferd.config.schema import CHECKS, MODEL_NAME, SECTIONS, Config, ModelConfig
+from inferd.config.schema import CHECKS, MODEL_NAME, PATH_KEYS, SECTIONS, Config, ModelConfig
 
 
 class ConfigError(Exception):
-    """The config has problems; `problems` names each one with its key."""
+    """The config has problems; `problems` names each one with its key, and `models` holds the
+    model tables that had none (so their repositories can be checked in the same pass)."""
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], models: dict[str, ModelConfig] | None = None) -> None:
         super().__init__("; ".join(problems))
         self.problems = problems
+        self.models = models or {}
 
 
 def _value_at(value: Any, where: str) -> Any:
@@ -45,8 +48,9 @@ def _convert_error(key: str, raw: Any, exc: msgspec.ValidationError) -> str:
     return f"{key}{where}: {message}"
 
 
-def _build(cls: type[msgspec.Struct], table: Any, prefix: str, problems: list[str]) -> Any:
-    """Build one section from its TOML table, adding a problem for each bad key."""
+def _build(cls: type[msgspec.Struct], table: Any, prefix: str, problems: list[str], base: Path) -> Any:
+    """Build one section from its TOML table, adding a problem for each bad key; relative paths are
+    made absolute from `base`."""
     if not isinstance(table, dict):
         problems.append(f"{prefix.rstrip('.')}: expected a table, got {type(table).__name__}")
         return None
@@ -62,6 +66,8 @@ def _build(cls: type[msgspec.Struct], table: Any, prefix: str, problems: list[st
         except msgspec.ValidationError as exc:
             problems.append(_convert_error(prefix + key, raw, exc))
             continue
+        if (cls, key) in PATH_KEYS and value:
+            value = str(base / Path(value).expanduser())
         check = CHECKS.get((cls, key))
         problem = check(value) if check else None
         if problem:
@@ -75,12 +81,12 @@ def _build(cls: type[msgspec.Struct], table: Any, prefix: str, problems: list[st
     return cls(**values)
 
 
-def _build_model(name: str, table: Any, state_dir: str, problems: list[str]) -> ModelConfig | None:
+def _build_model(name: str, table: Any, state_dir: str, problems: list[str], base: Path) -> ModelConfig | None:
     prefix = f"models.{name}."
     if not MODEL_NAME.match(name):
         problems.append(f"models.{name}: a model name is letters, digits, '_', '.' or '-' (at most 64)")
         return None
-    model = _build(ModelConfig, table, prefix, problems)
+    model = _build(ModelConfig, table, prefix, problems, base)
     if model is None:
         return None
     warmup = model.warmup_batch_sizes or tuple(sorted({1, model.max_batch_size}))
@@ -94,14 +100,16 @@ def _build_model(name: str, table: Any, state_dir: str, problems: list[str]) -> 
     return msgspec.structs.replace(model, warmup_batch_sizes=warmup, repository=repository)
 
 
-def parse(raw: dict[str, Any], source: str | None = None) -> Config:
-    """Validate a config already read as a dict; raise `ConfigError` naming every problem."""
+def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = None) -> Config:
+    """Validate a config already read as a dict; raise `ConfigError` naming every problem. Relative
+    paths are read from `base` (default: the working folder)."""
+    base = (base or Path.cwd()).resolve()
     problems: list[str] = []
     for key in raw:
         if key not in SECTIONS and key != "models":
             problems.append(f"{key}: unknown section; known sections are {', '.join([*SECTIONS, 'models'])}")
-    sections = {name: _build(cls, raw.get(name, {}), f"{name}.", problems) for name, cls in SECTIONS.items()}
-    server = sections["server"]
+    sections = {name: _build(cls, raw.get(name, {}), f"{name}.", problems, base) for name, cls in SECTIONS.items()}
+    server, queue = sections["server"], sections["queue"]
     state_dir = (server.state_dir if server else None) or str(paths.state_dir())
     models_table = raw.get("models", {})
     models: dict[str, ModelConfig] = {}
@@ -109,20 +117,21 @@ def parse(raw: dict[str, Any], source: str | None = None) -> Config:
         problems.append("models: no model is configured; add a [models.NAME] table")
     else:
         for name, table in models_table.items():
-            model = _build_model(name, table, state_dir, problems)
+            model = _build_model(name, table, state_dir, problems, base)
             if model is not None:
                 models[name] = model
-    if problems:
-        raise ConfigError(problems)
-    if bool(server.curve_secret_key) != bool(server.curve_authorized_keys):
-        raise ConfigError(["server.curve_secret_key and server.curve_authorized_keys go together: set both or neither"])
-    if bool(server.tls_cert) != bool(server.tls_key):
-        raise ConfigError(["server.tls_cert and server.tls_key go together: set both or neither"])
-    queue = sections["queue"]
-    if queue.default_priority is not None and queue.default_priority >= queue.priority_levels:
+    if server is not None:
+        if bool(server.curve_secret_key) != bool(server.curve_authorized_keys):
+            problems.append("server.curve_secret_key and server.curve_authorized_keys go together: set both or "
+                            "neither")
+        if bool(server.tls_cert) != bool(server.tls_key):
+            problems.append("server.tls_cert and server.tls_key go together: set both or neither")
+    if queue is not None and queue.default_priority is not None and queue.default_priority >= queue.priority_levels:
         levels = queue.priority_levels
-        raise ConfigError([f"queue.default_priority: {queue.default_priority} is not a level; with "
-                           f"priority_levels = {levels} the levels are 0 to {levels - 1}"])
+        problems.append(f"queue.default_priority: {queue.default_priority} is not a level; with "
+                        f"priority_levels = {levels} the levels are 0 to {levels - 1}")
+    if problems:
+        raise ConfigError(problems, models)
     server = msgspec.structs.replace(
         server, state_dir=state_dir, control=server.control or paths.default_control()
     )
@@ -139,7 +148,7 @@ def load(path: str | Path) -> Config:
         raise ConfigError([f"cannot read {path}: {exc.strerror}"]) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path} is not valid TOML: {exc}"]) from None
-    return parse(raw, source=str(path))
+    return parse(raw, source=str(path), base=Path(path).parent)
 
 
 def encode(config: Config) -> bytes:

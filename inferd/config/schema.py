@@ -2,7 +2,7 @@
 
 The structs below are the declaration; `CHECKS` adds what a type cannot say (an
 endpoint's form, a file that must exist). `_doc` notes each key's meaning and
-whether a SIGHUP applies it, which `live_keys` and the README reference read back.
+whether a SIGHUP applies it, which `live_keys` and the config reference (docs/reference/config.md) read back.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from inferd.protocol import DTYPES
+from inferd.protocol import DEFAULT_MAX_MESSAGE_MB, DTYPES
 from inferd.shm_names import ARENA_PREFIX, CLIENT_PREFIX
 
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
@@ -92,7 +92,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     state_dir: Annotated[
         str | None,
         _doc(
-            "Folder for the live versions and the demo repository.",
+            "Folder for the live versions and the demo repository (a relative path is relative to the config "
+            "file's folder).",
             "/var/lib/inferd (a user who cannot write it: ~/.local/state/inferd)",
         ),
     ] = None
@@ -105,8 +106,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc("With CURVE: the folder of client public key files allowed to connect; others are refused."),
     ] = ""
     max_message_mb: Annotated[
-        float, Meta(gt=0, le=4096), _doc("Largest request accepted, in MiB; larger ones are answered `invalid`.")
-    ] = 64
+        float, Meta(gt=0, le=4096),
+        _doc("Largest request accepted, in MiB; larger ones are answered `invalid` (the Python client refuses "
+             "them before sending: give it the same `max_message_mb`)."),
+    ] = DEFAULT_MAX_MESSAGE_MB
     drain_timeout_s: Annotated[
         float, Meta(ge=0),
         _doc("On SIGTERM, how long queued and running work may take to finish, in seconds.", live=True),
@@ -204,7 +207,7 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_bytes_per_client: Annotated[
         int, Meta(ge=1),
         _doc("Bytes of requests one connection may have waiting; more are answered `overloaded`. It also sizes "
-             "what ZeroMQ may buffer for one connection (README, \"Memory\").", "256 MiB", live=True),
+             "what ZeroMQ may buffer for one connection (docs/operations/memory.md).", "256 MiB", live=True),
     ] = 256 << 20
     default_timeout_ms: Annotated[
         int, Meta(ge=1), _doc("Deadline of a request whose header gives no timeout_ms, in milliseconds.", live=True)
@@ -231,7 +234,7 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One model input: dtype name, per-sample shape (no batch dim), and the name the Open Inference
-    Protocol knows it by (default INPUT__<i>, Triton's PyTorch convention)."""
+    Protocol knows it by (default `INPUT__<i>`, Triton's PyTorch convention)."""
 
     dtype: str
     shape: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=7)]
@@ -239,13 +242,13 @@ class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class OutputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One model output, as the Open Inference Protocol names it (default OUTPUT__<i>)."""
+    """One model output, as the Open Inference Protocol names it (default `OUTPUT__<i>`)."""
 
     name: str
 
 
 class CanaryGuard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """[models.NAME.canary_guard]: when a canary is taken back by itself (README, "Canary and shadow")."""
+    """[models.NAME.canary_guard]: when a canary is taken back by itself (docs/operations/canary.md)."""
 
     window_s: Annotated[
         float, Meta(gt=0, le=60),
@@ -282,8 +285,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     ]
     repository: Annotated[
         str | None,
-        _doc("Folder holding VERSION/model.pt (TorchScript) or VERSION/model.pt2 (torch.export).",
-             "STATE_DIR/models/NAME"),
+        _doc("Folder holding VERSION/model.pt (TorchScript) or VERSION/model.pt2 (torch.export); a relative "
+             "path is relative to the config file's folder.", "STATE_DIR/models/NAME"),
     ] = None
     version: Annotated[
         str, _doc('Version served first: a version folder name, or "latest" (a SIGHUP that changes it reloads).',
@@ -298,7 +301,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         Annotated[float, Meta(ge=0)] | Literal["auto"],
         _doc('How long a partial batch may wait for company while every executor is busy, in milliseconds; '
              '"auto": until an executor is about to be free, or a deadline in the batch says go '
-             '(README, "Scheduling").', live=True),
+             '(docs/operations/scheduling.md).', live=True),
     ] = 2
     outputs: Annotated[
         tuple[OutputSpec, ...],
@@ -426,6 +429,13 @@ def client_shm_protocols(server: ServerConfig) -> frozenset[str]:
         return frozenset(SHM_PROTOCOLS) if allowed else frozenset()
     return frozenset(allowed)
 
+
+# Keys that name a file or folder: a relative one is read from the config file's folder, not the
+# working folder (which under systemd is /).
+PATH_KEYS: frozenset[tuple[type, str]] = frozenset({
+    (ServerConfig, "state_dir"), (ServerConfig, "tls_cert"), (ServerConfig, "tls_key"),
+    (ServerConfig, "curve_secret_key"), (ServerConfig, "curve_authorized_keys"), (ModelConfig, "repository"),
+})
 
 CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ServerConfig, "log_level"): lambda v: None if v in LOG_LEVELS else f"{v!r}: use one of {', '.join(LOG_LEVELS)}",

@@ -78,6 +78,10 @@ class NoAnswer(ControlError):
     """The daemon did not answer in time (it may be hung, or gone)."""
 
 
+class NoDaemon(ControlError):
+    """No daemon's control socket is at the endpoint."""
+
+
 FINISH_GRACE_S = 5.0  # beyond the end a daemon announced (`wait_s`), what its last answer may take
 
 
@@ -88,7 +92,7 @@ class ControlClient:
         self.endpoint = endpoint
         self.timeout = timeout
         if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
-            raise ControlError(f"no daemon is listening at {endpoint} (the socket does not exist)")
+            raise NoDaemon(f"no daemon is listening at {endpoint} (the socket does not exist)")
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.linger = 0

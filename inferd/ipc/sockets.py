@@ -88,3 +88,8 @@ def send_parts_tracked(socket: zmq.Socket, parts: Sequence[Any]) -> list[zmq.Mes
         else:
             _send(socket, part, flags)
     return trackers
+
+
+def bind_error(exc: zmq.ZMQError) -> str:
+    """Why a bind failed, in the system's words ("Address already in use"), without pyzmq's address suffix."""
+    return zmq.strerror(exc.errno) if exc.errno is not None else str(exc)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from inferd import __version__
-from inferd.repository import RepositoryError, describe_versions
+from inferd.repository import MODEL_FILES, RepositoryError, describe_versions, folders_without_model
 from inferd.supervisor.candidates import Mode
 from inferd.supervisor.control_server import ControlReply, deferred
 from inferd.supervisor.report import candidate_status, stats_report, worker_summary
@@ -86,11 +86,12 @@ class Commands:
         """Requests, latencies, throughput, batch sizes and queues per model; processes, memory, GPUs per worker."""
         return stats_report(self.daemon)
 
-    def command_models(self) -> dict[str, Any]:
-        """Each model's live version, whether a ready worker serves it, its outputs, its config, the
-        daemon's priority levels as they are now (a SIGHUP changes them), each version's number (for
-        the protocols whose versions are integers), and per version the counts and times the Open
-        Inference Protocol's statistics report (what the gateway asks)."""
+    def command_models(self, on_disk: bool = False) -> dict[str, Any]:
+        """Each model's live version and where it came from, whether a ready worker serves it, its
+        outputs, its config, the daemon's priority levels as they are now (a SIGHUP changes them), each
+        version's number (for the protocols whose versions are integers), and per version the counts
+        and times the Open Inference Protocol's statistics report (what the gateway asks). With
+        `on_disk` (`inferctl models`), also every folder in its repository and whether it can be served."""
         since_epoch = time.time() - time.monotonic()
         result = {}
         for name, live in self.daemon.live.items():
@@ -117,6 +118,7 @@ class Commands:
                 "config": msgspec.to_builtins(config),
                 "priority_levels": queue.priority_levels, "default_level": queue.default_level,
                 "live_version": live,
+                "live_from": self.daemon.live.origin(name),
                 "canary_version": canary,
                 "ready": any(w.serves(name, live) for w in self.daemon.workers.workers),
                 "ready_versions": [v for v in (live, canary)
@@ -125,7 +127,21 @@ class Commands:
                 "outputs": [[spec.dtype, list(spec.shape)] for spec in outputs],
                 "versions": versions,
             }
+            if on_disk:
+                result[name]["on_disk"] = self._on_disk(config.repository or "")
         return result
+
+    @staticmethod
+    def _on_disk(repository: str) -> list[dict[str, Any]] | str:
+        """Each folder of a repository: its file, size, format, and why it cannot be served (or None);
+        the sentence saying why the repository cannot be read, if it cannot."""
+        try:
+            found = describe_versions(repository)
+            empty = folders_without_model(repository)
+        except (RepositoryError, OSError) as exc:
+            return str(exc)
+        return found + [{"version": folder, "file": None, "size_bytes": 0, "modified": 0.0, "format": None,
+                         "problem": f"the folder holds no {' or '.join(MODEL_FILES)}"} for folder in empty]
 
     def command_status(self) -> dict[str, Any]:
         """The daemon's state, its workers, its gateways and the live version of each model."""
@@ -138,6 +154,8 @@ class Commands:
             "models": {
                 name: {
                     "live_version": version,
+                    "live_from": self.daemon.live.origin(name),
+                    "config_version": self.daemon.config.models[name].version,
                     "previous_version": self.daemon.live.previous(name),
                     "reloading_to": self.daemon.reloads.active[name].version if name in self.daemon.reloads.active
                     else None,
@@ -197,9 +215,10 @@ class Commands:
         self.daemon.canaries.promote(self._model(model), reply)
 
     @deferred
-    def command_rollback(self, reply: ControlReply, model: str | None = None) -> None:
-        """End the canary or shadow of a model; without one, blue-green back to the version live before the
-        last reload."""
+    def command_rollback(self, reply: ControlReply, model: str | None = None, confirm: bool = False) -> None:
+        """End the canary or shadow of a model; without one, and with `confirm`, blue-green back to the
+        version live before the last reload (without `confirm` a second run of a rollback that ended a
+        trial would switch production)."""
         name = self._model(model)
         if name in self.daemon.candidates:
             self.daemon.canaries.end(name, reply)
@@ -207,6 +226,10 @@ class Commands:
         previous = self.daemon.live.previous(name)
         if previous is None:
             reply.fail(f"{name} has not been reloaded; there is nothing to roll back to")
+            return
+        if not confirm:
+            reply.fail(f"{name} has no canary or shadow; a rollback would switch it from {self.daemon.live[name]} "
+                       f"back to {previous} (blue-green): run it again with --yes to do that")
             return
         self.daemon.reloads.start(name, previous, True, reply)
 

@@ -20,6 +20,7 @@ import zmq
 
 from inferd.curve import CurveServer
 from inferd.ipc.control import Answer, ControlClient, ControlError, decode_command, encode_answer
+from inferd.ipc.sockets import bind_error
 from inferd.supervisor.backstop import failure
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.replies import ReplyTo
@@ -154,7 +155,11 @@ class ControlServer:
         path = _socket_path(self.endpoint)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-        self.socket.bind(self.endpoint)
+        try:
+            self.socket.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            raise StartupError(f"cannot open the control socket {self.endpoint} ({bind_error(exc)}); change "
+                               "server.control") from None
         self._bound = True
         if path is not None:
             os.chmod(path, 0o660)

@@ -47,6 +47,9 @@ log = logging.getLogger("inferd.dispatch")
 SLOW_FACTOR = 5  # a batch this many times its model's median compute time gets a warning
 SLOW_MIN_COUNT = 50  # ... once the median rests on this many measurements
 SLOW_WARN_EVERY_S = 10.0
+# ... and took at least this long: a batch of a few ms is never worth a line, however many medians it is
+# (on an idle CPU a cold cache makes a 1 ms batch 3 ms).
+SLOW_MIN_S = 0.05
 
 
 @dataclass(eq=False)
@@ -422,7 +425,8 @@ class Dispatcher:
             counted, median = series.compute.count, series.compute.quantile(0.5)
             self._medians[key] = (counted, median)
         now = time.monotonic()
-        if compute_s > SLOW_FACTOR * median and now - self._slow_warned.get(batch.model, -math.inf) > SLOW_WARN_EVERY_S:
+        if compute_s > max(SLOW_FACTOR * median, SLOW_MIN_S) \
+                and now - self._slow_warned.get(batch.model, -math.inf) > SLOW_WARN_EVERY_S:
             self._slow_warned[batch.model] = now
             log.warning("%s on worker%d took %.1f ms, over %dx the median %.1f ms", batch.describe(),
                         batch.executor.worker.index, compute_s * 1000, SLOW_FACTOR, median * 1000)

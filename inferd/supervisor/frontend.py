@@ -26,7 +26,7 @@ from inferd.addresses import loopback
 from inferd.config.schema import Config, ModelConfig
 from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
-from inferd.ipc.sockets import recv_routed
+from inferd.ipc.sockets import bind_error, recv_routed
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.backstop import failure
 from inferd.supervisor.candidates import Candidates
@@ -36,7 +36,7 @@ from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import QueuedRequest, Refusal, RequestQueue
 from inferd.supervisor.regions import Regions, RegionSlice
 from inferd.supervisor.replies import Replies, ReplyTo
-from inferd.supervisor.state import DaemonState
+from inferd.supervisor.state import DaemonState, StartupError
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import WorkerState, WorkerTable
 
@@ -53,7 +53,7 @@ SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
 
 def receive_limits(config: Config) -> tuple[int, int]:
     """(largest message ZeroMQ receives, messages it may hold per connection); so one connection can
-    make ZeroMQ hold at most (hwm + 1) x largest bytes (README, "Memory").
+    make ZeroMQ hold at most (hwm + 1) x largest bytes (docs/operations/memory.md).
 
     Between server.max_message_mb and `largest` a message is received and answered
     `invalid` with its size; a larger one makes ZeroMQ drop the connection. The number
@@ -162,7 +162,11 @@ class Frontend:
             if tcp and self._curve.enabled:
                 self._curve.secure(socket)
             self.sockets.append(socket)
-            socket.bind(endpoint)
+            try:
+                socket.bind(endpoint)
+            except zmq.ZMQError as exc:
+                raise StartupError(f"cannot listen at {endpoint} ({bind_error(exc)}); change "
+                                   "server.listen") from None
             bound = socket.getsockopt_string(zmq.LAST_ENDPOINT)  # port 0: the one the system picked
             self.listening.append(bound)
             if tcp and not self._curve.enabled and not loopback(endpoint):

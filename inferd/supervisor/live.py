@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, NoReturn
 
 from inferd.config.schema import Config
-from inferd.repository import resolve_version
+from inferd.repository import LIVE_FILE, RepositoryError, resolve_version
+
+log = logging.getLogger("inferd.supervisor.live")
+
+# Where a live version came from: the config's `version`, the live versions saved in state_dir
+# (a reload before a restart), or a reload of this run.
+FROM_CONFIG, FROM_SAVED, FROM_RELOAD = "config", "saved", "reload"
 
 
 class LiveVersions(dict[str, str]):
@@ -18,15 +25,33 @@ class LiveVersions(dict[str, str]):
     request); every other way to change it is refused.
     """
 
-    def __init__(self, live: dict[str, str], previous: dict[str, str]) -> None:
+    def __init__(self, live: dict[str, str], previous: dict[str, str], origins: dict[str, str] | None = None) -> None:
         super().__init__(live)
         self._previous = {model: version for model, version in previous.items() if model in live}
+        self._origins = {model: (origins or {}).get(model, FROM_CONFIG) for model in live}
 
     @classmethod
     def first(cls, config: Config, saved: dict[str, str], previous: dict[str, str]) -> LiveVersions:
         """What to serve at start: each model's version saved as live where it still exists, else the
-        config's; raises RepositoryError for a model that has neither."""
-        return cls({name: resolve_version(m, saved.get(name)) for name, m in config.models.items()}, previous)
+        config's; raises RepositoryError for a model that has neither. A saved version that is not the
+        config's is said in the log: an operator who edited `version` would otherwise wonder."""
+        live, origins = {}, {}
+        for name, model in config.models.items():
+            live[name] = resolve_version(model, saved.get(name))
+            origins[name] = FROM_SAVED if live[name] == saved.get(name) else FROM_CONFIG
+            try:
+                configured = resolve_version(model)
+            except RepositoryError as exc:
+                configured = f"none ({exc})"
+            if origins[name] == FROM_SAVED and configured != live[name]:
+                log.warning("serving %s %s, the version saved as live in %s/%s, not the config's %s (version = %r); "
+                            "`inferctl reload --version` switches it", name, live[name], config.server.state_dir,
+                            LIVE_FILE, configured, model.version)
+        return cls(live, previous, origins)
+
+    def origin(self, model: str) -> str:
+        """Where `model`'s live version came from: FROM_CONFIG, FROM_SAVED or FROM_RELOAD."""
+        return self._origins.get(model, FROM_CONFIG)
 
     def _refuse(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise TypeError("the live versions change only through switch() and add()")
@@ -42,11 +67,13 @@ class LiveVersions(dict[str, str]):
         before = self[model]
         dict.__setitem__(self, model, version)
         self._previous[model] = before
+        self._origins[model] = FROM_RELOAD
         return before
 
-    def add(self, model: str, version: str) -> None:
+    def add(self, model: str, version: str, origin: str = FROM_CONFIG) -> None:
         """Serve a model a config reload added."""
         dict.__setitem__(self, model, version)
+        self._origins[model] = origin
 
     def snapshot(self) -> tuple[dict[str, str], dict[str, str]]:
         """Copies of (live, previous), to save."""

@@ -106,7 +106,10 @@ class ReloadManager:
             return
         live = self.live[model]
         if version == live:
-            reply.fail(f"{model} {version} is already live")
+            if on_loaded is not None:
+                reply.fail(f"{model} {version} is already live; a trial needs another version")
+            else:  # asked twice (a script run again): the outcome it wants holds
+                reply.finish({"model": model, "version": version, "already_live": True})
             return
         try:
             model_file(self.config.models[model].repository or "", version)

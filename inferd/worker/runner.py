@@ -1,7 +1,8 @@
 """Models on one device: load a version, warm it up, run a batch.
 
 Files are read with TorchScript (`torch.jit.load`) or torch.export
-(`torch.export.load`), never with a bare pickle `torch.load`.
+(`torch.export.load`), whichever the file holds (model_files), never with a
+bare pickle `torch.load`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import psutil
 import torch
 
+from inferd import model_files
 from inferd.arrays import to_numpy
 from inferd.config.schema import ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
@@ -41,19 +43,43 @@ def describe_error(exc: BaseException) -> str:
     return text.removeprefix("builtins.")
 
 
-def load_module(path: Path, device: torch.device) -> Any:
-    """Load a TorchScript or torch.export file onto `device`, in eval mode."""
+def load_module(path: Path, device: torch.device, config: ModelConfig) -> Any:
+    """Load a TorchScript or torch.export file onto `device`, in eval mode, by what the file holds
+    (whatever its name); a torch.export program must take every batch size `config` warms up."""
+    found = model_files.inspect(path)
+    if found.problem is not None:
+        raise ModelError(found.problem)
     try:
-        if path.suffix == ".pt2":
-            module = torch.export.load(str(path)).module().to(device)
+        if found.format == model_files.EXPORTED:
+            program = torch.export.load(str(path))
+            _check_batch_dim(program, path, config)
+            module = program.module().to(device)
         else:
             module = torch.jit.load(str(path), map_location=device)
+    except ModelError:
+        raise
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad archive
         raise ModelError(f"{path} is not a loadable TorchScript or torch.export file: {describe_error(exc)}") from None
     # torch.export modules reject .eval(); they are traced in eval mode already.
     if isinstance(module, torch.jit.ScriptModule):
         module.eval()
     return module
+
+
+def _check_batch_dim(program: Any, path: Path, config: ModelConfig) -> None:
+    """Refuse a program exported with a fixed batch size where batches of other sizes will come: its
+    guards would fail every one of them."""
+    sizes = {config.max_batch_size, *(config.warmup_batch_sizes or (1,))}
+    user_inputs = set(program.graph_signature.user_inputs)
+    for node in program.graph.nodes:
+        value = node.meta.get("val") if node.op == "placeholder" and node.name in user_inputs else None
+        shape = getattr(value, "shape", None)
+        if shape and isinstance(shape[0], int) and sizes != {shape[0]}:
+            raise ModelError(
+                f"{path} was exported with a fixed batch size of {shape[0]} (input {node.name!r}), but batches "
+                f"of up to {config.max_batch_size} come; export it with a dynamic batch dim: "
+                "torch.export.export(model, example, dynamic_shapes=({0: torch.export.Dim(\"batch\")},)), "
+                "one dict per input")
 
 
 def as_outputs(result: Any) -> tuple[torch.Tensor, ...]:
@@ -129,7 +155,7 @@ class ModelRunner:
             raise ModelError(str(exc)) from None
         if memory_factor is not None:
             self._check_room(name, version, path, memory_factor)
-        module = load_module(path, self.device)
+        module = load_module(path, self.device, config)
         if precision != torch.float32:
             module = module.to(precision)
         model = Loaded(module, precision)

@@ -1,0 +1,78 @@
+"""What a model file holds, told from its zip archive's listing, never by unpickling it.
+
+TorchScript (`torch.jit.save`) and torch.export (`torch.export.save`) archives
+are served; what people save by mistake is named with the way to save it
+instead: a pickled module (`torch.save(model)`), a state dict or checkpoint
+(`torch.save(model.state_dict())`), or a file that is no archive at all.
+"""
+
+from __future__ import annotations
+
+import pickletools
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+TORCHSCRIPT, EXPORTED = "torchscript", "exported"
+PICKLE_PEEK_BYTES = 1 << 20  # a module's pickle names its class within its first opcodes
+
+HOW_TO_SAVE = ("save it with torch.export.save(torch.export.export(model, example, dynamic_shapes=...)) as "
+               "model.pt2, or with torch.jit.save(torch.jit.script(model)) as model.pt")
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """A model file's format (TORCHSCRIPT or EXPORTED), or the sentence saying why it cannot be served."""
+
+    path: Path
+    format: str | None
+    problem: str | None = None
+
+
+def inspect(path: Path) -> ModelFile:
+    """Tell what `path` holds from its archive's member names (and a pickle's first class name)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+            inner = {name.partition("/")[2] for name in names}
+            if "constants.pkl" in inner or any(name.startswith("code/") for name in inner):
+                return ModelFile(path, TORCHSCRIPT)
+            if "archive_format" in inner or any(name.startswith("models/") for name in inner):
+                if any(name.startswith("data/aotinductor/") for name in inner):
+                    return ModelFile(path, None, f"{path} is an AOTInductor package, which inferd does not serve "
+                                                 f"yet; {HOW_TO_SAVE}")
+                return ModelFile(path, EXPORTED)
+            pickle = next((name for name in names if name.partition("/")[2] == "data.pkl"), None)
+            if pickle is None:
+                return ModelFile(path, None, f"{path} is a zip archive but neither TorchScript nor torch.export; "
+                                             f"{HOW_TO_SAVE}")
+            with archive.open(pickle) as stream:
+                first_class = _first_class(stream.read(PICKLE_PEEK_BYTES))
+    except zipfile.BadZipFile:
+        return ModelFile(path, None, f"{path} is not a TorchScript or torch.export archive; {HOW_TO_SAVE}")
+    except OSError as exc:
+        return ModelFile(path, None, f"cannot read {path}: {exc.strerror or exc}")
+    if first_class is None or first_class == "collections.OrderedDict" or first_class.startswith("torch._utils."):
+        return ModelFile(path, None, f"{path} holds a state dict or checkpoint (weights without code, written by "
+                                     f"torch.save); load it into its module in Python, then {HOW_TO_SAVE}")
+    return ModelFile(path, None, f"{path} is a pickled {first_class} written by torch.save(model), which inferd "
+                                 f"never unpickles (a pickle can run any code); {HOW_TO_SAVE}")
+
+
+def _first_class(data: bytes) -> str | None:
+    """The first class a pickle names (module.name), or None when it starts with a plain container.
+    Only the opcodes are read; nothing is imported or run."""
+    strings: list[str] = []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name == "GLOBAL" and isinstance(arg, str):
+                return ".".join(arg.split(" ", 1))
+            if opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                return f"{strings[-2]}.{strings[-1]}"
+            if opcode.name in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "DICT", "LIST") and not strings:
+                return None
+            if isinstance(arg, str):
+                strings.append(arg)
+    except ValueError:  # cut off at PICKLE_PEEK_BYTES, or not a pickle after all
+        pass
+    return None
