@@ -13,7 +13,7 @@ import models
 import numpy as np
 import pytest
 import torch
-from conftest import MLP, Daemon, base_config, wait_for
+from conftest import MLP, PAIR, Daemon, base_config, wait_for
 from test_cli import BIN, assert_one_sentence, inferctl, run
 
 from inferd import config as config_module
@@ -201,3 +201,17 @@ def test_inferctl_models_shows_the_contract_and_a_request_that_runs_as_printed(d
         outputs.append(done.stdout)
     assert "mlp v1: 1 output(s)" in outputs[1] and "[[" in outputs[2], outputs
     wait_for(lambda: daemon.call("status")["replies"].get("ok", 0) >= 2, what="both example requests answered")
+
+
+def test_stats_say_dash_where_there_is_no_figure(start_daemon):
+    daemon = start_daemon({"mlp": MLP, "pair": PAIR})
+    with daemon.client() as client:
+        client.infer("mlp", np.zeros((2, models.MLP_IN), dtype=np.float32))
+    table = inferctl(daemon, "stats").stdout
+    rows = {line.split()[0]: line.split() for line in table.splitlines()
+            if line.startswith(("mlp ", "pair ")) and line.split()[1] == "all"}
+    # model, version, requests, not ok, samples, then p50, p99, queue p99, compute p99, samples/s, goodput/s, batch
+    assert rows["pair"][2:5] == ["0", "0", "0"] and rows["pair"][5:9] == ["-"] * 4 and rows["pair"][11] == "-"
+    assert rows["mlp"][2:5] == ["1", "0", "2"] and float(rows["mlp"][5]) > 0 and float(rows["mlp"][11]) == 2.0
+    assert "admission: no estimate for pair yet (it has computed nothing)" in table
+    assert "not known yet" not in table

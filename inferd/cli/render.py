@@ -48,13 +48,22 @@ def _scheduling_lines(stats: dict[str, Any]) -> list[str]:
         for level, part in model["priorities"].items():
             requests = sum(part["requests"].values())
             lines.append(f"{name:<14}{level:>8}{requests:>10}{requests - part['requests'].get('ok', 0):>8}"
-                         f"{part['latency_ms']['p50']:>9.2f}{part['latency_ms']['p99']:>9.2f}")
+                         f"{_figure(part['latency_ms']['p50'], 9, part['latency_ms']['count'])}"
+                         f"{_figure(part['latency_ms']['p99'], 9, part['latency_ms']['count'])}")
     for name, model in stats["models"].items():
         admission = model["admission"]
-        estimate = "not known yet" if admission["estimate_ms"] is None else f"{admission['estimate_ms']:.1f} ms"
-        lines.append(f"admission: a new request to {name} would finish in {estimate} at the soonest; "
-                     f"{admission['refused_as_late']} refused as sure to miss their deadline")
+        refused = f"{admission['refused_as_late']} refused as sure to miss their deadline"
+        if admission["estimate_ms"] is None:
+            lines.append(f"admission: no estimate for {name} yet (it has computed nothing); {refused}")
+        else:
+            lines.append(f"admission: a new request to {name} would finish in {admission['estimate_ms']:.1f} ms at "
+                         f"the soonest; {refused}")
     return lines
+
+
+def _figure(value: float, width: int, count: int, digits: int = 2) -> str:
+    """A figure right-aligned in `width`, or "-" when it rests on nothing (`count` is 0)."""
+    return f"{'-':>{width}}" if not count else f"{value:>{width}.{digits}f}"
 
 
 def _trial_lines(stats: dict[str, Any]) -> list[str]:
@@ -71,11 +80,12 @@ def _trial_lines(stats: dict[str, Any]) -> list[str]:
             lines.append(line)
         for version, shadow in model["shadow"].items():
             close = "-" if shadow["allclose_share"] is None else f"{shadow['allclose_share']:.1%}"
-            compute = shadow["compute_ms"]
-            lines.append(f"{name} shadow {version}: {shadow['compared']} of {shadow['chosen']} compared, {close} "
+            compute, compared = shadow["compute_ms"], shadow["compared"]
+            lines.append(f"{name} shadow {version}: {compared} of {shadow['chosen']} compared, {close} "
                          f"allclose, max difference {shadow['max_abs_difference']:.3g} (relative "
-                         f"{shadow['max_rel_difference']:.3g}), compute p50 {compute['shadow']['p50']:.2f} ms against "
-                         f"{compute['live']['p50']:.2f} ms live, {shadow['failed']} failed, "
+                         f"{shadow['max_rel_difference']:.3g}), compute p50 "
+                         f"{_figure(compute['shadow']['p50'], 0, compared)} ms against "
+                         f"{_figure(compute['live']['p50'], 0, compared)} ms live, {shadow['failed']} failed, "
                          f"{sum(shadow['dropped'].values())} dropped")
     return ["", *lines] if lines else []
 
@@ -93,12 +103,16 @@ def stats_table(stats: dict[str, Any]) -> str:
             requests = sum(part["requests"].values())
             latency = part["latency_ms"]
             live = version == model["live_version"]
+            # The latencies are of the last minute, the batch sizes since start: each "-" where there is none.
+            total, queue, compute = latency["total"], latency["queue"], latency["compute"]
+            batches = sum(part["batch_size"]["distribution"].values())
             lines.append(
                 f"{(name if version == 'all' else ''):<14}{version + ('*' if live else ''):<10}{requests:>9}"
-                f"{requests - part['requests'].get('ok', 0):>8}{part['samples']:>9}{latency['total']['p50']:>9.2f}"
-                f"{latency['total']['p99']:>9.2f}{latency['queue']['p99']:>10.2f}{latency['compute']['p99']:>12.2f}"
+                f"{requests - part['requests'].get('ok', 0):>8}{part['samples']:>9}"
+                f"{_figure(total['p50'], 9, total['count'])}{_figure(total['p99'], 9, total['count'])}"
+                f"{_figure(queue['p99'], 10, queue['count'])}{_figure(compute['p99'], 12, compute['count'])}"
                 f"{part['throughput']['samples_per_s_10s']:>10.1f}{part['goodput']['requests_per_s_10s']:>10.1f}"
-                f"{part['batch_size']['mean']:>7.1f}"
+                f"{_figure(part['batch_size']['mean'], 7, batches, 1)}"
                 + (f"{model['queue_depth']:>7}{part['queue_depth_peak_60s']:>6}" if version == "all" else "")
             )
     lines += _scheduling_lines(stats)

@@ -81,8 +81,9 @@ class Histogram:
         return self.max
 
     def summary_ms(self) -> dict[str, float]:
-        """p50/p90/p99/max in milliseconds."""
+        """p50/p90/p99/max in milliseconds, and how many values they rest on."""
         return {
+            "count": self.count,
             "p50": round(self.quantile(0.50) * 1000, 3),
             "p90": round(self.quantile(0.90) * 1000, 3),
             "p99": round(self.quantile(0.99) * 1000, 3),
