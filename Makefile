@@ -11,10 +11,18 @@ $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+# What the daemon needs, for the demo; the test tools come on top. (Only the tools' kubernetes asks for newer
+# dateutil and pydantic than some system packages visible through --system-site-packages, which pip reports
+# as an ERROR line: the demo does not install it.)
+RUNTIME := $(VENV)/.installed-runtime
+$(RUNTIME): pyproject.toml | $(PY)
 	# torch==2.13.0 only where none is importable: the CPU build where pip finds a local CPU wheel; from PyPI on
 	# Linux x86-64 it is the multi-GB CUDA build (docs/getting-started.md says how to get the CPU one).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME)
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -24,7 +32,7 @@ $(THIRD_PARTY): tests/third_party.py | $(PY)
 	$(PY) tests/third_party.py install $(VENV)
 	touch $(THIRD_PARTY)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(PY) -m inferd.demo run
 
 test: $(STAMP) $(THIRD_PARTY)
