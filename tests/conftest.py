@@ -242,7 +242,7 @@ def oip_daemon(repo: Path) -> Iterator[Daemon]:
     config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR, "failing": FAILING,
                                       "bf16": {**BF16, "precision": "fp32"}},
                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
-                                 "metrics": f"127.0.0.1:{free_port()}"})
+                                 "metrics": f"127.0.0.1:{free_port()}", "http_allowed_hosts": ["Inferd.Internal"]})
     config["models"]["untouched"] = {"repository": str(repo / "mlp"), **MLP}  # no test sends it a request
     daemon = Daemon(path, config)
     daemon.start()

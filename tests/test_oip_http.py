@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.client
 import json
 import signal
 import urllib.error
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
-from conftest import BLOCKER, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import BLOCKER, MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -366,3 +367,40 @@ def test_with_client_shared_memory_off_status_lists_no_regions_and_metadata_does
     client(oip).unregister_cuda_shared_memory()
     status, answer = post(oip, "/v2/cudasharedmemory/region/r/register", b"{}")
     assert status == 400 and "inferd takes no CUDA shared memory" in answer["error"]
+
+
+def get_with_host(address: str, host: str | None, path: str = "/v2/models/mlp") -> tuple[int, dict]:
+    """GET `path` from `address` (HOST:PORT) with this Host header (None: none at all, as HTTP/1.0 allows)."""
+    name, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(name, int(port), timeout=20)
+    try:
+        connection.putrequest("GET", path, skip_host=True)
+        if host is not None:
+            connection.putheader("Host", host)
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    finally:
+        connection.close()
+
+
+def test_a_loopback_gateway_refuses_a_host_that_is_not_its_own_as_dns_rebinding_would_send(oip):
+    port = url(oip).rsplit(":", 1)[1]
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}", "app.localhost",
+                 f"inferd.internal:{port}", "INFERD.INTERNAL", None):
+        status, answer = get_with_host(url(oip), host)
+        assert status == 200 and answer["name"] == "mlp", (host, answer)
+    for host in (f"attacker.example:{port}", "attacker.example", "10.0.0.7", "localhost.attacker.example"):
+        status, answer = get_with_host(url(oip), host)
+        assert status == 403, (host, status)
+        assert answer["error"] == (f"Host {host.rsplit(':', 1)[0]!r} is not a name of this server, which listens "
+                                   "on loopback only; add it to server.http_allowed_hosts if clients reach the "
+                                   "server by it")
+    assert client(oip).is_server_ready(), "the gateway serves on"
+
+
+def test_a_gateway_bound_beyond_loopback_takes_any_host(start_daemon):
+    daemon = start_daemon({"mlp": MLP}, server={"http": f"0.0.0.0:{free_port()}"})
+    port = daemon.config["server"]["http"].rsplit(":", 1)[1]
+    status, answer = get_with_host(f"127.0.0.1:{port}", "inferd.example.com")
+    assert status == 200 and answer["name"] == "mlp"

@@ -59,6 +59,12 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         str, _doc('HOST:PORT of the Open Inference Protocol over gRPC (inference.GRPCInferenceService); '
                   '"" turns it off.')
     ] = "127.0.0.1:8001"
+    http_allowed_hosts: Annotated[
+        tuple[str, ...],
+        _doc("With server.http on a loopback address: Host names a request may carry besides loopback ones "
+             "(localhost, 127.x.x.x, ::1); any other is answered 403, so a web page cannot reach the daemon "
+             "by DNS rebinding."),
+    ] = ()
     http_processes: Annotated[
         int, Meta(ge=1, le=64),
         _doc("Gateway processes serving server.http, on one port (SO_REUSEPORT): the kernel spreads new "

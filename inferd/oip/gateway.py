@@ -63,8 +63,9 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
         from inferd.oip.http_server import HttpServer
         from inferd.oip.rest import RestApp
 
-        front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes, shared_memory), server,
-                                     shared_memory.closed)
+        allowed = frozenset(h.lower() for h in server.http_allowed_hosts) if addresses.loopback(address) else None
+        front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes, shared_memory, allowed),
+                                     server, shared_memory.closed)
         scheme = "https" if server.tls_cert else "http"
     else:
         from inferd.oip.rpc import GrpcServer, InferenceService

@@ -29,7 +29,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
-from inferd import __version__, protocol
+from inferd import __version__, addresses, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
 from inferd.oip.catalog import (
@@ -118,17 +118,19 @@ class RestApp:
     """The ASGI application of the gateway's HTTP server."""
 
     def __init__(self, catalog: Catalog, upstream: Upstream, control: Control, max_message_bytes: int,
-                 shared_memory: SharedMemory) -> None:
+                 shared_memory: SharedMemory, allowed_hosts: frozenset[str] | None = None) -> None:
         self.catalog = catalog
         self.upstream = upstream
         self.control = control
         self.max_message_bytes = max_message_bytes
         self.shared_memory = shared_memory
+        self.allowed_hosts = allowed_hosts  # None: any Host (the server is not bound to loopback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         try:
+            self._check_host(scope)
             status, body, headers = await self._route(scope, receive)
         except HttpError as exc:
             status, body, headers = exc.status, _encode({"error": exc.message}), exc.headers
@@ -144,6 +146,19 @@ class RestApp:
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-length", str(len(body)).encode()), *headers]})
         await send({"type": "http.response.body", "body": body})
+
+    def _check_host(self, scope: Scope) -> None:
+        """Refuse a Host that does not name this machine, where the server listens on loopback only: a web
+        page whose name was rebound to 127.0.0.1 sends its own name (DNS rebinding, Ray's CVE-2025-62593)."""
+        if self.allowed_hosts is None:
+            return
+        value = next((v for k, v in scope["headers"] if k.lower() == b"host"), None)
+        if value is None:  # HTTP/1.0 without one: no browser sends that
+            return
+        host = addresses.host_of_header(value.decode("latin-1"))
+        if not addresses.loopback_host(host) and host not in self.allowed_hosts:
+            raise HttpError(403, f"Host {host!r} is not a name of this server, which listens on loopback only; "
+                                 "add it to server.http_allowed_hosts if clients reach the server by it")
 
     async def _route(self, scope: Scope, receive: Receive) -> Answer:
         # Readiness answers carry KServe's JSON body; Triton's clients read only the status.
