@@ -80,10 +80,15 @@ def test_requests_whose_deadline_passes_in_the_queue_are_not_computed(start_daem
     # Once a batch has been timed, a request read later may be refused at the door as one that cannot
     # make its deadline (on a busy machine the daemon reads the burst that slowly): never computed either.
     assert set(statuses) <= {"ok", "timeout", "overloaded"}, statuses
-    assert all("deadline passed" in r["error"] for r in replies if r["status"] == "timeout")
+    # Timed out in the queue, or when its turn came with too little time left for the batch: not computed;
+    # or computed and finished late, its result dropped (never an ok after the deadline).
+    not_computed = ("deadline passed before the request ran", "would finish after its deadline")
+    late = [r for r in replies if r["status"] == "timeout" and "after the request's deadline" in r["error"]]
+    assert all(any(why in r["error"] for why in not_computed) for r in replies
+               if r["status"] == "timeout" and r not in late), replies
     assert all("at the soonest" in r["error"] for r in replies if r["status"] == "overloaded")
     batches = daemon.status()["workers"][0]["batches"] - batches_before
-    assert batches == statuses.count("ok"), "a request refused or timed out was computed"
+    assert batches == statuses.count("ok") + len(late), "a request refused or timed out was computed"
 
 
 def test_an_oversized_message_is_refused_and_the_daemon_keeps_serving(start_daemon):

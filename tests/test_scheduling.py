@@ -209,17 +209,18 @@ def test_a_request_that_cannot_finish_before_its_deadline_is_refused_at_once(sta
         assert peer.recv()[0]["status"] == "ok", "with nothing ahead, the same deadline is met"
 
 
-def test_goodput_counts_only_ok_replies_within_their_deadline(start_daemon):
+def test_goodput_counts_ok_replies_and_a_late_result_is_a_timeout(start_daemon):
     daemon = variable_daemon(start_daemon)
     with RawPeer(daemon.endpoint) as peer:
-        # Before any compute time is known nothing is refused: this one is computed, and answered late.
+        # Before any compute time is known nothing is refused: this one is computed, finishes after its
+        # deadline, and is answered timeout, never ok.
         peer.send("late", "variable", [BLOCK], timeout_ms=200)
-        assert peer.recv()[0]["status"] == "ok"
+        assert peer.recv()[0]["status"] == "timeout"
         for index in range(5):
             peer.send(index, "variable", [QUICK], timeout_ms=LONG_MS)
             assert peer.recv()[0]["status"] == "ok"
     model = stats(daemon)
-    assert model["requests"] == {"ok": 6} and model["goodput"]["requests"] == 5
+    assert model["requests"] == {"ok": 5, "timeout": 1} and model["goodput"]["requests"] == 5
 
 
 def test_priority_levels_goodput_and_admission_in_prometheus(start_daemon, repo):

@@ -57,7 +57,7 @@ def test_cumulative_buckets_for_prometheus_are_monotonic_and_end_with_the_count(
 def test_recent_windows_forget_what_is_older_than_asked():
     stats = Stats(now=0.0)
     for t in range(0, 100, 2):
-        stats.answered(float(t), "m", "v1", 1, [0.01], [0.001], 0.005, [0], 1)
+        stats.answered(float(t), "m", "v1", 1, [0.01], [0.001], 0.005, [0])
     minute, span = stats.recent(100.0, 60)
     assert 25 <= minute[("m", "v1")].samples <= 32 and 55 <= span <= 65
     assert stats.since_start[("m", "v1")].samples == 50

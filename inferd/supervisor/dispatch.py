@@ -182,6 +182,9 @@ class Dispatcher:
             for request in requests:
                 self.replies.error(request, protocol.UNAVAILABLE, f"no worker is ready to run {version}")
             return
+        requests = self._in_time(model, requests, executor, now)
+        if not requests:
+            return
         worker = executor.worker
         slot = worker.slots.acquire()
         if slot is None:  # cannot happen while slots = executors x depth; never lose requests if it does
@@ -213,6 +216,26 @@ class Dispatcher:
         self.workers.batch_sent(executor, len(requests), now, self.times.batch_s(model, samples) or 0.0)
         self.inflight[batch.id] = batch
         self.stats.batch(now, model, version, samples)
+
+    def _in_time(self, model: str, requests: list[QueuedRequest], executor: ExecutorHandle,
+                 now: float) -> list[QueuedRequest]:
+        """The requests that can finish before their deadline on `executor`, by the batch's known compute time;
+        the others are answered `timeout` now, rather than computed for nobody."""
+        expected = self.times.batch_s(model, sum(r.samples for r in requests))
+        if expected is None:
+            return requests
+        finish = max(now, executor.free_at()) + expected
+        if all(r.deadline >= finish for r in requests):
+            return requests
+        kept = []
+        for request in requests:
+            if request.deadline >= finish:
+                kept.append(request)
+            else:
+                self.replies.error(request, protocol.TIMEOUT, (
+                    f"the request would finish after its deadline ({(request.deadline - now) * 1000:.1f} ms left, its "
+                    f"batch expected to take {(finish - now) * 1000:.1f} ms); it was not computed"))
+        return kept
 
     def _keep_version(self, requests: list[QueuedRequest], model: str, version: str) -> list[QueuedRequest]:
         """The requests `version` may compute: a request that named another version (live when it came,

@@ -100,7 +100,8 @@ class Replies:
 
     def computed(self, batch: Batch, done: BatchDone, by_reference: bool) -> list[zmq.MessageTracker]:
         """Send each computed request its rows of every output (with `by_reference`, large ones without
-        a copy: their trackers are returned), each expired one `timeout`, each cancelled one `cancelled`."""
+        a copy: their trackers are returned), each expired one `timeout` (and one whose deadline passed while
+        its batch computed: no `ok` leaves after a deadline), each cancelled one `cancelled`."""
         buf = batch.executor.worker.arena.buf
         sizes = [protocol.tensor_bytes(ref.dtype, ref.shape[1:]) for ref in done.outputs]
         now = time.monotonic()
@@ -109,12 +110,18 @@ class Replies:
         metas: dict[int, tuple[TensorMeta, ...]] = {}
         replies = []
         computed = []
-        row = 0
+        row = late = 0
         for index, request in enumerate(batch.requests):
             if index in expired:
                 self.timed_out(request, batch.version)
                 continue
             samples = request.samples
+            if now > request.deadline:  # an answer after its deadline is one nobody waits for any more
+                self.error(request, protocol.TIMEOUT, f"its batch finished {(now - request.deadline) * 1000:.1f} ms "
+                           "after the request's deadline; the result was dropped", batch.version)
+                late += 1
+                row += samples
+                continue
             if request.cancelled:
                 self.error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
                 row += samples
@@ -144,6 +151,9 @@ class Replies:
         if expired:
             log.info("%s: %d request(s) not computed, their deadline passed while the batch waited for "
                      "its executor", batch.describe(), len(expired))
+        if late:
+            log.info("%s: %d request(s) answered timeout, the batch finished after their deadline", batch.describe(),
+                     late)
         if not computed:
             return []
         trackers = self._send_all(replies, by_reference)
@@ -154,8 +164,7 @@ class Replies:
                     self.stats.by_protocol[(batch.model, gateway, protocol.OK)] += 1
         self.stats.answered(now, batch.model, batch.version, sum(r.samples for r in computed),
                             [now - r.received for r in computed], [batch.started - r.received for r in computed],
-                            done.compute_us / 1e6, [r.priority for r in computed],
-                            sum(now <= r.deadline for r in computed), [us / 1e6 for us in done.phases_us])
+                            done.compute_us / 1e6, [r.priority for r in computed], [us / 1e6 for us in done.phases_us])
         return trackers
 
     def _send_all(self, replies: list[tuple[ReplyTo, list[Buffer]]], by_reference: bool) -> list[zmq.MessageTracker]:

@@ -108,7 +108,7 @@ class Series:
 
     replies: Counter = field(default_factory=Counter)  # status -> requests
     samples: int = 0  # samples answered `ok`
-    good: int = 0  # requests answered `ok` within their deadline (the goodput)
+    good: int = 0  # requests answered `ok` (within their deadline, as every `ok` is): the goodput
     total: Histogram = field(default_factory=Histogram)
     queue: Histogram = field(default_factory=Histogram)
     compute: Histogram = field(default_factory=Histogram)
@@ -231,10 +231,10 @@ class Stats:
 
     def answered(self, now: float, model: str, version: str, samples: int,
                  totals_s: Sequence[float], queues_s: Sequence[float], compute_s: float,
-                 priorities: Sequence[int], good: int, phases_s: Sequence[float] = (0.0, 0.0, 0.0)) -> None:
+                 priorities: Sequence[int], phases_s: Sequence[float] = (0.0, 0.0, 0.0)) -> None:
         """Count the `ok` replies of one batch: its samples, each request's total and queue
         latency and priority level, the batch's compute time (and its phases) once per request and
-        once per batch, and how many were answered within their deadline."""
+        once per batch. Each is goodput: no `ok` leaves after its deadline."""
         self.replies["ok"] += len(totals_s)
         requests = len(totals_s)
         for series in self._series(now, model, version):
@@ -246,7 +246,7 @@ class Stats:
                     batch[index] += phase_s
             series.replies["ok"] += len(totals_s)
             series.samples += samples
-            series.good += good
+            series.good += requests
             series.total.add_all(totals_s)
             series.queue.add_all(queues_s)
             series.compute.add(compute_s, len(totals_s))
