@@ -32,25 +32,25 @@ X_MLP = np.ones((1, models.MLP_IN), dtype=np.float32)
 
 
 def test_a_hung_worker_is_aborted_replaced_and_its_requests_answered(start_daemon):
+    # The hung batch is tried again once on the replacement, hangs it too, and is then answered.
     daemon = start_daemon({"variable": TWO, "mlp": MLP}, workers={"batch_timeout_s": 0.2, "streams": 1})
     old = daemon.status()["workers"][0]
     with RawPeer(daemon.endpoint) as peer:
-        peer.send(1, "variable", [HANG])
-        started = time.monotonic()
-        header = peer.recv(timeout=10)[0]
+        peer.send(1, "variable", [HANG], timeout_ms=60_000)
+        header = peer.recv(timeout=60)[0]
     assert header["status"] == "internal"
+    assert "its batch killed two workers (worker0, worker0)" in header["error"], header["error"]
     assert "ran longer than workers.batch_timeout_s" in header["error"], header["error"]
-    assert time.monotonic() - started < 5
     daemon.wait_healthy(60)
     new = daemon.status()["workers"][0]
-    assert new["pid"] != old["pid"] and new["restarts"] == 1
+    assert new["pid"] != old["pid"] and new["restarts"] == 2
     with daemon.client() as client:
         assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
     log = daemon.log()
     assert "is hung" in log and "Fatal Python error: Aborted" in log, "the hung worker's stacks were not logged"
 
 
-def test_a_segfaulting_worker_fails_only_what_it_ran_and_comes_back(start_daemon):
+def test_a_segfaulting_worker_comes_back_and_what_it_ran_is_computed_again(start_daemon):
     daemon = start_daemon({"slow": {**MLP, "inputs": [{"dtype": "float32", "shape": [64]}]}, "mlp": MLP},
                           workers={"streams": 1})
     pid = daemon.status()["workers"][0]["pid"]
@@ -59,16 +59,12 @@ def test_a_segfaulting_worker_fails_only_what_it_ran_and_comes_back(start_daemon
             peer.send(i, "slow", [np.ones((16, 64), dtype=np.float32)], timeout_ms=60_000)
         replies = [peer.recv()[0]]  # the worker is busy with the rest now
         os.kill(pid, signal.SIGSEGV)
-        killed = time.monotonic()
-        arrivals = []
-        for _ in range(99):  # the rest run once the worker is back
+        for _ in range(99):  # the rest, and the batches it was running, run once the worker is back
             replies.append(peer.recv(timeout=60)[0])
-            arrivals.append(time.monotonic() - killed)
-    statuses = {r["status"] for r in replies}
-    assert "internal" in statuses and statuses <= {"ok", "internal", "unavailable"}
-    died = [t for t, r in zip(arrivals, replies[1:]) if r["status"] == "internal"]
-    assert died and max(died) < 5, "what the worker was running is answered at once"
-    assert all("killed by signal 11" in r["error"] for r in replies if r["status"] == "internal")
+        assert peer.nothing_more()
+    assert sorted(r["id"] for r in replies) == list(range(100))
+    assert {r["status"] for r in replies} == {"ok"}, [r for r in replies if r["status"] != "ok"]
+    assert "killed by signal 11" in daemon.log() and "its requests are computed again" in daemon.log()
     daemon.wait_healthy(60)
     with daemon.client() as client:
         assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)

@@ -65,8 +65,8 @@ def test_connections_that_never_finish_a_request_are_closed_and_others_are_serve
     with socket.create_connection(address(server["http"])) as http_loris, \
             socket.create_connection(address(server["http"])) as body_loris, \
             socket.create_connection(address(server["grpc"])) as grpc_loris:
-        http_loris.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\n")  # and never the rest
-        body_loris.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        http_loris.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: localhost\r\n")  # and never the rest
+        body_loris.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n\r\n{")
         assert http_infer(f"http://{server['http']}") == 200
         assert grpc_infer(server["grpc"]).shape == (1, models.MLP_OUT)
         assert closed_by_server(http_loris, HEAD_TIMEOUT_S + 10)
@@ -81,7 +81,7 @@ def test_connections_that_never_finish_a_request_are_closed_and_others_are_serve
 ], ids=["too many headers", "too big a head"])
 def test_too_much_header_is_refused_with_a_sentence(oip_daemon, head, sentence):
     with socket.create_connection(address(oip_daemon.config["server"]["http"])) as connection:
-        connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n")
+        connection.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: localhost\r\n" + head + b"\r\n")
         connection.settimeout(20)
         answer = b""
         while chunk := connection.recv(65536):

@@ -115,8 +115,8 @@ def test_an_http_client_that_closes_its_connection_takes_its_request_out_of_the_
     with RawPeer(daemon.endpoint) as peer:
         before = block(daemon, peer)
         client = socket.create_connection((host, int(port)), timeout=10)
-        client.sendall(b"POST /v2/models/variable/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        client.sendall(b"POST /v2/models/variable/infer HTTP/1.1\r\nHost: localhost\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         queued(daemon)
         client.close()
         wait_for(lambda: by_protocol(daemon, "http").get("cancelled") == 1, what="the request answered cancelled")

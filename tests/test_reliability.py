@@ -1,15 +1,22 @@
-"""Deadlines kept to the end: no `ok` leaves after a request's deadline, and a batch that cannot finish
-in time for a request is not computed for it."""
+"""Nothing lost while a worker dies or comes back, and deadlines kept to the end: a lost batch is computed
+again (once), requests wait for a worker expected back, no `ok` leaves after a request's deadline, and a
+batch that cannot finish in time for a request is not computed for it."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+
 import numpy as np
+from conftest import wait_for
 from wire import RawPeer
 
 # `variable` computes about 1.7 us a step (measured here): 12,000 steps are a batch of ~20 ms, 60,000 one of
 # ~100 ms.
 VARIABLE = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
 STEPS_20_MS, STEPS_100_MS = 12_000, 60_000
+BLOCK_STEPS = 1_500_000  # ~2.5 s: long enough to be killed in
 
 
 def steps(count: int, samples: int = 1) -> np.ndarray:
@@ -21,18 +28,23 @@ def batches_computed(daemon) -> int:
 
 
 def test_a_request_its_batch_cannot_finish_in_time_for_is_answered_timeout_and_not_computed(start_daemon):
-    # One executor, one sample a batch, ~100 ms a batch. C (600 ms) is admitted with time enough: two
-    # batches are ahead of it. Four urgent requests come after it and go first, so C is sent after five
+    # One executor, one sample a batch, ~100 ms a batch. C (six batches' time) is admitted with time enough:
+    # two batches are ahead of it. Four urgent requests come after it and go first, so C is sent after five
     # batches, to follow a sixth, and would end at ~700 ms: C is answered then, and never computed.
     daemon = start_daemon({"variable": {**VARIABLE, "max_batch_size": 1}}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
-        for i in range(5):  # the compute time is learned
+        computes_ms = []
+        for i in range(5):  # the compute time is learned, by the daemon and by the test
             peer.send(i, "variable", [steps(STEPS_100_MS)], timeout_ms=5_000)
-            assert peer.recv()[0]["status"] == "ok"
+            header, _ = peer.recv()
+            assert header["status"] == "ok"
+            computes_ms.append(header["timing_us"]["compute"] / 1000)
+        batch_ms = sorted(computes_ms)[2]
         before = batches_computed(daemon)
         for i in (10, 11):
             peer.send(i, "variable", [steps(STEPS_100_MS)], timeout_ms=5_000, priority=1)
-        peer.send(20, "variable", [steps(STEPS_100_MS)], timeout_ms=600, priority=1)
+        # Sent after five batches, done after seven: a deadline after six lies a batch from either.
+        peer.send(20, "variable", [steps(STEPS_100_MS)], timeout_ms=int(6 * batch_ms), priority=1)
         for i in range(30, 34):
             peer.send(i, "variable", [steps(STEPS_100_MS)], timeout_ms=5_000, priority=0)
         replies = {header["id"]: header for header, _ in (peer.recv() for _ in range(7))}
@@ -72,3 +84,75 @@ def test_under_a_flood_with_short_deadlines_no_ok_leaves_after_its_deadline(star
     assert ok and {r["status"] for r in replies} <= {"ok", "timeout", "overloaded"}
     late = [r["timing_us"]["total"] for r in ok if r["timing_us"]["total"] > timeout_ms * 1000]
     assert not late, f"{len(late)} ok replies left after their deadline: {late} us"
+
+
+def kill_worker_in_a_batch(daemon, restarts: int) -> None:
+    """SIGKILL the only worker once it is computing (after `restarts` restarts), and wait for its replacement
+    to be started."""
+    worker = wait_for(lambda: (w := daemon.status()["workers"][0])["state"] == "ready"
+                      and w["restarts"] == restarts and w["executors_busy"] and w, timeout=60,
+                      what=f"the worker busy after {restarts} restart(s)")
+    os.kill(worker["pid"], signal.SIGKILL)
+    wait_for(lambda: daemon.status()["workers"][0]["restarts"] == restarts + 1, what="the worker's death seen")
+
+
+def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_return(start_daemon):
+    daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
+    arrays = [np.array([[STEPS_100_MS, i]], dtype=np.float32) for i in range(24)]
+    with RawPeer(daemon.endpoint) as peer:
+        for i, x in enumerate(arrays[:16]):
+            peer.send(i, "variable", [x], timeout_ms=30_000)
+        kill_worker_in_a_batch(daemon, 0)
+        # While it restarts: these wait for it rather than being turned away.
+        for i, x in enumerate(arrays[16:], 16):
+            peer.send(i, "variable", [x], timeout_ms=30_000)
+        replies = {}
+        for _ in arrays:
+            header, outputs = peer.recv(timeout=60)
+            replies[header["id"]] = (header, outputs)
+        assert peer.nothing_more()
+    assert sorted(replies) == list(range(len(arrays))), "each request answered exactly once"
+    for i, (header, outputs) in replies.items():
+        assert header["status"] == "ok", header
+        np.testing.assert_array_equal(outputs[0], arrays[i])  # variable returns its input
+    assert "lost (worker0 died" in daemon.log() and "its requests are computed again" in daemon.log()
+
+
+def test_a_request_that_cannot_wait_for_the_return_is_unavailable_saying_when_it_is_expected(start_daemon):
+    daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(0, "variable", [steps(BLOCK_STEPS)], timeout_ms=30_000)
+        kill_worker_in_a_batch(daemon, 0)
+        peer.send(1, "variable", [steps(10)], timeout_ms=1)
+        header, _ = peer.recv()
+        assert header["id"] == 1 and header["status"] == "unavailable", header
+        assert re.search(r"no worker serves variable v1 now, and none will before the request's deadline: worker0 "
+                         r"is expected back in [0-9.]+ s \(its restart's wait, then its last start's [0-9.]+ s\)",
+                         header["error"]), header
+        header, _ = peer.recv(timeout=60)
+        assert header["id"] == 0 and header["status"] == "ok", "the lost batch was computed again"
+
+
+def test_a_batch_that_kills_two_workers_is_answered_internal_and_never_tried_a_third_time(start_daemon):
+    daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("poison", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        kill_worker_in_a_batch(daemon, 0)
+        kill_worker_in_a_batch(daemon, 1)
+        header, _ = peer.recv(timeout=60)
+        assert header["id"] == "poison" and header["status"] == "internal", header
+        assert header["error"].startswith("its batch killed two workers (worker0, worker0); it is not tried a third "
+                                          "time: worker0 died"), header
+        peer.send("after", "variable", [steps(10)], timeout_ms=30_000)
+        assert peer.recv(timeout=60)[0]["status"] == "ok"
+    assert "killed a second worker" in daemon.log() and "requests poison are answered internal" in daemon.log()
+    assert daemon.status()["workers"][0]["restarts"] == 2
+
+
+def test_a_model_that_is_not_pure_turns_the_retry_off(start_daemon):
+    daemon = start_daemon({"variable": {**VARIABLE, "retry_lost_batches": False}}, workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(0, "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        kill_worker_in_a_batch(daemon, 0)
+        header, _ = peer.recv(timeout=60)
+    assert header["status"] == "internal" and "worker0 died" in header["error"], header

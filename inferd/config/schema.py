@@ -323,6 +323,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc('"fp32", "fp16" or "bf16" (GPU only): the model is converted when it loads, floating inputs are cast '
              "on the device, floating outputs come back as float32."),
     ] = "fp32"
+    retry_lost_batches: Annotated[
+        bool,
+        _doc("A batch lost with its worker (a crash, a hang) is computed again, once, on another executor: "
+             "inference is a pure function of its inputs. false for a model that is not (its requests are "
+             "answered `internal`).", live=True),
+    ] = True
     canary_guard: Annotated[
         CanaryGuard | None,
         _doc("With this table every canary of the model started from now on is guarded, as with `inferctl reload "

@@ -37,7 +37,7 @@ from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.regions import RegionSlice
-from inferd.supervisor.replies import Replies
+from inferd.supervisor.replies import CANCELLED_ERROR, Replies
 from inferd.supervisor.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare
 from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
@@ -403,9 +403,14 @@ class Dispatcher:
                 still.append((worker, slot, trackers))
         self.sending = still
 
-    def fail_worker(self, worker: WorkerHandle, reason: str, status: str = protocol.INTERNAL) -> None:
-        """Answer every batch in flight on `worker` with `status` and take its slots back."""
+    def fail_worker(self, worker: WorkerHandle, reason: str, status: str = protocol.INTERNAL,
+                    retry: bool = False) -> list[QueuedRequest]:
+        """Take back the slots of every batch in flight on `worker` and answer its requests with `status`;
+        with `retry` (the worker died while the daemon serves), return instead the requests to compute
+        again: those of a model with retry_lost_batches whose batch had not been lost before. A request
+        lost with a second worker is answered `internal`: it is not tried a third time."""
         now = time.monotonic()
+        again: list[QueuedRequest] = []
         for batch in [b for b in self.inflight.values() if b.executor.worker is worker]:
             del self.inflight[batch.id]
             self.workers.batch_returned(batch.executor, len(batch.requests), False, now)
@@ -415,7 +420,29 @@ class Dispatcher:
                 series = self.stats.shadow_series(batch.model, batch.version)
                 series.dropped["worker lost"] += len(batch.shadow_job.samples)
                 continue
-            self.replies.failed(batch, reason, status)
+            model = self.config.models.get(batch.model)
+            if not retry or model is None or not model.retry_lost_batches:
+                self.replies.failed(batch, reason, status)
+                continue
+            twice = []
+            for request in batch.requests:
+                request.lost_with = (*request.lost_with, f"worker{worker.index}")
+                if request.cancelled:
+                    self.replies.error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
+                elif len(request.lost_with) > 1:
+                    twice.append(request)
+                else:
+                    again.append(request)
+            if len(twice) < len(batch.requests):
+                log.warning("%s lost (%s); its requests are computed again", batch.describe(), reason)
+            if twice:
+                log.error("%s killed a second worker (%s): requests %s are answered internal", batch.describe(),
+                          reason, ", ".join(str(r.header.id) for r in twice))
+            for request in twice:
+                self.replies.error(request, protocol.INTERNAL, (
+                    f"its batch killed two workers ({', '.join(request.lost_with)}); it is not tried a third time: "
+                    f"{reason}"), batch.version)
+        return again
 
     def cancel_running(self, client: Hashable, request_id: protocol.RequestId) -> bool:
         """Mark `client`'s request `request_id` cancelled if its batch runs: its result will be dropped

@@ -124,6 +124,10 @@ class Frontend:
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
+        # While they are unserved, when a worker is expected to be ready again (None: none can come), and why.
+        self.back_at: float | None = None
+        self.back_why = ""
+        self.any_ready = False
         self._admitted: set[str] = set()  # models that took requests since note_queue_depths
         self._cancel_running = cancel_running
         self._context = context
@@ -195,20 +199,28 @@ class Frontend:
         self.sockets, self._internal_paths = [], []
 
     def admit(self, state: DaemonState, workers: WorkerTable) -> None:
-        """Decide what is admitted from now on: nothing while the daemon starts or stops, or while no
-        worker is ready; and no request for a model whose live version no ready worker has."""
+        """Decide what is admitted from now on: nothing while the daemon starts or stops. A model whose
+        live version no ready worker has (they are restarting) takes requests that can wait for the first
+        worker expected back: a restart's backoff, then as long as that worker's last start took."""
         if state == DaemonState.STARTING:
             self.refusal = "the daemon is starting"
         elif state in (DaemonState.DRAINING, DaemonState.STOPPING):
             self.refusal = "the daemon is shutting down"
-        elif not any(w.state == WorkerState.READY for w in workers.workers):
-            self.refusal = "no worker is ready; they are restarting"
         else:
             self.refusal = None
         self.unserved = {
             name for name, version in self.live.items()
             if not any(w.serves(name, version) for w in workers.workers)
         }
+        now = time.monotonic()
+        coming = [(back, w) for w in workers.workers if w.state != WorkerState.READY
+                  and (back := w.expected_back(now)) is not None]
+        self.back_at, self.back_why = None, ""
+        self.any_ready = any(w.state == WorkerState.READY for w in workers.workers)
+        if coming:
+            self.back_at, worker = min(coming, key=lambda c: c[0])
+            self.back_why = (f"worker{worker.index} is expected back in {max(0.0, self.back_at - now):.1f} s "
+                             f"(its restart's wait, then its last start's {worker.boot_s:.1f} s)")
 
     def on_readable(self, socket: zmq.Socket) -> None:
         """Read what is waiting on `socket` (up to a burst) and admit or answer each request."""
@@ -279,11 +291,16 @@ class Frontend:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.replies.refuse(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
             return
-        if self.refusal is not None or name in self.unserved:
-            refusal = self.refusal or f"no worker has {name} {self.live.get(name)} loaded yet"
+        timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
+        if self.refusal is not None or (name in self.unserved and (self.back_at is None
+                                                                   or now + timeout < self.back_at)):
+            refusal = self.refusal or (
+                f"no worker serves {name} {self.live.get(name)} now, and none will before the request's deadline: "
+                f"{self.back_why}" if self.back_at is not None else
+                f"no worker has {name} {self.live.get(name)} loaded yet" if self.any_ready else
+                f"no worker serves {name} {self.live.get(name)}, and none is coming back: every worker was given up")
             self.replies.refuse(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority)
             return
-        timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
         client = reply_to.connection
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,
                                priority, places=places)

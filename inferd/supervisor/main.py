@@ -288,7 +288,9 @@ class Supervisor(Parts):
             child.reaped(now, self.config.workers.max_restarts)
         elif isinstance(child, WorkerHandle):
             reason = self.workers.reap(child, now, retry=self.state == DaemonState.SERVING)
-            self.dispatcher.fail_worker(child, f"worker{child.index} died ({reason}) while running the batch")
+            lost = self.dispatcher.fail_worker(child, f"worker{child.index} died ({reason}) while running the batch",
+                                               retry=self.state == DaemonState.SERVING)
+            self.queue.put_back(lost)  # computed again as soon as an executor is free
             self.reloads.on_worker_exit(child)
             self._worker_changed()
         self._check_stopped()

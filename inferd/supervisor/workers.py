@@ -98,6 +98,7 @@ class WorkerHandle(ChildProcess):
     reserved: int = 0  # GPU allocator's reserved bytes
     memory_baseline: int | None = None  # `memory` after warm-up; None until a batch sets it
     leak_warned: bool = False
+    boot_s: float = 0.0  # what its last start took, spawn to ready (0 before the first)
 
     @property
     def memory_growth(self) -> int:
@@ -117,6 +118,19 @@ class WorkerHandle(ChildProcess):
     def serves(self, model: str, version: str) -> bool:
         """True when this worker is ready and has `version` of `model` loaded and warmed."""
         return self.state == WorkerState.READY and (model, version) in self.loaded
+
+    def expected_back(self, now: float) -> float | None:
+        """When it is expected to be ready (monotonic): a restart's backoff, then as long as its last start
+        took; None when it will not be (given up, or stopping)."""
+        if self.state == WorkerState.READY:
+            return now
+        if self.state == WorkerState.DEAD:
+            return max(now, self.respawn_at) + self.boot_s
+        if self.state == WorkerState.BOOTING:
+            return max(now, self.started + self.boot_s)
+        if self.state == WorkerState.REPLACING:  # killed once its batches are back, then started again at once
+            return now + self.boot_s
+        return None
 
 
 class WorkerTable:
@@ -343,7 +357,9 @@ class WorkerTable:
                     self.cannot_serve(worker, problem)
                     return None
             worker.state = WorkerState.READY
-            log.info("worker%d ready on %s (pid %d)", worker.index, worker.device, message.pid)
+            worker.boot_s = time.monotonic() - worker.started
+            log.info("worker%d ready on %s (pid %d) in %.1f s", worker.index, worker.device, message.pid,
+                     worker.boot_s)
             return worker
         if isinstance(message, messages.BootFailed):
             worker.last_error = message.error
