@@ -34,7 +34,7 @@ def http_request(model: str, data: np.ndarray) -> bytes:
                     "parameters": {"binary_data_size": len(raw)}}],
         "outputs": [{"name": "OUTPUT__0", "parameters": {"binary_data": True}}],
     }).encode()
-    return (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: bench\r\nContent-Type: application/octet-stream\r\n"
+    return (f"POST /v2/models/{model}/infer HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/octet-stream\r\n"
             f"Inference-Header-Content-Length: {len(header)}\r\nContent-Length: {len(header) + len(raw)}\r\n\r\n"
             ).encode() + header + raw
 

@@ -9,6 +9,7 @@ import re
 import signal
 
 import numpy as np
+import psutil
 from conftest import wait_for
 from wire import RawPeer
 
@@ -156,3 +157,42 @@ def test_a_model_that_is_not_pure_turns_the_retry_off(start_daemon):
         kill_worker_in_a_batch(daemon, 0)
         header, _ = peer.recv(timeout=60)
     assert header["status"] == "internal" and "worker0 died" in header["error"], header
+
+
+def test_a_worker_that_wedges_while_idle_is_found_by_a_ping_and_replaced(start_daemon):
+    daemon = start_daemon({"variable": VARIABLE}, workers={"batch_timeout_s": 1})
+    # Idle and well, it answers the pings (and is left alone).
+    wait_for(lambda: daemon.status()["workers"][0]["ping_ms"] is not None, what="a ping answered")
+    old = daemon.status()["workers"][0]
+    os.kill(old["pid"], signal.SIGSTOP)  # wedged: its main thread answers nothing
+    wait_for(lambda: (w := daemon.status()["workers"][0])["restarts"] == 1 and w["state"] == "ready",
+             timeout=60, what="the wedged worker replaced")
+    assert "worker0 did not answer a ping within 1 s while idle (workers.batch_timeout_s)" in daemon.log()
+    assert old["restarts"] == 0, "a worker that answers is not aborted"
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "variable", [steps(10)], timeout_ms=10_000)
+        assert peer.recv()[0]["status"] == "ok"
+
+
+def test_reloads_and_sighups_leak_no_descriptors_or_threads(reload_daemon):
+    daemon = reload_daemon()
+
+    def counts() -> dict[str, tuple[int, int]]:
+        status = daemon.status()
+        pids = {"supervisor": status["pid"], **{f"worker{w['worker']}": w["pid"] for w in status["workers"]}}
+        return {name: (psutil.Process(pid).num_fds(), psutil.Process(pid).num_threads()) for name, pid in pids.items()}
+
+    def cycle(times: int) -> None:
+        for index in range(times):
+            assert daemon.call("reload", timeout=60, version=("v2", "v1")[index % 2])["version"]
+            daemon.signal(signal.SIGHUP)
+            wait_for(lambda n=index: daemon.log().count("SIGHUP: applied") > handled + n, what="the SIGHUP handled")
+
+    handled = daemon.log().count("SIGHUP: applied")
+    cycle(2)  # whatever is made once, on first use, is made now
+    handled = daemon.log().count("SIGHUP: applied")
+    before = counts()
+    cycle(20)
+    after = wait_for(lambda: (now := counts()) == before and now, timeout=30,
+                     what=f"descriptors and threads back to {before} (now {counts()})")
+    assert after == before

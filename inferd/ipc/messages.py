@@ -168,9 +168,21 @@ class Trimmed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     reserved: int
 
 
+class Ping(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Answer at once with Pong(`sent`): an idle worker shows it is alive (its main thread answers)."""
+
+    sent: float
+
+
+class Pong(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The answer to Ping(`sent`)."""
+
+    sent: float
+
+
 Message = (
     Hello | Ready | BootFailed | RunBatch | BatchDone | BatchFailed | Shutdown
-    | LoadVersion | VersionLoaded | VersionFailed | UnloadVersion | SetLogLevel | TrimMemory | Trimmed
+    | LoadVersion | VersionLoaded | VersionFailed | UnloadVersion | SetLogLevel | TrimMemory | Trimmed | Ping | Pong
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -2,7 +2,9 @@
 
 Liveness means progress: a batch past workers.batch_timeout_s, a boot past
 workers.start_timeout_s, a load past workers.load_timeout_s, a stop past
-STOP_TIMEOUT_S. A worker hung in a batch gets SIGABRT (its Python stacks go to
+STOP_TIMEOUT_S, and an idle worker's main thread answering a Ping within
+workers.batch_timeout_s (at least PING_MIN_S): one that wedges between batches
+is found before a batch waits on it. A worker hung in a batch gets SIGABRT (its Python stacks go to
 the log), then SIGKILL; one hung in a load is taken out of service and killed
 once its running batches are back. Its death then goes the usual way (reap,
 answer what it held, respawn), so nothing here answers a request itself.
@@ -12,14 +14,16 @@ from __future__ import annotations
 
 import logging
 
+from inferd.ipc import messages
 from inferd.supervisor.children import STOP_TIMEOUT_S
 from inferd.supervisor.dispatch import Batch, Dispatcher
 from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.workers import ABORT_GRACE_S, WorkerState, WorkerTable
+from inferd.supervisor.workers import ABORT_GRACE_S, WorkerHandle, WorkerState, WorkerTable
 
 log = logging.getLogger("inferd.liveness")
 
 IDLE_CHECK_S = 0.5
+PING_MIN_S = 1.0  # a ping's answer may take this long however short workers.batch_timeout_s is
 
 
 class Liveness:
@@ -58,6 +62,23 @@ class Liveness:
                 worker.kill()
             elif worker.state == WorkerState.REPLACING and not worker.inflight:
                 worker.kill()
+            elif worker.state == WorkerState.READY:
+                self._ping(worker, now, config.batch_timeout_s)
+
+    def _ping(self, worker: WorkerHandle, now: float, limit: float) -> None:
+        """Ping an idle worker every half `limit`; abort one that leaves a Ping unanswered past `limit`. A worker
+        that runs a batch (the batch timeout watches it) or loads a version (in its main thread) is not judged.
+        An aborted one is asked again each check, which kills it once the abort's grace has passed."""
+        if worker.inflight or worker.loading:
+            worker.ping_sent = None
+            return
+        if worker.ping_sent is not None:
+            if now - worker.ping_sent > max(limit, PING_MIN_S):
+                self.workers.abort_hung(worker, f"worker{worker.index} did not answer a ping within "
+                                                f"{max(limit, PING_MIN_S):g} s while idle (workers.batch_timeout_s)",
+                                        now)
+        elif now - worker.pinged_at >= limit / 2 and self.workers.send_control(worker, messages.Ping(now)):
+            worker.ping_sent = worker.pinged_at = now
 
     def next_check_in(self, now: float) -> float:
         """Seconds until a running batch needs a look: when it would count as hung, or when its hung

@@ -131,6 +131,7 @@ def worker_summary(w: WorkerHandle) -> dict[str, Any]:
         "batches_in_flight": w.inflight,
         "requests_in_flight": w.requests_in_flight,
         "batches": w.batches,
+        "ping_ms": None if w.ping_ms is None else round(w.ping_ms, 3),
     }
 
 

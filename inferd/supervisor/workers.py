@@ -99,6 +99,9 @@ class WorkerHandle(ChildProcess):
     memory_baseline: int | None = None  # `memory` after warm-up; None until a batch sets it
     leak_warned: bool = False
     boot_s: float = 0.0  # what its last start took, spawn to ready (0 before the first)
+    ping_sent: float | None = None  # when the Ping not answered yet was sent (monotonic)
+    pinged_at: float = 0.0  # when the last Ping was answered, or sent
+    ping_ms: float | None = None  # the last Ping's round trip
 
     @property
     def memory_growth(self) -> int:
@@ -204,6 +207,7 @@ class WorkerTable:
         worker.loading = {}
         worker.memory_baseline = None
         worker.leak_warned = False
+        worker.ping_sent, worker.pinged_at, worker.ping_ms = None, 0.0, None
         worker.executors = [ExecutorHandle(worker, k) for k in range(self.config.workers.streams)]
         log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device, pid)
 
@@ -364,6 +368,10 @@ class WorkerTable:
         if isinstance(message, messages.BootFailed):
             worker.last_error = message.error
             log.error("worker%d failed to boot: %s", worker.index, message.error)
+        elif isinstance(message, messages.Pong):
+            if message.sent == worker.ping_sent:  # an answer to a Ping forgotten since is no news
+                worker.ping_sent, worker.pinged_at = None, time.monotonic()
+                worker.ping_ms = (worker.pinged_at - message.sent) * 1000
         elif isinstance(message, messages.Trimmed):
             worker.memory, worker.reserved = message.memory, message.reserved
         return None

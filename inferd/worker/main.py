@@ -210,6 +210,8 @@ def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) ->
             if isinstance(reply, messages.VersionFailed):
                 runner.release_memory()  # only now is the failed version's traceback gone
             control.send(messages.encode(reply))
+        elif isinstance(message, messages.Ping):
+            control.send(messages.encode(messages.Pong(message.sent)))
         elif isinstance(message, messages.UnloadVersion):
             runner.unload(message.model, message.version)
         elif isinstance(message, messages.SetLogLevel):
