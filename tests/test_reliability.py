@@ -7,11 +7,17 @@ from __future__ import annotations
 import os
 import re
 import signal
+import uuid
 
 import numpy as np
 import psutil
+import pytest
 from conftest import wait_for
 from wire import RawPeer
+
+from inferd import protocol
+from inferd.protocol import OutputPlace, TensorMeta
+from inferd.shm_names import SHM_DIR
 
 # `variable` computes about 1.7 us a step (measured here): 12,000 steps are a batch of ~20 ms, 60,000 one of
 # ~100 ms.
@@ -196,3 +202,88 @@ def test_reloads_and_sighups_leak_no_descriptors_or_threads(reload_daemon):
     after = wait_for(lambda: (now := counts()) == before and now, timeout=30,
                      what=f"descriptors and threads back to {before} (now {counts()})")
     assert after == before
+
+
+# -- from the anchors' security advisories ------------------------------------------------------------
+
+ONE_BY_ONE = {**VARIABLE, "max_batch_size": 1}
+
+
+@pytest.mark.parametrize("change", ["unregistered", "truncated", "both"])
+def test_a_region_changed_under_waiting_requests_fails_only_them_once_each(start_daemon, tmp_path, change):
+    # Triton's CVE-2024-0116: a region unregistered or cut short while requests that read it or write
+    # into it wait. One executor is busy; behind it one batch is stacked and the rest queue.
+    daemon = start_daemon({"variable": ONE_BY_ONE}, workers={"streams": 1},
+                          server={"allow_client_shm": True, "client_shm_prefix": "inferd-client-"})
+    path = SHM_DIR / f"inferd-client-{uuid.uuid4().hex[:12]}"
+    path.write_bytes(np.arange(512, dtype=np.float32).tobytes())
+    try:
+        with RawPeer(daemon.endpoint) as peer:
+            peer.send_frames([protocol.encode_op(protocol.RegisterRegion(id="reg", name="r", key=path.name,
+                                                                         byte_size=2048))])
+            assert peer.recv()[0]["status"] == "ok"
+            peer.send("blocker", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+            wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+            sent = {}
+            for index in range(6):
+                name = f"in-{index}"
+                peer.send_frames(protocol.encode_request(name, "variable", [TensorMeta("float32", (1, 2), "r",
+                                                                                        8 * index)]))
+                sent[name] = "input"
+                name = f"out-{index}"
+                peer.send_frames(protocol.encode_request(name, "variable", [steps(10)],
+                                                         outputs=(OutputPlace("r", 1024 + 8 * index),)))
+                sent[name] = "output"
+            wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] >= 10, what="the requests queued")
+            if change in ("unregistered", "both"):
+                peer.send_frames([protocol.encode_op(protocol.UnregisterRegion(id="unreg", name="r"))])
+            if change in ("truncated", "both"):
+                os.truncate(path, 4)
+            replies = {}
+            for _ in range(len(sent) + 1 + (change != "truncated")):
+                header, _ = peer.recv(timeout=60)
+                replies[header["id"]] = header
+            assert peer.nothing_more(), "one reply each"
+        assert replies["blocker"]["status"] == "ok"
+        assert set(replies) >= set(sent), "every request answered"
+        for name in sent:
+            status, error = replies[name]["status"], replies[name].get("error", "")
+            # Stacked before the change, a request may have been read (or will write) in time; else refused.
+            assert status in ("ok", "invalid"), replies[name]
+            if status == "invalid":
+                assert "region 'r'" in error, error
+        assert any(replies[name]["status"] == "invalid" for name in sent), "the change was seen"
+        assert daemon.status()["workers"][0]["restarts"] == 0 and daemon.status()["state"] == "serving"
+        with RawPeer(daemon.endpoint) as peer:
+            peer.send("after", "variable", [steps(10)], timeout_ms=10_000)
+            assert peer.recv()[0]["status"] == "ok"
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_a_cancel_in_every_state_of_a_request_gets_each_exactly_one_reply(start_daemon):
+    # Triton's CVE-2025-23322: a cancel of a request that is running, stacked behind it, queued, or
+    # already answered.
+    daemon = start_daemon({"variable": ONE_BY_ONE}, workers={"streams": 1})
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("replied", "variable", [steps(10)], timeout_ms=10_000)
+        assert peer.recv()[0]["status"] == "ok"
+        peer.send("running", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+        peer.send("stacked", "variable", [steps(10)], timeout_ms=60_000)
+        peer.send("queued", "variable", [steps(10)], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="one request queued")
+        for name in ("replied", "queued", "stacked", "running", "running", "never-sent"):
+            peer.send_frames([protocol.encode_op(protocol.Cancel(id=name))])
+        replies = {}
+        for _ in range(3):
+            header, _ = peer.recv(timeout=60)
+            assert header["id"] not in replies, f"{header['id']} answered twice"
+            replies[header["id"]] = header
+        assert peer.nothing_more(), "a cancel has no reply, and nothing is answered twice"
+    assert {name: r["status"] for name, r in replies.items()} == {
+        "queued": "cancelled", "stacked": "cancelled", "running": "cancelled"}, replies
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("after", "variable", [steps(10)], timeout_ms=10_000)
+        assert peer.recv()[0]["status"] == "ok"
+    assert daemon.status()["workers"][0]["restarts"] == 0
