@@ -286,3 +286,22 @@ def test_a_cancel_in_every_state_of_a_request_gets_each_exactly_one_reply(start_
         peer.send("after", "variable", [steps(10)], timeout_ms=10_000)
         assert peer.recv()[0]["status"] == "ok"
     assert daemon.status()["workers"][0]["restarts"] == 0
+
+
+def test_when_the_last_worker_is_given_up_waiting_requests_are_answered_unavailable(start_daemon):
+    daemon = start_daemon({"variable": ONE_BY_ONE}, workers={"streams": 1, "max_restarts": 0})
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("running", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+        for name in ("stacked", "queued"):
+            peer.send(name, "variable", [steps(10)], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="one request queued")
+        os.kill(daemon.status()["workers"][0]["pid"], signal.SIGKILL)
+        replies = {header["id"]: header for header, _ in (peer.recv(timeout=30) for _ in range(3))}
+        peer.send("later", "variable", [steps(10)], timeout_ms=60_000)
+        later = peer.recv(timeout=30)[0]
+    assert {name: r["status"] for name, r in replies.items()} == dict.fromkeys(("running", "stacked", "queued"),
+                                                                               "unavailable"), replies
+    assert all("every worker was given up" in r["error"] for r in replies.values())
+    assert later["status"] == "unavailable" and "none is coming back: every worker was given up" in later["error"]
+    assert daemon.status()["workers"][0]["state"] == "failed"

@@ -291,6 +291,10 @@ class Supervisor(Parts):
             lost = self.dispatcher.fail_worker(child, f"worker{child.index} died ({reason}) while running the batch",
                                                retry=self.state == DaemonState.SERVING)
             self.queue.put_back(lost)  # computed again as soon as an executor is free
+            if self.state == DaemonState.SERVING and all(w.state == WorkerState.FAILED for w in self.workers.workers):
+                for request in self.queue.drain():  # no worker can come back to compute them
+                    self.replies.error(request, protocol.UNAVAILABLE, "every worker was given up; nothing can "
+                                       "compute the request (see inferctl status)")
             self.reloads.on_worker_exit(child)
             self._worker_changed()
         self._check_stopped()
