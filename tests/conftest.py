@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import models
+from gates import Gate
 from wire import ScriptedServer
 
 from inferd import paths
@@ -40,6 +41,12 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "t
             return result
         assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
         time.sleep(every)
+
+
+def until(moment: float) -> None:
+    """Wait until the monotonic clock reads `moment`: for a deadline the test set to come near, or pass."""
+    wait_for(lambda: time.monotonic() >= moment, timeout=max(0.0, moment - time.monotonic()) + 5,
+             what="the moment", every=0.005)
 
 
 # The files that take longest (seconds of test time each, measured with --durations=0), run first: xdist
@@ -203,12 +210,26 @@ RELOAD_MLP = {**MLP, "version": "v1"}  # the reload repository's mlp, pinned to 
 NAMED_PAIR = {"inputs": [{"dtype": "float32", "shape": [3, 4], "name": "a"},
                          {"dtype": "int64", "shape": [2], "name": "b"}],
               "outputs": [{"name": "scaled"}, {"name": "doubled"}], "max_batch_size": 8}
-# `variable` with one sample at a time: BLOCKER keeps its one executor busy for ~3 s.
+# `variable` with one sample at a time, so that a batch held at a gate holds no other request.
 ONE_AT_A_TIME = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
-BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
 FAILING = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
 BF16 = {"inputs": [{"dtype": "bfloat16", "shape": [models.BF16_FEATURES]}], "max_batch_size": 8,
         "warmup_batch_sizes": [1, 8]}
+
+
+@pytest.fixture
+def gates(repo: Path) -> Iterator[Callable[[], Gate]]:
+    """Make gates at which batches of `variable` wait until the test opens them (tests/gates.py); those
+    the test left closed are removed at its end."""
+    made: list[Gate] = []
+
+    def make() -> Gate:
+        made.append(Gate(repo / models.GATES))
+        return made[-1]
+
+    yield make
+    for gate in made:
+        gate.close()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import torch
 MLP_IN, MLP_OUT = 16, 4
 SLOW_FEATURES = 64
 BF16_FEATURES = 8
+GATES = "gates"  # the repository's folder of gates for `variable` (tests/gates.py)
 
 
 class Mlp(torch.nn.Module):
@@ -154,7 +155,8 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["sleepy/v1"] = save_script(lambda: Sleepy(1_000), root, "sleepy", "v1", 8)  # ~5 ms a batch
     files["stuck/v1"] = save_script(lambda: Sleepy(150_000), root, "stuck", "v1", 9)  # ~0.7 s a batch
     files["leaky/v1"] = save_script(lambda: Leaky(150), root, "leaky", "v1", 10)
-    files["variable/v1"] = save_script(Variable, root, "variable", "v1", 11)
+    (root / GATES).mkdir()
+    files["variable/v1"] = save_script(lambda: Variable(str(root / GATES)), root, "variable", "v1", 11)
     files["bigtemp/v1"] = save_script(BigTemporary, root, "bigtemp", "v1", 12)
     files["bf16/v1"] = save_script(lambda: Bfloat16Mix(1_000), root, "bf16", "v1", 15)  # ~5 ms a batch
     return files
@@ -281,11 +283,21 @@ class Leaky(torch.nn.Module):
 
 
 class Variable(torch.nn.Module):
-    """float32 [2] -> [2]; the first value of the batch says how many tiny steps it computes."""
+    """float32 [2] -> [2], returning its input; the first value of the batch says how many tiny steps it
+    computes, or, negative (-n), which gate it waits at: it saves its batch to the file `n` of the folder
+    `gates`, which where a test made that file a named pipe waits, taking no CPU, until the test opens it
+    (tests/gates.py)."""
+
+    def __init__(self, gates: str) -> None:
+        super().__init__()
+        self.gates = gates
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = int(x[0, 0].item())
+        if first < 0:
+            torch.save(x, self.gates + "/" + str(-first))
         acc = torch.zeros(1)
-        for _ in range(int(x[0, 0].item())):
+        for _ in range(first):
             acc = acc + 1.0
         return x + acc * 0.0
 

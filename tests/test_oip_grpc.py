@@ -24,7 +24,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
-from conftest import BLOCKER, MLP, NAMED_PAIR, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import MLP, NAMED_PAIR, ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
@@ -241,13 +241,14 @@ def grpc_daemon(start_daemon, **sections) -> Daemon:
     return start_daemon({"variable": ONE_AT_A_TIME}, server=server, workers={"streams": 1}, **sections)
 
 
-def test_deadline_overloaded_and_draining_have_their_status(start_daemon):
+def test_deadline_overloaded_and_draining_have_their_status(start_daemon, gates):
     daemon = grpc_daemon(start_daemon, queue={"max_size": 1})
     small = grpcclient.InferInput("INPUT__0", [1, 2], "FP32")
     small.set_data_from_numpy(np.ones((1, 2), dtype=np.float32))
     late: queue.Queue = queue.Queue()
     with RawPeer(daemon.endpoint) as peer:
-        peer.send("blocker", "variable", [BLOCKER], timeout_ms=30_000)
+        gate = gates()
+        peer.send("blocker", "variable", [gate.input], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
         # 100 ms: it waits behind the blocker, in the executor's pipeline, and cannot be met.
         client(daemon).async_infer("variable", [small], lambda result, error: late.put(error), timeout=100_000)
@@ -258,13 +259,16 @@ def test_deadline_overloaded_and_draining_have_their_status(start_daemon):
         assert got == "StatusCode.RESOURCE_EXHAUSTED" and "queue is full" in text
         error = late.get(timeout=30)
         assert error.status() == "StatusCode.DEADLINE_EXCEEDED" and "deadline" in error.message()
+        gate.open()
         assert [peer.recv()[0]["status"] for _ in range(2)] == ["ok"] * 2
-        peer.send("blocker2", "variable", [BLOCKER], timeout_ms=30_000)
+        gate = gates()
+        peer.send("blocker2", "variable", [gate.input], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy again")
         daemon.signal(signal.SIGTERM)
         wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
         got, text = infer_error(daemon, "variable", [small])
         assert got == "StatusCode.UNAVAILABLE" and "shutting down" in text
+        gate.open()
         assert peer.recv()[0]["status"] == "ok", "what was running finishes"
     assert daemon.wait(30) == 0
 

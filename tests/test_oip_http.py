@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
-from conftest import BLOCKER, MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -218,11 +218,12 @@ def test_the_asyncio_client_and_zeromq_clients_are_batched_together(oip, repo):
 SMALL = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()
 
 
-def test_overloaded_is_429_with_retry_after(start_daemon):
+def test_overloaded_is_429_with_retry_after(start_daemon, gates):
     daemon = start_daemon({"variable": ONE_AT_A_TIME}, server={"http": f"127.0.0.1:{free_port()}"},
                           queue={"max_size": 1}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
-        peer.send("blocker", "variable", [BLOCKER], timeout_ms=30_000)
+        gate = gates()
+        peer.send("blocker", "variable", [gate.input], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
         peer.send(0, "variable", [np.ones((1, 2), dtype=np.float32)], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="the executor's pipeline full")
@@ -233,25 +234,30 @@ def test_overloaded_is_429_with_retry_after(start_daemon):
             urllib.request.urlopen(request, timeout=20)
         assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
         assert "queue is full" in json.loads(refused.value.read())["error"]
+        gate.open()
         assert [peer.recv()[0]["status"] for _ in range(3)] == ["ok"] * 3
 
 
-def test_a_deadline_that_passes_is_504_and_a_draining_daemon_answers_503(start_daemon):
+def test_a_deadline_that_passes_is_504_and_a_draining_daemon_answers_503(start_daemon, gates):
     daemon = start_daemon({"variable": ONE_AT_A_TIME}, server={"http": f"127.0.0.1:{free_port()}"},
                           workers={"streams": 1})
     late = json.dumps({**json.loads(SMALL), "parameters": {"timeout": 100_000}}).encode()  # 100 ms
     with RawPeer(daemon.endpoint) as peer:
-        peer.send("blocker", "variable", [BLOCKER], timeout_ms=30_000)
+        gate = gates()
+        peer.send("blocker", "variable", [gate.input], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
         status, answer = post(daemon, "/v2/models/variable/infer", late)
         assert status == 504 and "deadline" in answer["error"], answer
+        gate.open()
         assert peer.recv()[0]["status"] == "ok"
-        peer.send("blocker2", "variable", [BLOCKER], timeout_ms=30_000)
+        gate = gates()
+        peer.send("blocker2", "variable", [gate.input], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy again")
         daemon.signal(signal.SIGTERM)
         wait_for(lambda: daemon.status()["state"] == "draining", what="the drain")
         status, answer = post(daemon, "/v2/models/variable/infer", SMALL)
         assert status == 503 and "shutting down" in answer["error"]
+        gate.open()
         assert peer.recv()[0]["status"] == "ok", "what was running finishes"
     assert daemon.wait(30) == 0
 

@@ -2,8 +2,8 @@
 queue, a client that goes away (an HTTP connection closed, a gRPC call cancelled or past its deadline)
 takes its request out of the queue, and a gRPC deadline travels as the request's own.
 
-The one executor of `variable` is kept busy by BLOCKER (1.5 to 3 s), and the batch after it by a filler in the
-executor's pipeline: what comes next waits in the queue.
+The one executor of `variable` is held by a batch waiting at a gate (tests/gates.py), and the batch after it
+by a filler in the executor's pipeline: what comes next waits in the queue until the test opens the gate.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import zmq
-from conftest import ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import ONE_AT_A_TIME, Daemon, reference, until, wait_for
+from gates import Gate
 from test_oip_grpc import client as grpc_client
 from test_oip_grpc import mlp_input as grpc_input  # INPUT__0, float32: `variable`'s input too
 from tritonclient.utils import InferenceServerException
@@ -29,9 +30,7 @@ from wire import RawPeer
 from inferd import protocol
 from inferd.harness import free_port
 
-BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes 1.5 to 3 s on this input
 FILLER = np.array([[1, 0]], dtype=np.float32)
-TENTH = 60_000  # steps of `variable` in a tenth of BLOCKER's time
 
 
 def daemon_with(start_daemon, *protocols: str, **model) -> Daemon:
@@ -39,10 +38,10 @@ def daemon_with(start_daemon, *protocols: str, **model) -> Daemon:
                         server={name: f"127.0.0.1:{free_port()}" for name in protocols}, workers={"streams": 1})
 
 
-def block(daemon: Daemon, peer: RawPeer, blocker: np.ndarray = BLOCKER) -> int:
-    """Busy the executor and fill its pipeline (over ZeroMQ); the batches computed before."""
+def block(daemon: Daemon, peer: RawPeer, gate: Gate) -> int:
+    """Hold the executor at `gate` and fill its pipeline (over ZeroMQ); the batches computed before."""
     worker = daemon.status()["workers"][0]
-    peer.send("blocker", "variable", [blocker], timeout_ms=30_000)
+    peer.send("blocker", "variable", [gate.input], timeout_ms=30_000)
     wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
     peer.send("filler", "variable", [FILLER], timeout_ms=30_000)
     wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="the executor's pipeline full")
@@ -58,8 +57,9 @@ def by_protocol(daemon: Daemon, name: str) -> dict[str, int]:
     return daemon.call("stats")["models"]["variable"]["requests_by_protocol"].get(name, {})
 
 
-def unblock(daemon: Daemon, peer: RawPeer, batches_before: int) -> None:
-    """The blocker and the filler answered; nothing else was computed, and nothing waits."""
+def unblock(daemon: Daemon, peer: RawPeer, gate: Gate, batches_before: int) -> None:
+    """Open `gate`: the blocker and the filler answered; nothing else was computed, and nothing waits."""
+    gate.open()
     assert [peer.recv(timeout=30)[0]["status"] for _ in range(2)] == ["ok", "ok"]
     worker = wait_for(lambda: (w := daemon.status()["workers"][0])["batches_in_flight"] == 0 and w,
                       what="the executor idle")
@@ -108,12 +108,13 @@ def served_like_the_model(daemon: Daemon, repo, over: str) -> None:
 # -- cancellation ------------------------------------------------------------------------------------
 
 
-def test_an_http_client_that_closes_its_connection_takes_its_request_out_of_the_queue(start_daemon, repo):
+def test_an_http_client_that_closes_its_connection_takes_its_request_out_of_the_queue(start_daemon, repo, gates):
     daemon = daemon_with(start_daemon, "http")
     host, port = daemon.config["server"]["http"].rsplit(":", 1)
     body = json_body(np.array([[5, 0]], dtype=np.float32))
     with RawPeer(daemon.endpoint) as peer:
-        before = block(daemon, peer)
+        gate = gates()
+        before = block(daemon, peer, gate)
         client = socket.create_connection((host, int(port)), timeout=10)
         client.sendall(b"POST /v2/models/variable/infer HTTP/1.1\r\nHost: localhost\r\n"
                        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
@@ -121,18 +122,19 @@ def test_an_http_client_that_closes_its_connection_takes_its_request_out_of_the_
         client.close()
         wait_for(lambda: by_protocol(daemon, "http").get("cancelled") == 1, what="the request answered cancelled")
         assert daemon.status()["models"]["variable"]["queue_depth"] == 0, "it left the queue at once"
-        unblock(daemon, peer, before)
+        unblock(daemon, peer, gate, before)
     assert by_protocol(daemon, "http") == {"cancelled": 1}
     served_like_the_model(daemon, repo, "http")
     assert by_protocol(daemon, "http") == {"cancelled": 1, "ok": 1}
     no_gateway_errors(daemon)
 
 
-def test_a_cancelled_grpc_call_takes_its_request_out_of_the_queue(start_daemon, repo):
+def test_a_cancelled_grpc_call_takes_its_request_out_of_the_queue(start_daemon, repo, gates):
     daemon = daemon_with(start_daemon, "grpc")
     errors: queue.Queue = queue.Queue()
     with RawPeer(daemon.endpoint) as peer:
-        before = block(daemon, peer)
+        gate = gates()
+        before = block(daemon, peer, gate)
         client = grpc_client(daemon)
         call = client.async_infer("variable", [grpc_input(np.array([[5, 0]], dtype=np.float32))],
                                   lambda result, error: errors.put(error))
@@ -141,17 +143,18 @@ def test_a_cancelled_grpc_call_takes_its_request_out_of_the_queue(start_daemon, 
         assert errors.get(timeout=10).status() == "StatusCode.CANCELLED"
         wait_for(lambda: by_protocol(daemon, "grpc").get("cancelled") == 1, what="the request answered cancelled")
         assert daemon.status()["models"]["variable"]["queue_depth"] == 0
-        unblock(daemon, peer, before)
+        unblock(daemon, peer, gate, before)
         client.close()
     assert by_protocol(daemon, "grpc") == {"cancelled": 1}
     served_like_the_model(daemon, repo, "grpc")
     no_gateway_errors(daemon)
 
 
-def test_a_grpc_call_past_its_deadline_leaves_the_queue_uncomputed(start_daemon, repo):
+def test_a_grpc_call_past_its_deadline_leaves_the_queue_uncomputed(start_daemon, repo, gates):
     daemon = daemon_with(start_daemon, "grpc")
     with RawPeer(daemon.endpoint) as peer:
-        before = block(daemon, peer, 25 * TENTH * FILLER)  # 2.5 times BLOCKER's time
+        gate = gates()
+        before = block(daemon, peer, gate)
         client = grpc_client(daemon)
         assert client.is_server_live()  # the channel is up: the deadline is the call's alone
         started = time.monotonic()
@@ -164,20 +167,26 @@ def test_a_grpc_call_past_its_deadline_leaves_the_queue_uncomputed(start_daemon,
         wait_for(lambda: sum(by_protocol(daemon, "grpc").values()) == 1, what="the request answered")
         assert set(by_protocol(daemon, "grpc")) <= {"cancelled", "timeout"}, by_protocol(daemon, "grpc")
         assert daemon.status()["workers"][0]["batches_in_flight"] == 2, "the test needs the blocker still running"
-        unblock(daemon, peer, before)
+        unblock(daemon, peer, gate, before)
         client.close()
     served_like_the_model(daemon, repo, "grpc")
     no_gateway_errors(daemon)
 
 
-def test_a_grpc_deadline_is_the_requests_deadline(start_daemon):
-    """Deadline-aware admission sees the call's deadline: once `variable` is known to take half BLOCKER's
-    time on `slow`, a call that must be answered within 0.2 s is refused at once, its deadline named
-    (without it, the daemon's default of 10 s would have it computed, and the client give up)."""
+def test_a_grpc_deadline_is_the_requests_deadline(start_daemon, gates):
+    """Deadline-aware admission sees the call's deadline: once `variable` is known to take half a second (a
+    batch held that long at a gate), a call that must be answered within 0.2 s is refused at once, its
+    deadline named (without it, the daemon's default of 10 s would have it computed, and the client give up)."""
     daemon = daemon_with(start_daemon, "grpc")
     client = grpc_client(daemon)
-    slow = 5 * TENTH * FILLER
-    client.infer("variable", [grpc_input(slow)])  # its compute time is learned
+    gate = gates()
+    answered: queue.Queue = queue.Queue()
+    client.async_infer("variable", [grpc_input(gate.input)], lambda result, error: answered.put(error))
+    wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the batch held")
+    until(time.monotonic() + 0.5)
+    gate.open()
+    assert answered.get(timeout=30) is None  # its compute time is learned
+    slow = np.array([[10, 0]], dtype=np.float32)
     with pytest.raises(InferenceServerException) as refused:
         client.infer("variable", [grpc_input(slow)], client_timeout=0.2)
     assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value
@@ -238,9 +247,9 @@ def test_the_gateway_absorbs_the_cancelled_reply_of_a_request_it_cancelled(tmp_p
 # -- priority ----------------------------------------------------------------------------------------
 
 
-def urgent_first(daemon: Daemon, peer: RawPeer, send_default, send_urgent) -> list[str]:
+def urgent_first(daemon: Daemon, peer: RawPeer, gate: Gate, send_default, send_urgent) -> list[str]:
     """With the executor busy, a request at the default level, then one at the most urgent, each waiting in
-    the queue: the order they were answered in (each computes a tenth of BLOCKER's time)."""
+    the queue: the order they were answered in."""
     done: list[str] = []
     lock = threading.Lock()
 
@@ -249,22 +258,23 @@ def urgent_first(daemon: Daemon, peer: RawPeer, send_default, send_urgent) -> li
         with lock:
             done.append(name)
 
-    block(daemon, peer)
+    block(daemon, peer, gate)
     threads = []
     for depth, (name, call) in enumerate((("default", send_default), ("urgent", send_urgent)), 1):
         threads.append(threading.Thread(target=run, args=(name, call)))
         threads[-1].start()
         queued(daemon, depth)
+    gate.open()
     assert [peer.recv(timeout=30)[0]["status"] for _ in range(2)] == ["ok", "ok"]
     for thread in threads:
         thread.join(60)
     return done
 
 
-STEPS = np.array([[TENTH, 7]], dtype=np.float32)
+STEPS = np.array([[10, 7]], dtype=np.float32)
 
 
-def test_http_priority_reaches_the_queue_and_a_bad_one_is_refused(start_daemon):
+def test_http_priority_reaches_the_queue_and_a_bad_one_is_refused(start_daemon, gates):
     daemon = daemon_with(start_daemon, "http")
 
     def infer(**kwargs):
@@ -278,7 +288,7 @@ def test_http_priority_reaches_the_queue_and_a_bad_one_is_refused(start_daemon):
 
     with RawPeer(daemon.endpoint) as peer:
         # tritonclient's priority=1: Triton's most urgent level, inferd's 0.
-        assert urgent_first(daemon, peer, infer(), infer(priority=1)) == ["urgent", "default"]
+        assert urgent_first(daemon, peer, gates(), infer(), infer(priority=1)) == ["urgent", "default"]
     levels = daemon.call("stats")["models"]["variable"]["priorities"]
     assert levels["0"]["requests"] == {"ok": 1} and levels["1"]["requests"] == {"ok": 3}, levels
     # Raw JSON: 2 is Triton's second level, inferd's 1 (the default); 0 and null are the default.
@@ -299,7 +309,7 @@ def test_http_priority_reaches_the_queue_and_a_bad_one_is_refused(start_daemon):
     assert refused.value.status() == "400"
 
 
-def test_grpc_priority_reaches_the_queue_and_the_config_tells_the_levels(start_daemon):
+def test_grpc_priority_reaches_the_queue_and_the_config_tells_the_levels(start_daemon, gates):
     daemon = daemon_with(start_daemon, "grpc", "http", max_wait_ms="auto")
     client = grpc_client(daemon)
 
@@ -325,9 +335,9 @@ def test_grpc_priority_reaches_the_queue_and_the_config_tells_the_levels(start_d
         return "OK", ""
 
     with RawPeer(daemon.endpoint) as peer:
-        assert urgent_first(daemon, peer, infer(), infer(priority=1)) == ["urgent", "default"]
+        assert urgent_first(daemon, peer, gates(), infer(), infer(priority=1)) == ["urgent", "default"]
     with RawPeer(daemon.endpoint) as peer:
-        assert urgent_first(daemon, peer, lambda: raw(uint64_param=2), lambda: raw(int64_param=1)) == \
+        assert urgent_first(daemon, peer, gates(), lambda: raw(uint64_param=2), lambda: raw(int64_param=1)) == \
             ["urgent", "default"]
     levels = daemon.call("stats")["models"]["variable"]["priorities"]
     assert levels["0"]["requests"] == {"ok": 2}, levels

@@ -14,7 +14,7 @@ import models
 import msgspec
 import numpy as np
 import pytest
-from conftest import MLP, RELOAD_MLP, Daemon, base_config, wait_for
+from conftest import MLP, RELOAD_MLP, Daemon, base_config, until, wait_for
 from test_reload import Traffic
 from wire import RawPeer
 
@@ -26,7 +26,6 @@ X_MLP = np.ones((1, models.MLP_IN), dtype=np.float32)
 X2 = np.ones((1, 2), dtype=np.float32)
 ONE_AT_A_TIME = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 1, "warmup_batch_sizes": [1]}
 DEPTH = 100_000
-BLOCKER = np.array([[600_000, 0]], dtype=np.float32)  # `variable` computes ~3 s on this input
 
 
 def inferctl(daemon: Daemon, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -74,7 +73,7 @@ def test_a_control_command_nested_deep_or_with_unknown_arguments_gets_a_sentence
 # -- memory bounded by bytes ----------------------------------------------------------
 
 
-def test_requests_over_the_byte_bounds_are_overloaded_at_once(start_daemon):
+def test_requests_over_the_byte_bounds_are_overloaded_at_once(start_daemon, gates):
     x = np.ones((4, models.SLOW_FEATURES), dtype=np.float32)  # a full batch of `slow`: 1 KiB and a header
     size = len(msgspec.json.encode({"id": 0, "model": "slow",
                                     "inputs": [{"dtype": "float32", "shape": [4, models.SLOW_FEATURES]}]})) + x.nbytes
@@ -85,7 +84,8 @@ def test_requests_over_the_byte_bounds_are_overloaded_at_once(start_daemon):
                           workers={"streams": 1},
                           queue={"max_bytes": 4 * size + 100, "max_bytes_per_client": 2 * size + 50})
     with RawPeer(daemon.endpoint) as first, RawPeer(daemon.endpoint) as second, RawPeer(daemon.endpoint) as third:
-        first.send("busy", "variable", [BLOCKER], timeout_ms=30_000)
+        gate = gates()
+        first.send("busy", "variable", [gate.input], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
         first.send("next", "slow", [x], timeout_ms=30_000)  # into the executor's pipeline behind it
         wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="the pipeline full")
@@ -100,6 +100,7 @@ def test_requests_over_the_byte_bounds_are_overloaded_at_once(start_daemon):
         third.send("over", "slow", [x], timeout_ms=30_000)
         over_all = third.recv()[0]
         assert over_all["status"] == "overloaded" and "queue.max_bytes" in over_all["error"], over_all
+        gate.open()
         answered = [first.recv()[0] for _ in range(4)] + [second.recv()[0] for _ in range(2)]
         assert first.nothing_more() and second.nothing_more() and third.nothing_more()
     assert all(h["status"] == "ok" for h in answered), answered
@@ -191,15 +192,20 @@ def test_a_tcp_control_endpoint_without_curve_is_refused_at_start(start_daemon):
 # -- promises kept exactly -----------------------------------------------------------------
 
 
-def test_no_request_is_computed_after_its_deadline_even_behind_a_running_batch(start_daemon):
+def test_no_request_is_computed_after_its_deadline_even_behind_a_running_batch(start_daemon, gates):
     daemon = start_daemon({"variable": ONE_AT_A_TIME}, workers={"streams": 1})
     before = daemon.status()["workers"][0]["batches"]
     with RawPeer(daemon.endpoint) as peer:
-        peer.send("long", "variable", [BLOCKER], timeout_ms=30_000)
+        gate = gates()
+        peer.send("long", "variable", [gate.input], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the first batch running")
         # A full batch (max_batch_size 1) goes into the executor's pipeline behind the running one,
         # and its deadline passes while it waits there.
-        peer.send("short", "variable", [X2], timeout_ms=200)
+        sent = time.monotonic()
+        peer.send("short", "variable", [X2], timeout_ms=1000)
+        wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="the short one stacked")
+        until(sent + 1.1)
+        gate.open()
         replies = {h["id"]: h for h, _ in (peer.recv(), peer.recv())}
     assert replies["long"]["status"] == "ok"
     assert replies["short"]["status"] == "timeout" and "deadline passed" in replies["short"]["error"]

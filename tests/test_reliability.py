@@ -7,24 +7,24 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 import uuid
 
 import numpy as np
 import psutil
 import pytest
-from conftest import wait_for
+from conftest import until, wait_for
 from wire import RawPeer
 
 from inferd import protocol
 from inferd.protocol import OutputPlace, TensorMeta
 from inferd.shm_names import SHM_DIR
 
-# `variable` computes about 1.7 us a step (measured here): 12,000 steps are a batch of ~20 ms, 60,000 one of
-# ~100 ms.
+# `variable` computes about 1.7 us a step (measured here): 3,000 steps are a batch of ~5 ms.
 VARIABLE = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}
-STEPS_20_MS, STEPS_100_MS = 12_000, 60_000
-BLOCK_STEPS = 1_500_000  # ~2.5 s: long enough to be killed in
+STEPS_5_MS = 3_000
 ONE_BY_ONE = {**VARIABLE, "max_batch_size": 1}
+HELD_S = 0.5  # how long the batches that teach the daemon a compute time are held at their gates
 
 
 def steps(count: int, samples: int = 1) -> np.ndarray:
@@ -35,26 +35,34 @@ def batches_computed(daemon) -> int:
     return daemon.call("stats")["workers"][0]["batches"]
 
 
-def test_a_request_its_batch_cannot_finish_in_time_for_is_answered_timeout_and_not_computed(start_daemon):
-    # One executor, one sample a batch, b ~100 ms a batch. A runs and B waits behind it; C (3.5 b) is admitted,
-    # expected to finish at 3 b. An urgent U comes after it and goes first, so C's turn comes at ~2 b with
-    # U's batch ahead of it: C would end at ~4 b, after its deadline. C is answered then, never computed.
+def test_a_request_its_batch_cannot_finish_in_time_for_is_answered_timeout_and_not_computed(start_daemon, gates):
+    # One executor, one sample a batch. The daemon learns that a batch takes b (>= HELD_S: one held at a gate
+    # that long). A and B are held at gates, C waits behind them, and an urgent U comes after C and goes
+    # first: once A passes, U is stacked behind B. B is let through when C has HELD_S left, less than the 2 b
+    # that U's batch and its own would take, so C is answered then, never computed. Nothing computes on
+    # the CPU meanwhile, so a loaded machine changes nothing but the daemon's own reaction time.
     daemon = start_daemon({"variable": ONE_BY_ONE}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
-        computes_ms = []
-        for i in range(5):  # the compute time is learned, by the daemon and by the test
-            peer.send(i, "variable", [steps(STEPS_100_MS)], timeout_ms=5_000)
-            header, _ = peer.recv()
-            assert header["status"] == "ok"
-            computes_ms.append(header["timing_us"]["compute"] / 1000)
-        batch_ms = sorted(computes_ms)[2]
+        teacher = gates()
+        peer.send("teacher", "variable", [teacher.input], timeout_ms=10_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the teacher computing")
+        until(time.monotonic() + HELD_S)
+        teacher.open()
+        assert peer.recv()[0]["status"] == "ok"
         before = batches_computed(daemon)
-        for name in ("A", "B"):
-            peer.send(name, "variable", [steps(STEPS_100_MS)], timeout_ms=10_000)
-        wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="A running, B behind it")
-        peer.send("C", "variable", [steps(STEPS_100_MS)], timeout_ms=int(3.5 * batch_ms))
+        a, b = gates(), gates()
+        peer.send("A", "variable", [a.input], timeout_ms=30_000)
+        peer.send("B", "variable", [b.input], timeout_ms=30_000)
+        wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="A held, B behind it")
+        c_sent, c_timeout_s = time.monotonic(), 2.5  # admitted: expected to end at about 3 b
+        peer.send("C", "variable", [steps(10)], timeout_ms=int(c_timeout_s * 1000))
         wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="C queued")
-        peer.send("U", "variable", [steps(STEPS_100_MS)], timeout_ms=10_000, priority=0)
+        peer.send("U", "variable", [steps(10)], timeout_ms=30_000, priority=0)
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 2, what="U queued")
+        a.open()
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="U stacked behind B")
+        until(c_sent + c_timeout_s - HELD_S)
+        b.open()
         replies = {header["id"]: header for header, _ in (peer.recv() for _ in range(4))}
     late = replies.pop("C")
     assert late["status"] == "timeout", late
@@ -63,20 +71,29 @@ def test_a_request_its_batch_cannot_finish_in_time_for_is_answered_timeout_and_n
     assert batches_computed(daemon) == before + 3, "C's batch was never computed"
 
 
-def test_a_batch_that_finishes_after_a_deadline_answers_timeout_not_ok(start_daemon):
-    daemon = start_daemon({"variable": VARIABLE})
+def test_a_request_whose_batch_outlasts_its_deadline_is_answered_timeout_at_the_deadline(start_daemon, gates):
+    daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
         for i in range(10):
-            peer.send(i, "variable", [steps(STEPS_20_MS)], timeout_ms=5_000)
+            peer.send(i, "variable", [steps(10)], timeout_ms=5_000)
             assert peer.recv()[0]["status"] == "ok"
-        # Expected to take ~20 ms, so it starts; it takes ~500 ms, past its 100 ms deadline.
-        peer.send(100, "variable", [steps(100_000)], timeout_ms=100)
-        header, outputs = peer.recv()
-    assert header["status"] == "timeout" and not outputs, header
-    assert "its batch finished" in header["error"] and "ms after the request's deadline; the result was dropped" \
-        in header["error"], header
+        # Expected to take well under a millisecond, so it starts; it is held at the gate past its deadline,
+        # and the request behind it waits in the executor's pipeline.
+        gate = gates()
+        sent = time.monotonic()
+        peer.send("held", "variable", [gate.input], timeout_ms=300)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the batch computing")
+        peer.send("behind", "variable", [steps(10)], timeout_ms=300)
+        replies = {header["id"]: (header, outputs) for header, outputs in (peer.recv(), peer.recv())}
+        answered = time.monotonic()
+        gate.open()
+        assert peer.nothing_more(), "what the held batch brought back was dropped"
+    assert answered - sent < 2.0, "answered at the deadline, not once the batch was back"
+    for header, outputs in replies.values():
+        assert header["status"] == "timeout" and not outputs, header
+        assert header["error"] == "the deadline passed before its batch finished; the result is dropped", header
     replies = daemon.call("status")["replies"]
-    assert replies.get("timeout") == 1 and replies.get("ok") == 10, replies
+    assert replies.get("timeout") == 2 and replies.get("ok") == 10, replies
 
 
 def test_under_a_flood_with_short_deadlines_no_ok_leaves_after_its_deadline(start_daemon):
@@ -84,7 +101,7 @@ def test_under_a_flood_with_short_deadlines_no_ok_leaves_after_its_deadline(star
     count, timeout_ms = 300, 60
     with RawPeer(daemon.endpoint) as peer:
         for i in range(count):
-            peer.send(i, "variable", [steps(STEPS_20_MS)], timeout_ms=timeout_ms)
+            peer.send(i, "variable", [steps(STEPS_5_MS)], timeout_ms=timeout_ms)
         replies = [peer.recv()[0] for _ in range(count)]
         assert peer.nothing_more()
     assert sorted(r["id"] for r in replies) == list(range(count)), "each request answered exactly once"
@@ -104,9 +121,10 @@ def kill_worker_in_a_batch(daemon, restarts: int) -> None:
     wait_for(lambda: daemon.status()["workers"][0]["restarts"] == restarts + 1, what="the worker's death seen")
 
 
-def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_return(start_daemon):
+def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_return(start_daemon, gates):
     daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
-    arrays = [np.array([[STEPS_100_MS, i]], dtype=np.float32) for i in range(24)]
+    gate = gates()
+    arrays = [gate.input] + [np.array([[10, i]], dtype=np.float32) for i in range(1, 24)]
     with RawPeer(daemon.endpoint) as peer:
         for i, x in enumerate(arrays[:16]):
             peer.send(i, "variable", [x], timeout_ms=30_000)
@@ -114,6 +132,7 @@ def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_retur
         # While it restarts: these wait for it rather than being turned away.
         for i, x in enumerate(arrays[16:], 16):
             peer.send(i, "variable", [x], timeout_ms=30_000)
+        gate.open()  # the lost batch, computed again, waits at the gate once more
         replies = {}
         for _ in arrays:
             header, outputs = peer.recv(timeout=60)
@@ -126,10 +145,11 @@ def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_retur
     assert "lost (worker0 died" in daemon.log() and "its requests are computed again" in daemon.log()
 
 
-def test_a_request_that_cannot_wait_for_the_return_is_unavailable_saying_when_it_is_expected(start_daemon):
+def test_a_request_that_cannot_wait_for_the_return_is_unavailable_saying_when_it_is_expected(start_daemon, gates):
     daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
+    gate = gates()
     with RawPeer(daemon.endpoint) as peer:
-        peer.send(0, "variable", [steps(BLOCK_STEPS)], timeout_ms=30_000)
+        peer.send(0, "variable", [gate.input], timeout_ms=30_000)
         kill_worker_in_a_batch(daemon, 0)
         peer.send(1, "variable", [steps(10)], timeout_ms=1)
         header, _ = peer.recv()
@@ -137,14 +157,15 @@ def test_a_request_that_cannot_wait_for_the_return_is_unavailable_saying_when_it
         assert re.search(r"no worker serves variable v1 now, and none will before the request's deadline: worker0 "
                          r"is expected back in [0-9.]+ s \(its restart's wait, then its last start's [0-9.]+ s\)",
                          header["error"]), header
+        gate.open()
         header, _ = peer.recv(timeout=60)
         assert header["id"] == 0 and header["status"] == "ok", "the lost batch was computed again"
 
 
-def test_a_batch_that_kills_two_workers_is_answered_internal_and_never_tried_a_third_time(start_daemon):
+def test_a_batch_that_kills_two_workers_is_answered_internal_and_never_tried_a_third_time(start_daemon, gates):
     daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
-        peer.send("poison", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        peer.send("poison", "variable", [gates().input], timeout_ms=60_000)
         kill_worker_in_a_batch(daemon, 0)
         kill_worker_in_a_batch(daemon, 1)
         header, _ = peer.recv(timeout=60)
@@ -157,10 +178,10 @@ def test_a_batch_that_kills_two_workers_is_answered_internal_and_never_tried_a_t
     assert daemon.status()["workers"][0]["restarts"] == 2
 
 
-def test_a_model_that_is_not_pure_turns_the_retry_off(start_daemon):
+def test_a_model_that_is_not_pure_turns_the_retry_off(start_daemon, gates):
     daemon = start_daemon({"variable": {**VARIABLE, "retry_lost_batches": False}}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
-        peer.send(0, "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        peer.send(0, "variable", [gates().input], timeout_ms=60_000)
         kill_worker_in_a_batch(daemon, 0)
         header, _ = peer.recv(timeout=60)
     assert header["status"] == "internal" and "worker0 died" in header["error"], header
@@ -209,7 +230,7 @@ def test_reloads_and_sighups_leak_no_descriptors_or_threads(reload_daemon):
 
 
 @pytest.mark.parametrize("change", ["unregistered", "truncated"])
-def test_a_region_changed_under_waiting_requests_fails_only_them_once_each(start_daemon, tmp_path, change):
+def test_a_region_changed_under_waiting_requests_fails_only_them_once_each(start_daemon, gates, change):
     # Triton's CVE-2024-0116: a region unregistered or cut short while requests that read it or write
     # into it wait. One executor is busy; behind it one batch is stacked and the rest queue.
     daemon = start_daemon({"variable": ONE_BY_ONE}, workers={"streams": 1},
@@ -221,7 +242,8 @@ def test_a_region_changed_under_waiting_requests_fails_only_them_once_each(start
             peer.send_frames([protocol.encode_op(protocol.RegisterRegion(id="reg", name="r", key=path.name,
                                                                          byte_size=2048))])
             assert peer.recv()[0]["status"] == "ok"
-            peer.send("blocker", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+            gate = gates()
+            peer.send("blocker", "variable", [gate.input], timeout_ms=60_000)
             wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
             sent = {}
             for index in range(6):
@@ -238,6 +260,7 @@ def test_a_region_changed_under_waiting_requests_fails_only_them_once_each(start
                 peer.send_frames([protocol.encode_op(protocol.UnregisterRegion(id="unreg", name="r"))])
             else:
                 os.truncate(path, 4)
+            gate.open()
             replies = {}
             for _ in range(len(sent) + 1 + (change != "truncated")):
                 header, _ = peer.recv(timeout=60)
@@ -260,23 +283,25 @@ def test_a_region_changed_under_waiting_requests_fails_only_them_once_each(start
         path.unlink(missing_ok=True)
 
 
-def test_a_cancel_in_every_state_of_a_request_gets_each_exactly_one_reply(start_daemon):
+def test_a_cancel_in_every_state_of_a_request_gets_each_exactly_one_reply(start_daemon, gates):
     # Triton's CVE-2025-23322: a cancel of a request that is running, stacked behind it, queued, or
     # already answered.
     daemon = start_daemon({"variable": ONE_BY_ONE}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
         peer.send("replied", "variable", [steps(10)], timeout_ms=10_000)
         assert peer.recv()[0]["status"] == "ok"
-        peer.send("running", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        gate = gates()
+        peer.send("running", "variable", [gate.input], timeout_ms=60_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
         peer.send("stacked", "variable", [steps(10)], timeout_ms=60_000)
         peer.send("queued", "variable", [steps(10)], timeout_ms=60_000)
         wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="one request queued")
         for name in ("replied", "queued", "stacked", "running", "running", "never-sent"):
             peer.send_frames([protocol.encode_op(protocol.Cancel(id=name))])
+        early = peer.barrier()  # every cancel read while "running" is held
+        gate.open()
         replies = {}
-        for _ in range(3):
-            header, _ = peer.recv(timeout=60)
+        for header, _ in early + [peer.recv(timeout=60) for _ in range(3 - len(early))]:
             assert header["id"] not in replies, f"{header['id']} answered twice"
             replies[header["id"]] = header
         assert peer.nothing_more(), "a cancel has no reply, and nothing is answered twice"
@@ -288,10 +313,10 @@ def test_a_cancel_in_every_state_of_a_request_gets_each_exactly_one_reply(start_
     assert daemon.status()["workers"][0]["restarts"] == 0
 
 
-def test_when_the_last_worker_is_given_up_waiting_requests_are_answered_unavailable(start_daemon):
+def test_when_the_last_worker_is_given_up_waiting_requests_are_answered_unavailable(start_daemon, gates):
     daemon = start_daemon({"variable": ONE_BY_ONE}, workers={"streams": 1, "max_restarts": 0})
     with RawPeer(daemon.endpoint) as peer:
-        peer.send("running", "variable", [steps(BLOCK_STEPS)], timeout_ms=60_000)
+        peer.send("running", "variable", [gates().input], timeout_ms=60_000)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
         for name in ("stacked", "queued"):
             peer.send(name, "variable", [steps(10)], timeout_ms=60_000)

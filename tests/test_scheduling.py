@@ -3,8 +3,9 @@ the queue is full, cancellation (waiting and running, raw and through the client
 admission, goodput, and the "auto" window.
 
 `variable` runs one sample at a time on one executor, computing as many tiny steps as its input's
-first value (about 5 us each), so a test decides how long each batch runs and in what order the
-waiting ones were taken: their replies come back in that order.
+first value (about 5 us each), or held at a gate until the test opens it (tests/gates.py), so a test
+decides how long each batch runs and in what order the waiting ones were taken: their replies come back
+in that order.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import models
 import numpy as np
 import psutil
 import pytest
-from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, until, wait_for
+from gates import Gate
 from test_observability import metrics_config, scrape
 from wire import RawPeer
 
 from inferd import AsyncClient, Client, RetryPolicy, protocol
 
-BLOCK = np.array([[300_000, 0]], dtype=np.float32)  # about a second of compute
 QUICK = np.array([[1, 0]], dtype=np.float32)
 LONG_MS = 60_000
 
@@ -40,10 +41,10 @@ def batches(daemon: Daemon) -> int:
     return sum(stats(daemon)["batch_size"]["distribution"].values())
 
 
-def occupy(daemon: Daemon, peer: RawPeer) -> None:
-    """Keep the one executor busy: a long batch running and a quick one queued behind it, so what is sent
-    next waits in the queue."""
-    peer.send("block", "variable", [BLOCK], timeout_ms=LONG_MS)
+def occupy(daemon: Daemon, peer: RawPeer, gate: Gate) -> None:
+    """Keep the one executor busy: a batch held at `gate` and a quick one queued behind it, so what is sent
+    next waits in the queue until the gate opens."""
+    peer.send("block", "variable", [gate.input], timeout_ms=LONG_MS)
     peer.send("behind", "variable", [QUICK], timeout_ms=LONG_MS)
     wait_for(lambda: batches(daemon) == 2 and stats(daemon)["queue_depth"] == 0, what="the executor busy")
 
@@ -56,15 +57,16 @@ def computed_order(answers: list[dict[str, Any]]) -> list[Any]:
     return [a["id"] for a in answers if a["status"] == "ok" and a["id"] not in ("block", "behind")]
 
 
-def test_urgent_requests_are_computed_before_the_default_level_waiting_ahead_of_them(start_daemon):
+def test_urgent_requests_are_computed_before_the_default_level_waiting_ahead_of_them(start_daemon, gates):
     daemon = variable_daemon(start_daemon)
     with RawPeer(daemon.endpoint) as peer:
-        occupy(daemon, peer)
+        occupy(daemon, peer, gate := gates())
         for rid in ("d1", "d2", "d3"):
             peer.send(rid, "variable", [QUICK], timeout_ms=LONG_MS)
         peer.send("u1", "variable", [QUICK], timeout_ms=LONG_MS, priority=0)
         peer.send("u2", "variable", [QUICK], timeout_ms=LONG_MS, priority=0)
         wait_for(lambda: stats(daemon)["queue_depth"] == 5)
+        gate.open()
         assert computed_order(replies(peer, 7)) == ["u1", "u2", "d1", "d2", "d3"]
     levels = stats(daemon)["priorities"]
     assert levels["0"]["requests"] == {"ok": 2} and levels["1"]["requests"] == {"ok": 5}
@@ -72,23 +74,24 @@ def test_urgent_requests_are_computed_before_the_default_level_waiting_ahead_of_
 
 @pytest.mark.parametrize("share, default_turn", [(0.25, 3), (0.01, 8)], ids=["share 0.25", "no share to speak of"])
 def test_a_less_urgent_level_leads_its_share_of_batches_however_much_urgent_work_waits(
-        start_daemon, share, default_turn):
+        start_daemon, gates, share, default_turn):
     """With priority_share 0.25 the default request leads the batch after the three it waited through;
     with a share too small to matter it waits behind all eight urgent ones (the rule is what serves it)."""
     daemon = variable_daemon(start_daemon, priority_share=share)
     with RawPeer(daemon.endpoint) as peer:
-        occupy(daemon, peer)
+        occupy(daemon, peer, gate := gates())
         peer.send("default", "variable", [QUICK], timeout_ms=LONG_MS)
         for index in range(8):
             peer.send(f"u{index}", "variable", [QUICK], timeout_ms=LONG_MS, priority=0)
         wait_for(lambda: stats(daemon)["queue_depth"] == 9)
+        gate.open()
         assert computed_order(replies(peer, 11)).index("default") == default_turn
 
 
-def test_a_full_queue_displaces_the_newest_less_urgent_request_for_an_urgent_one(start_daemon):
+def test_a_full_queue_displaces_the_newest_less_urgent_request_for_an_urgent_one(start_daemon, gates):
     daemon = variable_daemon(start_daemon, max_size=2)
     with RawPeer(daemon.endpoint) as peer:
-        occupy(daemon, peer)
+        occupy(daemon, peer, gate := gates())
         peer.send("d1", "variable", [QUICK], timeout_ms=LONG_MS)
         peer.send("d2", "variable", [QUICK], timeout_ms=LONG_MS)
         wait_for(lambda: stats(daemon)["queue_depth"] == 2)
@@ -99,16 +102,17 @@ def test_a_full_queue_displaces_the_newest_less_urgent_request_for_an_urgent_one
         peer.send("d3", "variable", [QUICK], timeout_ms=LONG_MS)
         refused = peer.recv()[0]
         assert refused["id"] == "d3" and refused["status"] == "overloaded" and "queue is full" in refused["error"]
+        gate.open()
         answers = replies(peer, 4)
         assert computed_order(answers) == ["urgent", "d1"]
         assert peer.nothing_more(0.2), "every request had exactly one reply"
     assert stats(daemon)["priorities"]["1"]["requests"] == {"ok": 3, "overloaded": 2}
 
 
-def test_a_cancelled_waiting_request_is_answered_at_once_and_never_computed(start_daemon):
+def test_a_cancelled_waiting_request_is_answered_at_once_and_never_computed(start_daemon, gates):
     daemon = variable_daemon(start_daemon)
     with RawPeer(daemon.endpoint) as peer:
-        occupy(daemon, peer)
+        occupy(daemon, peer, gate := gates())
         peer.send("doomed", "variable", [QUICK], timeout_ms=LONG_MS)
         peer.send("kept", "variable", [QUICK], timeout_ms=LONG_MS)
         wait_for(lambda: stats(daemon)["queue_depth"] == 2)
@@ -118,29 +122,35 @@ def test_a_cancelled_waiting_request_is_answered_at_once_and_never_computed(star
         assert "cancelled by its client before it ran" in first["error"]
         peer.send_frames([protocol.encode_op(protocol.Cancel(id="doomed"))])  # again, and of an unknown id:
         peer.send_frames([protocol.encode_op(protocol.Cancel(id="never-sent"))])  # nothing happens
+        gate.open()
         assert [a["id"] for a in replies(peer, 3)] == ["block", "behind", "kept"]
         assert peer.nothing_more(0.2)
     assert batches(daemon) == 3, "block, behind and kept: the cancelled one never ran"
     assert stats(daemon)["requests"] == {"ok": 3, "cancelled": 1}
 
 
-def test_a_cancel_from_another_connection_touches_nothing(start_daemon):
+def test_a_cancel_from_another_connection_touches_nothing(start_daemon, gates):
     daemon = variable_daemon(start_daemon)
     with RawPeer(daemon.endpoint) as peer, RawPeer(daemon.endpoint) as other:
-        occupy(daemon, peer)
+        occupy(daemon, peer, gate := gates())
         peer.send("mine", "variable", [QUICK], timeout_ms=LONG_MS)
         wait_for(lambda: stats(daemon)["queue_depth"] == 1)
         other.send_frames([protocol.encode_op(protocol.Cancel(id="mine"))])
+        assert other.barrier() == [], "the cancel was read, and answered nothing"
+        gate.open()
         assert computed_order(replies(peer, 3)) == ["mine"]
         assert other.nothing_more(0.1)
 
 
-def test_a_cancelled_running_request_finishes_and_its_result_is_dropped(start_daemon):
+def test_a_cancelled_running_request_finishes_and_its_result_is_dropped(start_daemon, gates):
     daemon = variable_daemon(start_daemon)
     with RawPeer(daemon.endpoint) as peer:
-        peer.send("running", "variable", [BLOCK], timeout_ms=LONG_MS)
+        gate = gates()
+        peer.send("running", "variable", [gate.input], timeout_ms=LONG_MS)
         wait_for(lambda: batches(daemon) == 1 and stats(daemon)["queue_depth"] == 0)
         peer.send_frames([protocol.encode_op(protocol.Cancel(id="running"))])
+        assert peer.barrier() == [], "answered once its batch is back"
+        gate.open()
         answer, outputs = peer.recv()
         assert answer["id"] == "running" and answer["status"] == "cancelled" and outputs == []
         assert "cancelled while its batch ran; the result was dropped" in answer["error"]
@@ -151,10 +161,10 @@ def test_a_cancelled_running_request_finishes_and_its_result_is_dropped(start_da
     assert batches(daemon) == 2, "it was computed; only its result went"
 
 
-def test_cancelling_a_client_future_or_an_asyncio_task_cancels_the_request(start_daemon):
+def test_cancelling_a_client_future_or_an_asyncio_task_cancels_the_request(start_daemon, gates):
     daemon = variable_daemon(start_daemon)
     with RawPeer(daemon.endpoint) as peer, Client(daemon.endpoint, timeout=60) as client:
-        occupy(daemon, peer)
+        occupy(daemon, peer, gate := gates())
         future = client.submit("variable", QUICK)
         wait_for(lambda: stats(daemon)["queue_depth"] == 1)
         assert future.cancel() and future.cancelled()
@@ -170,6 +180,7 @@ def test_cancelling_a_client_future_or_an_asyncio_task_cancels_the_request(start
                 await asyncio.to_thread(wait_for, lambda: stats(daemon)["requests"].get("cancelled") == 2)
 
         asyncio.run(cancel_a_task())
+        gate.open()
         assert client.infer("variable", QUICK).tolist() == QUICK.tolist(), "the client serves on"
         replies(peer, 2)
     assert batches(daemon) == 3, "block, behind, and the last: neither cancelled request ran"
@@ -209,12 +220,17 @@ def test_a_request_that_cannot_finish_before_its_deadline_is_refused_at_once(sta
         assert peer.recv()[0]["status"] == "ok", "with nothing ahead, the same deadline is met"
 
 
-def test_goodput_counts_ok_replies_and_a_late_result_is_a_timeout(start_daemon):
+def test_goodput_counts_ok_replies_and_a_late_result_is_a_timeout(start_daemon, gates):
     daemon = variable_daemon(start_daemon)
     with RawPeer(daemon.endpoint) as peer:
         # Before any compute time is known nothing is refused: this one is computed, finishes after its
         # deadline, and is answered timeout, never ok.
-        peer.send("late", "variable", [BLOCK], timeout_ms=200)
+        gate = gates()
+        sent = time.monotonic()
+        peer.send("late", "variable", [gate.input], timeout_ms=200)
+        wait_for(lambda: batches(daemon) == 1, what="the batch computing")
+        until(sent + 0.3)
+        gate.open()
         assert peer.recv()[0]["status"] == "timeout"
         for index in range(5):
             peer.send(index, "variable", [QUICK], timeout_ms=LONG_MS)
@@ -252,16 +268,19 @@ def test_the_auto_window_serves_concurrent_clients_correctly_and_batches_them(st
     assert model["requests"] == {"ok": 200} and model["batch_size"]["mean"] > 2, "requests shared batches"
 
 
-def test_an_overloaded_default_level_is_shed_while_the_urgent_client_is_served(start_daemon):
+def test_an_overloaded_default_level_is_shed_while_the_urgent_client_is_served(start_daemon, gates):
     """A small queue flooded at the default level: urgent requests still get in, by displacement."""
     daemon = variable_daemon(start_daemon, max_size=4, max_per_client=0)
     once = RetryPolicy(max_attempts=1)
     with Client(daemon.endpoint, timeout=60, retry=once) as flood, Client(daemon.endpoint, priority=0) as urgent:
         with RawPeer(daemon.endpoint) as peer:
-            occupy(daemon, peer)
+            occupy(daemon, peer, gate := gates())
             shed = [flood.submit("variable", QUICK) for _ in range(10)]
             wait_for(lambda: stats(daemon)["queue_depth"] == 4)
-            assert urgent.infer("variable", QUICK, timeout=60).tolist() == QUICK.tolist()
+            served = urgent.submit("variable", QUICK, timeout=60)
+            wait_for(lambda: stats(daemon)["requests"].get("overloaded") == 7, what="one displaced by the urgent one")
+            gate.open()
+            assert served.result(timeout=60).tolist() == QUICK.tolist()
             replies(peer, 2)
         outcomes = [type(f.exception(timeout=60)).__name__ for f in shed]
     assert outcomes.count("Overloaded") == 7 and outcomes.count("NoneType") == 3, outcomes

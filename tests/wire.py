@@ -64,6 +64,16 @@ class RawPeer:
         ]
         return header, outputs
 
+    def barrier(self) -> list[tuple[dict[str, Any], list[np.ndarray]]]:
+        """Send a request the daemon refuses at once (for a model it does not serve) and read up to its reply,
+        so that what this peer sent before has been handled: the daemon reads one connection in order. The
+        replies that came before it."""
+        self.send("barrier", "no model by this name", [np.zeros((1, 1), dtype=np.float32)])
+        before = []
+        while (reply := self.recv())[0]["id"] != "barrier":
+            before.append(reply)
+        return before
+
     def nothing_more(self, wait: float = 0.3) -> bool:
         """True when no further message arrives within `wait` seconds."""
         return not self.socket.poll(int(wait * 1000))

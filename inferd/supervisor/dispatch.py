@@ -65,6 +65,7 @@ class Batch:
     started: float
     samples: int
     inputs: tuple[TensorRef, ...] = ()
+    deadline: float = math.inf  # the soonest deadline of its requests not answered yet
     copy_for_shadow: bool = False  # a live batch the shadow candidate computes again once it is answered
     shadow_job: ShadowJob | None = None  # a shadow batch: that copy, computed again; nobody waits for it
 
@@ -213,6 +214,7 @@ class Dispatcher:
             return
         batch.inputs = message.inputs
         batch.samples = samples = sum(r.samples for r in requests)
+        batch.deadline = min(r.deadline for r in requests)
         self.workers.batch_sent(executor, len(requests), now, self.times.batch_s(model, samples) or 0.0)
         self.inflight[batch.id] = batch
         self.stats.batch(now, model, version, samples)
@@ -426,6 +428,8 @@ class Dispatcher:
                 continue
             twice = []
             for request in batch.requests:
+                if request.answered:
+                    continue
                 request.lost_with = (*request.lost_with, f"worker{worker.index}")
                 if request.cancelled:
                     self.replies.error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
@@ -449,10 +453,28 @@ class Dispatcher:
         and it answered `cancelled`. False when no running batch holds it."""
         for batch in self.inflight.values():
             for request in batch.requests:
-                if request.header.id == request_id and request.client == client and not request.cancelled:
+                if (request.header.id == request_id and request.client == client and not request.cancelled
+                        and not request.answered):
                     request.cancelled = True
                     return True
         return False
+
+    def next_deadline(self) -> float:
+        """The soonest deadline of a request in a running batch not answered yet (monotonic; inf if none)."""
+        return min((batch.deadline for batch in self.inflight.values()), default=math.inf)
+
+    def expire_running(self, now: float) -> None:
+        """Answer `timeout` now each request of a running batch whose deadline has passed, rather than when
+        its batch comes back, which behind a long batch may be much later; what comes back for it is
+        dropped. A cancelled one is answered `cancelled` when its batch is back, as before."""
+        for batch in self.inflight.values():
+            if batch.deadline > now:
+                continue
+            for request in batch.requests:
+                if request.deadline <= now and not (request.answered or request.cancelled):
+                    self.replies.late(request, batch.version)
+            batch.deadline = min((r.deadline for r in batch.requests if not (r.answered or r.cancelled)),
+                                 default=math.inf)
 
     def oldest(self) -> Batch | None:
         """The batch that has been running longest, if any runs."""

@@ -123,7 +123,8 @@ class Supervisor(Parts):
             now = time.monotonic()
             queue_wakeup = self.batcher.next_wakeup(now)
             wait = min(TICK_S if queue_wakeup is None else queue_wakeup, max(0.0, self._next_tick - now),
-                       self.systemd.watchdog.wait(now) or TICK_S, max(0.0, self._next_liveness - now))
+                       self.systemd.watchdog.wait(now) or TICK_S, max(0.0, self._next_liveness - now),
+                       max(0.0, self.dispatcher.next_deadline() - now))
             if self.dispatcher.sending:
                 wait = min(wait, SENDING_CHECK_S)
             # Requests waiting mean every executor they could use is busy: the loop will be woken
@@ -145,6 +146,7 @@ class Supervisor(Parts):
             now = time.monotonic()
             for request in self.queue.expire(now):
                 self.replies.timed_out(request)
+            self.dispatcher.expire_running(now)
             if self.dispatcher.sending:
                 self.dispatcher.release_sent()
             self._dispatch()

@@ -54,6 +54,7 @@ class QueuedRequest:
     state: int = WAITING
     places: tuple[tuple[Region, int] | None, ...] = ()  # per output: the region and offset to write it at
     cancelled: bool = False  # its client cancelled it while its batch ran: the result is dropped
+    answered: bool = False  # answered `timeout` at its deadline while its batch ran: the result is dropped
     lost_with: tuple[str, ...] = ()  # the workers that died while its batch ran (it is tried again once)
 
 

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the dispatcher makes batches and hands them here
 log = logging.getLogger("inferd.replies")
 
 EXPIRED_ERROR = "the deadline passed before the request ran"
+LATE_ERROR = "the deadline passed before its batch finished; the result is dropped"
 CANCELLED_ERROR = "cancelled while its batch ran; the result was dropped"
 
 
@@ -92,16 +93,25 @@ class Replies:
         its batch was for) while its batch waited for its executor."""
         self.error(request, protocol.TIMEOUT, EXPIRED_ERROR, version)
 
+    def late(self, request: QueuedRequest, version: str) -> None:
+        """Answer `timeout` at its deadline a request whose batch (of `version`) still runs; what the batch
+        brings back for it is dropped."""
+        request.answered = True
+        self.error(request, protocol.TIMEOUT, LATE_ERROR, version)
+
     def failed(self, batch: Batch, reason: str, status: str = protocol.INTERNAL) -> None:
-        """Answer every request of a batch that did not compute with `status`."""
+        """Answer every request of a batch that did not compute with `status` (those answered at their
+        deadline have had their reply)."""
         log.error("%s (%d requests) failed: %s", batch.describe(), len(batch.requests), reason)
         for request in batch.requests:
-            self.error(request, status, reason, batch.version)
+            if not request.answered:
+                self.error(request, status, reason, batch.version)
 
     def computed(self, batch: Batch, done: BatchDone, by_reference: bool) -> list[zmq.MessageTracker]:
         """Send each computed request its rows of every output (with `by_reference`, large ones without
         a copy: their trackers are returned), each expired one `timeout` (and one whose deadline passed while
-        its batch computed: no `ok` leaves after a deadline), each cancelled one `cancelled`."""
+        its batch computed: no `ok` leaves after a deadline), each cancelled one `cancelled`; one answered at
+        its deadline already gets nothing more."""
         buf = batch.executor.worker.arena.buf
         sizes = [protocol.tensor_bytes(ref.dtype, ref.shape[1:]) for ref in done.outputs]
         now = time.monotonic()
@@ -113,12 +123,15 @@ class Replies:
         row = late = 0
         for index, request in enumerate(batch.requests):
             if index in expired:
-                self.timed_out(request, batch.version)
+                if not request.answered:
+                    self.timed_out(request, batch.version)
                 continue
             samples = request.samples
-            if now > request.deadline:  # an answer after its deadline is one nobody waits for any more
-                self.error(request, protocol.TIMEOUT, f"its batch finished {(now - request.deadline) * 1000:.1f} ms "
-                           "after the request's deadline; the result was dropped", batch.version)
+            if request.answered:
+                row += samples
+                continue
+            if now > request.deadline:  # back before the loop saw the deadline pass: the same answer
+                self.late(request, batch.version)
                 late += 1
                 row += samples
                 continue
