@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import shutil
 import sys
@@ -247,18 +248,35 @@ def start_daemon(workdir: Path, repo: Path):
         daemon.kill_all()
 
 
+@contextlib.contextmanager
+def module_daemon(repo: Path, models_: dict[str, dict[str, Any]],
+                  adjust: Callable[[dict[str, Any], Path], None] | None = None,
+                  **sections: dict[str, Any]) -> Iterator[Daemon]:
+    """A daemon for the tests of a module that leave it as they found it (a daemon start costs a worker's
+    import of torch: the suite's largest cost), in a short folder of its own; `adjust(config, folder)`
+    changes its config before it starts."""
+    path = Path(tempfile.mkdtemp(prefix="inferd-m"))
+    config = base_config(path, repo, models_, **sections)
+    if adjust is not None:
+        adjust(config, path)
+    daemon = Daemon(path, config)
+    try:
+        yield daemon.start()
+    finally:
+        daemon.kill_all()
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def shared_daemon(repo: Path) -> Iterator[Daemon]:
-    """One daemon for a whole module: mlp, pair, slow and failing on two CPU workers."""
-    path = Path(tempfile.mkdtemp(prefix="inferd-m"))
-    config = base_config(path, repo, {"mlp": MLP, "pair": PAIR, "slow": SLOW, "failing": FAILING},
-                         workers={"devices": ["cpu", "cpu"]})
-    config["server"]["listen"].append(f"ipc://{path}/data.sock")
-    daemon = Daemon(path, config)
-    daemon.start()
-    yield daemon
-    daemon.kill_all()
-    shutil.rmtree(path, ignore_errors=True)
+    """One daemon for a whole module: mlp, pair, slow and failing on two CPU workers, on an ipc endpoint too."""
+
+    def ipc_too(config: dict[str, Any], folder: Path) -> None:
+        config["server"]["listen"].append(f"ipc://{folder}/data.sock")
+
+    with module_daemon(repo, {"mlp": MLP, "pair": PAIR, "slow": SLOW, "failing": FAILING}, ipc_too,
+                       workers={"devices": ["cpu", "cpu"]}) as daemon:
+        yield daemon
 
 
 @pytest.fixture(scope="module")
@@ -267,17 +285,12 @@ def oip_daemon(repo: Path) -> Iterator[Daemon]:
     again, which no test calls) over ZeroMQ and the Open Inference Protocol over HTTP and gRPC, with metrics."""
     from inferd.harness import free_port
 
-    path = Path(tempfile.mkdtemp(prefix="inferd-o"))
-    config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR, "failing": FAILING,
-                                      "bf16": {**BF16, "precision": "fp32"}},
-                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
-                                 "metrics": f"127.0.0.1:{free_port()}", "http_allowed_hosts": ["Inferd.Internal"]})
-    config["models"]["untouched"] = {"repository": str(repo / "mlp"), **MLP}  # no test sends it a request
-    daemon = Daemon(path, config)
-    daemon.start()
-    yield daemon
-    daemon.kill_all()
-    shutil.rmtree(path, ignore_errors=True)
+    served = {"mlp": MLP, "pair": NAMED_PAIR, "failing": FAILING, "bf16": {**BF16, "precision": "fp32"},
+              "untouched": {**MLP, "repository": str(repo / "mlp")}}  # no test sends `untouched` a request
+    with module_daemon(repo, served, server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+                                             "metrics": f"127.0.0.1:{free_port()}",
+                                             "http_allowed_hosts": ["Inferd.Internal"]}) as daemon:
+        yield daemon
 
 
 def reference(repo: Path, name: str, version: str) -> Callable[..., Any]:

@@ -133,19 +133,17 @@ def test_binding_beyond_loopback_without_curve_warns(start_daemon):
     assert "reachable from the network without authentication" in daemon.log()
 
 
-def test_the_control_socket_is_owner_and_group_only(start_daemon):
-    daemon = start_daemon({"mlp": MLP})
-    mode = stat.S_IMODE(os.stat(daemon.control[len("ipc://"):]).st_mode)
+def test_the_control_socket_is_owner_and_group_only(shared_daemon):
+    mode = stat.S_IMODE(os.stat(shared_daemon.control[len("ipc://"):]).st_mode)
     assert mode == 0o660
 
 
 @pytest.mark.parametrize("version", ["../mlp", "v1/../v2", ".."])
-def test_a_version_that_leaves_the_repository_is_refused(start_daemon, version):
-    daemon = start_daemon({"mlp": MLP})
-    result = subprocess.run([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version", version],
-                            capture_output=True, text=True, timeout=60)
+def test_a_version_that_leaves_the_repository_is_refused(shared_daemon, version):
+    result = subprocess.run([str(BIN / "inferctl"), "--control", shared_daemon.control, "reload", "--model", "mlp",
+                             "--version", version], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "is not a version name" in result.stderr, result.stderr
-    assert daemon.status()["models"]["mlp"]["live_version"] == "v2"
+    assert shared_daemon.status()["models"]["mlp"]["live_version"] == "v2"
 
 
 def keygen(folder: Path, name: str) -> tuple[Path, Path]:

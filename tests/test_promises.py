@@ -162,18 +162,19 @@ def signal_worker(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def test_sigusr1_writes_the_supervisors_stacks_to_the_log_and_the_stacks_file(start_daemon):
-    daemon = start_daemon({"mlp": MLP})
+def test_sigusr1_writes_the_supervisors_stacks_to_the_log_and_the_stacks_file(shared_daemon):
+    daemon = shared_daemon
+    before = daemon.log().count("SIGUSR1: thread stacks")
     daemon.signal(signal.SIGUSR1)
     stacks = Path(daemon.control[len("ipc://"):] + ".stacks")
-    wait_for(lambda: "SIGUSR1: thread stacks" in daemon.log(), what="the stacks in the log")
+    wait_for(lambda: daemon.log().count("SIGUSR1: thread stacks") > before, what="the stacks in the log")
     assert "_loop" in stacks.read_text() and "Current thread" in stacks.read_text()
     assert "_poll" in daemon.log()
     assert daemon.call("health")["healthy"], "SIGUSR1 does not stop the daemon"
 
 
-def test_stacks_falls_back_to_sigusr1_when_the_control_socket_does_not_answer(start_daemon):
-    daemon = start_daemon({"mlp": MLP})
+def test_stacks_falls_back_to_sigusr1_when_the_control_socket_does_not_answer(shared_daemon):
+    daemon = shared_daemon
     # No daemon answers within a microsecond: the command takes the way a stuck daemon needs.
     result = inferctl(daemon, "--timeout", "0.000001", "stacks")
     assert result.returncode == 0, result.stderr

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import models
@@ -15,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import RELOAD_MLP, Daemon, base_config, wait_for
+from conftest import RELOAD_MLP, Daemon, base_config, module_daemon, wait_for
 from wire import RawPeer
 
 BIN = Path(sys.executable).parent
@@ -137,9 +138,17 @@ REFUSALS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def untouched(reload_repo: Path) -> Iterator[Daemon]:
+    """One daemon for the tests that leave it as they found it: v1 live, never switched from (every reload
+    they ask for is refused or has nothing to do)."""
+    with module_daemon(reload_repo, {"mlp": MLP}) as daemon:
+        yield daemon
+
+
 @pytest.mark.parametrize("version, extra, message", REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_a_refused_reload_keeps_the_old_version_serving(reload_daemon, references, version, extra, message):
-    daemon = reload_daemon()
+def test_a_refused_reload_keeps_the_old_version_serving(untouched, references, version, extra, message):
+    daemon = untouched
     with Traffic(daemon, threads=3) as traffic:
         result = inferctl(daemon, "reload", "--version", version, *extra)
         traffic.wait_for_more(20)  # the old version serves on after the refusal
@@ -153,8 +162,8 @@ def test_a_refused_reload_keeps_the_old_version_serving(reload_daemon, reference
     assert status["workers"][0]["loaded"] == ["mlp v1"]
 
 
-def test_a_reload_to_the_live_version_succeeds_doing_nothing_so_scripts_can_rerun_it(reload_daemon):
-    daemon = reload_daemon()
+def test_a_reload_to_the_live_version_succeeds_doing_nothing_so_scripts_can_rerun_it(untouched):
+    daemon = untouched
     for _ in range(2):
         result = inferctl(daemon, "reload", "--version", "v1")
         assert result.returncode == 0, result.stderr
@@ -198,8 +207,8 @@ def test_the_memory_guard_refuses_with_the_numbers(reload_daemon):
     assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
 
 
-def test_memory_comes_back_after_a_refused_reload(reload_daemon):
-    daemon = reload_daemon()
+def test_memory_comes_back_after_a_refused_reload(untouched):
+    daemon = untouched
     worker = psutil.Process(daemon.status()["workers"][0]["pid"])
     before = worker.memory_info().rss
     result = inferctl(daemon, "reload", "--version", "huge_failing")
@@ -255,8 +264,8 @@ def test_restart_serves_the_reloaded_version_and_rollback_still_works(reload_dae
         assert peer.recv()[0]["version"] == "v1"
 
 
-def test_rollback_without_a_reload_says_so(reload_daemon):
-    daemon = reload_daemon()
+def test_rollback_without_a_reload_says_so(untouched):
+    daemon = untouched
     result = inferctl(daemon, "rollback")
     assert result.returncode == 1 and "mlp has not been reloaded" in result.stderr
 
@@ -288,8 +297,8 @@ def test_a_worker_that_starts_during_a_reload_catches_up(reload_daemon, referenc
     assert {h["version"] for _, h, _, _ in traffic.records} == {"v2"}
 
 
-def test_versions_lists_the_repository_and_the_live_one(reload_daemon):
-    daemon = reload_daemon()
+def test_versions_lists_the_repository_and_the_live_one(untouched):
+    daemon = untouched
     result = inferctl(daemon, "versions")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
