@@ -92,6 +92,13 @@ class Failing(torch.nn.Module):
         return x * 3
 
 
+class Sum(torch.nn.Module):
+    """float32 [F] -> [1]: each sample's sum; large requests, small replies (for memory bounds)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum(-1, keepdim=True)
+
+
 class RunsOutOfMemory(torch.nn.Module):
     """float32 [2] -> [2]; for a batch whose first value is negative, raises what PyTorch raises when
     the device has no memory left (a "CUDA error" in its text: not one that poisons the context)."""
@@ -159,6 +166,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["variable/v1"] = save_script(lambda: Variable(str(root / GATES)), root, "variable", "v1", 11)
     files["bigtemp/v1"] = save_script(BigTemporary, root, "bigtemp", "v1", 12)
     files["bf16/v1"] = save_script(lambda: Bfloat16Mix(1_000), root, "bf16", "v1", 15)  # ~5 ms a batch
+    files["sum/v1"] = save_script(Sum, root, "sum", "v1", 16)
     return files
 
 

@@ -9,6 +9,7 @@ import re
 import signal
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -330,3 +331,64 @@ def test_when_the_last_worker_is_given_up_waiting_requests_are_answered_unavaila
     assert all("every worker was given up" in r["error"] for r in replies.values())
     assert later["status"] == "unavailable" and "none is coming back: every worker was given up" in later["error"]
     assert daemon.status()["workers"][0]["state"] == "failed"
+
+
+# -- memory bounded by bytes -------------------------------------------------------------------------------
+
+MIB = 1 << 20
+
+
+def resident(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now (VmRSS) or at its peak since the last reset (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def test_a_flood_of_large_requests_grows_the_supervisor_by_about_the_queues_byte_bound(start_daemon, gates):
+    # 96 requests of 4 MiB at once, from 8 connections, against queue.max_bytes = 64 MiB while the executor is
+    # held: a few wait, the rest are refused. At its peak the supervisor holds the queue's 64 MiB and what it
+    # reads before it refuses, not a share of the 384 MiB offered; and it gives the freed buffers back.
+    budget, floats = 64 * MIB, MIB
+    daemon = start_daemon({"sum": {"inputs": [{"dtype": "float32", "shape": [floats]}], "max_batch_size": 1,
+                                   "warmup_batch_sizes": [1]}, "variable": ONE_BY_ONE},
+                          workers={"streams": 1, "shm_mb": 32}, server={"max_message_mb": 5},
+                          queue={"max_bytes": budget, "max_bytes_per_client": budget})
+    x = np.full((1, floats), 0.5, dtype=np.float32)
+    pid = daemon.process.pid
+    peers = [RawPeer(daemon.endpoint) for _ in range(8)]
+    try:
+        for peer in peers:  # every connection up, and the supervisor past what it makes once
+            peer.send("warm", "sum", [x], timeout_ms=30_000)
+            assert peer.recv()[0]["status"] == "ok"
+        gate = gates()
+        peers[0].send("held", "variable", [gate.input], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+        before = resident(pid)
+        Path(f"/proc/{pid}/clear_refs").write_text("5")  # the peak starts again from now
+        for k, peer in enumerate(peers):
+            for i in range(12):
+                peer.send(f"{k}-{i}", "sum", [x], timeout_ms=60_000)
+
+        def read_all() -> bool:
+            status = daemon.status()
+            waiting = status["models"]["sum"]["queue_depth"] + status["workers"][0]["requests_in_flight"] - 1
+            return status["replies"].get("overloaded", 0) + waiting == 96
+
+        wait_for(read_all, what="all 96 requests read")
+        peak = resident(pid, "VmHWM")
+        gate.open()
+        replies = [peer.recv(timeout=60)[0] for peer in peers for _ in range(12)] + [peers[0].recv()[0]]
+    finally:
+        for peer in peers:
+            peer.close()
+    statuses = [r["status"] for r in replies]
+    assert set(statuses) == {"ok", "overloaded"} and statuses.count("overloaded") >= 70, statuses
+    assert all("queue.max_bytes" in r["error"] for r in replies if r["status"] == "overloaded")
+    grown = peak - before
+    assert grown <= 1.5 * budget + 16 * MIB, f"the supervisor grew {grown / MIB:.0f} MiB at its peak"
+    after = wait_for(lambda: (now := resident(pid)) <= before + 8 * MIB and now, timeout=10,
+                     what=f"the freed requests' memory given back (resident {resident(pid) / MIB:.0f} MiB, "
+                          f"{before / MIB:.0f} MiB before the flood)")
+    assert after <= before + 8 * MIB

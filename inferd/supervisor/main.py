@@ -26,7 +26,7 @@ from typing import Any
 import setproctitle
 import zmq
 
-from inferd import __version__, protocol
+from inferd import __version__, heap, protocol
 from inferd.config.schema import Config
 from inferd.ipc.arena import sweep_stale
 from inferd.paths import runtime_dir
@@ -36,6 +36,7 @@ from inferd.supervisor.batcher import Capacity
 from inferd.supervisor.children import ChildProcess
 from inferd.supervisor.gateway_processes import Gateway
 from inferd.supervisor.parts import Parts
+from inferd.supervisor.report import systemd_status
 from inferd.supervisor.state import DaemonState, StartupError
 from inferd.supervisor.trim_requests import TRIM_ANNOTATION
 from inferd.supervisor.worker_messages import WorkerMessages
@@ -158,16 +159,12 @@ class Supervisor(Parts):
                 self._next_tick = now + TICK_S
                 self._housekeeping(now)
             hung = self.liveness.hung(now)
-            self.systemd.report(now, hung[1] if hung else None, self._status)
+            self.systemd.report(now, hung[1] if hung else None, lambda: systemd_status(self))
 
     def _poll(self, wait: float, spin: bool) -> list[tuple[Any, int]]:
-        """The sockets and fds that are ready, waiting at most `wait` seconds.
-
-        With `spin` (the last poll found work), the loop polls without sleeping for
-        server.spin_us first: a core that went idle (a virtual CPU above all) takes
-        far longer to wake than the next request takes to come. Each turn yields the
-        core to any other thread that wants it. Otherwise it blocks.
-        """
+        """The sockets and fds that are ready, waiting at most `wait` seconds. With `spin` (the last poll found
+        work) it polls without sleeping for server.spin_us first, yielding the core each turn: a core that went
+        idle (a virtual CPU above all) takes far longer to wake than the next request takes to come."""
         events = self.poller.poll(0)
         if not events and spin and self._spin_s:
             spin_until = time.monotonic() + self._spin_s
@@ -241,6 +238,7 @@ class Supervisor(Parts):
             self.workers.trim_memory(f"the pod annotation {TRIM_ANNOTATION}={request}")
         self._check_stopped()
         self.frontend.admit(self.state, self.workers)
+        heap.give_back()  # what requests' buffers took, once they are gone
 
     def _check_stopped(self) -> None:
         if (self.state == DaemonState.STOPPING and all(w.process is None for w in self.workers.workers)
@@ -265,14 +263,6 @@ class Supervisor(Parts):
             log.warning("serving without worker(s) %s, which failed to start", failed)
         log.info("ready: %d worker(s) serving %s", len(workers) - len(failed),
                  ", ".join(f"{n} {v}" for n, v in self.live.items()))
-
-    def _status(self) -> tuple[str, int]:
-        """The one-line summary systemd shows, and the replies so far (for the rate)."""
-        ready = sum(w.state == WorkerState.READY for w in self.workers.workers)
-        live = ", ".join(f"{n} {v}" + (f" ({self.candidates[n].describe()})" if n in self.candidates else "")
-                         for n, v in self.live.items())
-        summary = f"{self.state}; {ready}/{len(self.workers.workers)} workers ready; {live}"
-        return summary, sum(self.stats.replies.values())
 
     # -- child processes ----------------------------------------------------------
 

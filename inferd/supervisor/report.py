@@ -1,7 +1,8 @@
-"""The `inferctl stats` report: one JSON object built from the daemon's measurements.
+"""The daemon's reports: `inferctl stats`, one JSON object built from its measurements, and the one
+line systemd shows.
 
-Its schema is documented in docs/operations/watching.md ("inferctl stats --json"); the Prometheus
-endpoint reads the same measurements (see metrics.py).
+The stats' schema is documented in docs/operations/watching.md ("inferctl stats --json"); the
+Prometheus endpoint reads the same measurements (see metrics.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from inferd.supervisor.candidates import Candidate, Mode
 from inferd.supervisor.stats import Series
+from inferd.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
     from inferd.supervisor.view import DaemonView
@@ -165,6 +167,15 @@ def requests_by_protocol(daemon: DaemonView, model: str, replies: Counter[str]) 
             result["zmq"][status] = result["zmq"].get(status, 0) - n
     result["zmq"] = {status: n for status, n in result["zmq"].items() if n}
     return result
+
+
+def systemd_status(daemon: DaemonView) -> tuple[str, int]:
+    """The one-line summary systemd shows, and the replies so far (for the rate)."""
+    workers = daemon.workers.workers
+    ready = sum(w.state == WorkerState.READY for w in workers)
+    live = ", ".join(f"{n} {v}" + (f" ({daemon.candidates[n].describe()})" if n in daemon.candidates else "")
+                     for n, v in daemon.live.items())
+    return f"{daemon.state}; {ready}/{len(workers)} workers ready; {live}", sum(daemon.stats.replies.values())
 
 
 def stats_report(daemon: DaemonView) -> dict[str, Any]:
