@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -201,6 +203,42 @@ def test_a_worker_that_wedges_while_idle_is_found_by_a_ping_and_replaced(start_d
     with RawPeer(daemon.endpoint) as peer:
         peer.send(1, "variable", [steps(10)], timeout_ms=10_000)
         assert peer.recv()[0]["status"] == "ok"
+
+
+def replacement_held(daemon, restarts: int) -> psutil.Process:
+    """SIGKILL the only worker and stop its replacement while it boots (SIGSTOP), so that no worker serves
+    until the test lets it go on; the replacement's process."""
+    os.kill(daemon.status()["workers"][0]["pid"], signal.SIGKILL)
+    booting = wait_for(lambda: (w := daemon.status()["workers"][0])["restarts"] == restarts
+                       and w["state"] == "booting" and w["pid"] and w, what="the replacement booting")
+    process = psutil.Process(booting["pid"])
+    process.suspend()
+    return process
+
+
+def test_a_reload_asked_for_while_the_only_worker_restarts_waits_for_it(reload_daemon):
+    daemon = reload_daemon(workers={"load_timeout_s": 2})
+    inferctl = [str(Path(sys.executable).parent / "inferctl"), "--control", daemon.control, "reload", "--version", "v2"]
+    held = replacement_held(daemon, 1)
+    try:  # it does not come back within workers.load_timeout_s: the reload ends, saying so
+        refused = subprocess.run(inferctl, capture_output=True, text=True, timeout=60)
+    finally:
+        held.resume()
+    assert refused.returncode == 1 and "no worker serving v1 came back within workers.load_timeout_s (2 s)" in \
+        refused.stderr, refused.stderr
+    wait_for(lambda: daemon.status()["workers"][0]["state"] == "ready", what="the replacement ready")
+    held = replacement_held(daemon, 2)
+    waiting = subprocess.Popen(inferctl, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert waiting.stdout is not None
+        first = waiting.stdout.readline()
+        assert "no worker serves mlp now: waiting for worker0, expected back in" in first and "to load v2" in first
+    finally:
+        held.resume()
+    out, err = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0, err
+    assert out.strip().splitlines()[-1].startswith("mlp v2 is live (was v1)"), out
+    assert daemon.status()["workers"][0]["loaded"] == ["mlp v2"]
 
 
 def test_reloads_and_sighups_leak_no_descriptors_or_threads(reload_daemon):

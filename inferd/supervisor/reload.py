@@ -62,6 +62,11 @@ class Reload:
                 "warm_s": round(max(m.warm_s for m in self.loaded.values()), 3)}
 
 
+def _waiting(reload: Reload) -> bool:
+    """Whether `reload` waits for a worker to come back (none served its model when it began)."""
+    return not reload.pending and not reload.loaded and reload.failure is None
+
+
 class ReloadManager:
     """Runs reloads and rollbacks, keeps every worker on the live versions, and is the one writer of them."""
 
@@ -117,8 +122,11 @@ class ReloadManager:
             reply.fail(f"cannot reload {model}: {exc}")
             return
         targets = {w for w in self.workers.workers if w.serves(model, live)}
-        if not targets:
-            reply.fail(f"no ready worker serves {model}; nothing can load {version}")
+        now = time.monotonic()
+        coming = sorted((back, w.index) for w in self.workers.workers
+                        if w.state != WorkerState.READY and (back := w.expected_back(now)) is not None)
+        if not targets and not coming:
+            reply.fail(f"no ready worker serves {model}, and none is coming back; nothing can load {version}")
             return
         expect = None if allow_signature_change else self.workers.signature(model, live)
         # A version reloaded soon after it was replaced may still be waiting to be
@@ -128,6 +136,12 @@ class ReloadManager:
         self.active[model] = reload
         notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         log.info("reloading %s: %s -> %s on %d worker(s)", model, live, version, len(targets))
+        if not targets:  # its workers are restarting: it loads on the first one back (catch_up)
+            back, index = coming[0]
+            reply.progress(f"no worker serves {model} now: waiting for worker{index}, expected back in "
+                           f"{max(0.0, back - now):.1f} s, to load {version}",
+                           wait_s=self.config.workers.load_timeout_s)
+            return
         reply.progress(f"loading {model} {version} beside {live} on {len(targets)} worker(s)",
                        wait_s=self.config.workers.load_timeout_s)
         for worker in targets:
@@ -181,6 +195,10 @@ class ReloadManager:
         whose loader hung. Such workers are replaced one at a time: the executors of a hung loader
         still serve the live versions, so the others serve on while one is replaced."""
         limit = self.config.workers.load_timeout_s
+        for reload in [r for r in self.active.values() if _waiting(r) and now - r.started > limit]:
+            reload.failure = (f"no worker serving {reload.previous} came back within workers.load_timeout_s "
+                              f"({limit:g} s)")
+            self._settle(reload)
         for worker in self.workers.workers:
             late = [key for key, asked in worker.loading.items() if now - asked > limit]
             if not late:
@@ -198,9 +216,12 @@ class ReloadManager:
                 self.workers.replace(worker, why)
 
     def catch_up(self, worker: WorkerHandle) -> None:
-        """Bring a worker that came up with an old version to the live version of each model."""
+        """Bring a worker that came up with an old version to the live version of each model; a reload that
+        waited for a worker to come back loads there now."""
         if worker.state != WorkerState.READY:
             return
+        for reload in [r for r in self.active.values() if _waiting(r) and worker.serves(r.model, r.previous)]:
+            self._settle(reload)  # loads it on every ready worker that serves the previous version
         wanted = [*self.live.items(), *((model, c.version) for model, c in self.candidates.items())]
         for model, version in wanted:
             if (model, version) in worker.loaded or (worker, model, version) in self.catching_up:
