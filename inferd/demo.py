@@ -16,34 +16,41 @@ import time
 from pathlib import Path
 from typing import Any
 
+from inferd.repository import MODEL_FILES
+
 DEMO_MODEL = "mlp"
 DEMO_VERSIONS = {"v1": 1, "v2": 2}  # version -> weight seed
+DEMO_FILE = "model.pt2"  # torch.export programs: PyTorch's way to save a model for serving now
 DEMO_ENDPOINT = "tcp://127.0.0.1:5555"
 IN_FEATURES, HIDDEN, OUT_FEATURES = 256, 128, 10
 
 
 def build_mlp(seed: int):
-    """The demo MLP (256 -> 128 -> 10, ReLU) with weights drawn from `seed`, as TorchScript."""
+    """The demo MLP (256 -> 128 -> 10, ReLU) with weights drawn from `seed`, exported with a dynamic batch dim."""
     import torch
 
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, OUT_FEATURES)
     ).eval()
-    return torch.jit.script(model)
+    batch = torch.export.Dim("batch", max=1024)
+    return torch.export.export(model, (torch.zeros(2, IN_FEATURES),), dynamic_shapes=({0: batch},))
 
 
 def build_repository(root: Path) -> None:
-    """Write every demo version under `root/mlp/VERSION/model.pt` (atomically per file)."""
+    """Write every demo version under `root/mlp/VERSION/model.pt2` (atomically per file)."""
     import torch
 
     for version, seed in DEMO_VERSIONS.items():
-        target = root / DEMO_MODEL / version / "model.pt"
-        if target.exists():
+        target = root / DEMO_MODEL / version / DEMO_FILE
+        if any((target.parent / name).exists() for name in MODEL_FILES):  # an earlier release's demo is kept
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
-        torch.jit.save(build_mlp(seed), str(partial))
+        torch.export.save(build_mlp(seed), str(partial))
+        # Whatever the umask: a model file others may write is refused (models.NAME.allow_writable).
+        partial.chmod(0o644)
+        target.parent.chmod(0o755)
         partial.rename(target)
 
 
@@ -58,7 +65,7 @@ def ensure_repository(state_dir: str | Path) -> Path:
     The child keeps torch out of the supervisor, which never imports it.
     """
     root = repository_path(state_dir)
-    if all((root / DEMO_MODEL / v / "model.pt").exists() for v in DEMO_VERSIONS):
+    if all((root / DEMO_MODEL / v / DEMO_FILE).exists() for v in DEMO_VERSIONS):
         return root
     subprocess.run([sys.executable, "-m", "inferd.demo", "build", str(root)], check=True)
     return root
@@ -106,7 +113,7 @@ def run_demo() -> int:
     try:
         live = daemon.status()["models"][DEMO_MODEL]["live_version"]
         print(f"\ninferd is serving {DEMO_MODEL} {live} on {DEMO_ENDPOINT} (control: {daemon.control})")
-        reference = torch.jit.load(str(repository_path(workdir) / DEMO_MODEL / live / "model.pt"))
+        reference = torch.export.load(str(repository_path(workdir) / DEMO_MODEL / live / DEMO_FILE)).module()
         rng = np.random.default_rng(0)
         with daemon.client(timeout=5.0) as client:
             for samples in (1, 4, 16):

@@ -1,19 +1,25 @@
 """What a model file holds, told from its zip archive's listing, never by unpickling it.
 
-TorchScript (`torch.jit.save`) and torch.export (`torch.export.save`) archives
-are served; what people save by mistake is named with the way to save it
-instead: a pickled module (`torch.save(model)`), a state dict or checkpoint
+TorchScript (`torch.jit.save`), torch.export (`torch.export.save`) and
+AOTInductor (`torch._inductor.aoti_compile_and_package`) archives are served;
+what people save by mistake is named with the way to save it instead: a pickled
+module (`torch.save(model)`), a state dict or checkpoint
 (`torch.save(model.state_dict())`), or a file that is no archive at all.
 """
 
 from __future__ import annotations
 
+import json
 import pickletools
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-TORCHSCRIPT, EXPORTED = "torchscript", "exported"
+TORCHSCRIPT, EXPORTED, AOTI = "torchscript", "exported", "aoti"
+# What an AOTInductor package records about where it was compiled (its *_metadata.json), by the name
+# inferd reports it under.
+AOTI_MADE = {"AOTI_DEVICE_KEY": "device", "AOTI_PLATFORM": "platform", "AOTI_MACHINE": "machine",
+             "AOTI_CPU_ISA": "cpu_isa", "AOTI_COMPUTE_CAPABILITY": "compute_capability"}
 PICKLE_PEEK_BYTES = 1 << 20  # a module's pickle names its class within its first opcodes
 
 HOW_TO_SAVE = ("save it with torch.export.save(torch.export.export(model, example, dynamic_shapes=...)) as "
@@ -22,11 +28,13 @@ HOW_TO_SAVE = ("save it with torch.export.save(torch.export.export(model, exampl
 
 @dataclass(frozen=True)
 class ModelFile:
-    """A model file's format (TORCHSCRIPT or EXPORTED), or the sentence saying why it cannot be served."""
+    """A model file's format (TORCHSCRIPT, EXPORTED or AOTI), or the sentence saying why it cannot be served;
+    `made`: what an AOTInductor package records about where it was compiled (its device above all)."""
 
     path: Path
     format: str | None
     problem: str | None = None
+    made: dict[str, str] = field(default_factory=dict)
 
 
 def inspect(path: Path) -> ModelFile:
@@ -38,9 +46,9 @@ def inspect(path: Path) -> ModelFile:
             if "constants.pkl" in inner or any(name.startswith("code/") for name in inner):
                 return ModelFile(path, TORCHSCRIPT)
             if "archive_format" in inner or any(name.startswith("models/") for name in inner):
-                if any(name.startswith("data/aotinductor/") for name in inner):
-                    return ModelFile(path, None, f"{path} is an AOTInductor package, which inferd does not serve "
-                                                 f"yet; {HOW_TO_SAVE}")
+                compiled = [name for name in names if name.partition("/")[2].startswith("data/aotinductor/")]
+                if compiled:
+                    return ModelFile(path, AOTI, made=_aoti_made(archive, compiled))
                 return ModelFile(path, EXPORTED)
             pickle = next((name for name in names if name.partition("/")[2] == "data.pkl"), None)
             if pickle is None:
@@ -57,6 +65,18 @@ def inspect(path: Path) -> ModelFile:
                                      f"torch.save); load it into its module in Python, then {HOW_TO_SAVE}")
     return ModelFile(path, None, f"{path} is a pickled {first_class} written by torch.save(model), which inferd "
                                  f"never unpickles (a pickle can run any code); {HOW_TO_SAVE}")
+
+
+def _aoti_made(archive: zipfile.ZipFile, members: list[str]) -> dict[str, str]:
+    """The compile-time facts an AOTInductor package's first metadata file records (empty ones left out)."""
+    for name in sorted(members):
+        if name.endswith("_metadata.json"):
+            try:
+                recorded = json.loads(archive.read(name))
+            except ValueError:
+                return {}
+            return {ours: str(recorded[theirs]) for theirs, ours in AOTI_MADE.items() if recorded.get(theirs)}
+    return {}
 
 
 def _first_class(data: bytes) -> str | None:

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,18 @@ def resolve_version(model: ModelConfig, saved: str | None = None) -> str:
     return found[-1]
 
 
+def writable_by_others(model: str, path: Path) -> str | None:
+    """The sentence refusing a model file that, or whose folder, the owner's group or others may write (None
+    when only its owner may): whoever can write it can make the worker run their code."""
+    for where in (path, path.parent):
+        mode = where.stat().st_mode
+        who = " and ".join(w for w, bit in (("its group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if mode & bit)
+        if who:
+            return (f"{where} may be written by {who}, and a model file is code the worker runs; `chmod go-w "
+                    f"{where}`, or set models.{model}.allow_writable = true")
+    return None
+
+
 def check(models: dict[str, ModelConfig]) -> list[str]:
     """Problems with the repositories of `models`, each a sentence with its key."""
     problems = []
@@ -84,7 +97,10 @@ def check(models: dict[str, ModelConfig]) -> list[str]:
         except RepositoryError as exc:
             problems.append(f"models.{name}: {exc}")
             continue
-        problem = model_files.inspect(model_file(model.repository or "", version)).problem
+        path = model_file(model.repository or "", version)
+        problem = model_files.inspect(path).problem
+        if problem is None and not model.allow_writable:
+            problem = writable_by_others(name, path)
         if problem is not None:
             problems.append(f"models.{name}: version {version!r}: {problem}")
     return problems
@@ -196,5 +212,5 @@ def describe_versions(repository: str | Path) -> list[dict[str, object]]:
         stat = path.stat()
         found = model_files.inspect(path)
         described.append({"version": version, "file": path.name, "size_bytes": stat.st_size, "modified": stat.st_mtime,
-                          "format": found.format, "problem": found.problem})
+                          "format": found.format, "problem": found.problem, "made": found.made})
     return described

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import os
 import shutil
 import sys
 import tempfile
@@ -156,6 +158,32 @@ def built_once(factory: pytest.TempPathFactory, config: pytest.Config, name: str
 def repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
     """A model repository with every test model (read-only: tests that change one copy it)."""
     return built_once(tmp_path_factory, pytestconfig, "repo", models.build_repository)
+
+
+def cached_across_runs(root: Path, build: Callable[[Path], Any]) -> None:
+    """Build into `root` what takes minutes to build (AOTInductor packages), or copy it from the build of an
+    earlier run: kept in the user's cache folder, under the torch version and the source of the test
+    models, so a change to either builds it again."""
+    source = (Path(__file__).parent / "models.py").read_bytes()
+    key = hashlib.sha256(torch.__version__.encode() + b"\0" + source).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferd-tests" / f"{root.name}-{key}"
+    if cache.is_dir():
+        shutil.copytree(cache, root, dirs_exist_ok=True)
+        return
+    build(root)
+    staging = cache.with_name(cache.name + f".{os.getpid()}")
+    shutil.copytree(root, staging)
+    try:
+        staging.rename(cache)
+    except OSError:  # another run cached it first
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def formats_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    """One model `mlp` in every format: TorchScript v1, torch.export v2, AOTInductor v3 (read-only)."""
+    return built_once(tmp_path_factory, pytestconfig, "formats-repo",
+                      lambda root: cached_across_runs(root, models.build_formats_repository))
 
 
 @pytest.fixture(scope="session")

@@ -146,6 +146,29 @@ def save_export(module: torch.nn.Module, example: tuple[torch.Tensor, ...], root
     return path
 
 
+def save_aoti(module: torch.nn.Module, example: tuple[torch.Tensor, ...], root: Path, name: str,
+              version: str) -> Path:
+    """Export `module` with a dynamic batch dim, compile it with AOTInductor for the CPU and save the package
+    as NAME/VERSION/model.pt2 (half a minute of a C++ compiler's time on a small machine)."""
+    path = root / name / version / "model.pt2"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch = torch.export.Dim("batch", min=1, max=1024)
+    program = torch.export.export(module.eval(), example, dynamic_shapes=({0: batch},))
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    return path
+
+
+def build_formats_repository(root: Path) -> dict[str, Path]:
+    """One model `mlp` in each format, each with weights of its own: TorchScript (v1), torch.export (v2) and
+    an AOTInductor package for the CPU (v3)."""
+    files = {"v1": save_script(Mlp, root, "mlp", "v1", 21)}
+    torch.manual_seed(22)
+    files["v2"] = save_export(Mlp(), (torch.randn(2, MLP_IN),), root, "mlp", "v2")
+    torch.manual_seed(23)
+    files["v3"] = save_aoti(Mlp(), (torch.randn(2, MLP_IN),), root, "mlp", "v3")
+    return files
+
+
 def build_repository(root: Path) -> dict[str, Path]:
     """Every test model; returns the file of each NAME/VERSION."""
     files = {}

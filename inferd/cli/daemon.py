@@ -57,6 +57,42 @@ def check_config(config_path: str) -> None:
     click.echo(f"{config_path}: ok ({len(config.models)} model(s))")
 
 
+@inferd.command()
+@click.option("--config", "config_path", required=True, type=click.Path(dir_okay=False),
+              help="The daemon's config: where the model's repository is, and its inputs.")
+@click.option("--model", required=True, help="Model name.")
+@click.option("--from", "source", required=True, help="The version to convert (TorchScript or torch.export).")
+@click.option("--to", "target", required=True, help="The new version's name: a folder beside it.")
+@click.option("--format", "format_", type=click.Choice(["exported", "aoti"]),
+              help="exported: a torch.export program; aoti: compiled by AOTInductor for --device. Default: aoti "
+                   "where a C++ compiler is found, else exported.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda:N: where the version will run.")
+def convert(config_path: str, model: str, source: str, target: str, format_: str | None, device: str) -> None:
+    """Make a new version of a model from an old one in a newer format, checked to give the same answers.
+
+    From TorchScript through PyTorch's converter, exported with a dynamic batch dim up to max_batch_size, and
+    with --format aoti compiled for --device (minutes on a small machine); the new version must give the old
+    one's answers at several batch sizes, and carries the old one's output as its canary. Then
+    `inferctl reload --version NEW` puts it live.
+    """
+    import warnings
+
+    from inferd.convert import ConvertError, default_format, timed
+    from inferd.convert import convert as make_version
+
+    warnings.simplefilter("ignore", FutureWarning)  # torch's notes to its own developers, not to this command's user
+
+    config = load_config(config_path)
+    if model not in config.models:
+        raise CliError(f"{config_path} has no model {model!r}; it serves {', '.join(sorted(config.models))}")
+    say = timed(click.echo)
+    try:
+        folder = make_version(model, config.models[model], source, target, format_ or default_format(), device, say)
+    except ConvertError as exc:
+        raise CliError(str(exc)) from None
+    say(f"{model} {target} written to {folder}; `inferctl reload --model {model} --version {target}` puts it live")
+
+
 def main() -> None:
     """Entry point of `inferd`."""
     run_command(inferd, "inferd")

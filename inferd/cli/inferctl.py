@@ -14,7 +14,7 @@ import numpy as np
 
 from inferd import paths, protocol
 from inferd.cli.common import CliError, Duration, load_config, run_command
-from inferd.cli.render import models_text, stats_table, status_table, switch_outcome
+from inferd.cli.render import models_text, stats_table, status_table, switch_outcome, versions_text
 from inferd.cli.stacks import signalled_stacks
 from inferd.errors import ERROR_BY_STATUS, InferdError
 from inferd.ipc.control import ControlClient, ControlError, NoDaemon, encode_command
@@ -241,16 +241,13 @@ def trim(ctx: click.Context) -> None:
 
 @inferctl.command()
 @click.option("--model", help="Model name (default: every model).")
+@click.option("--json", "as_json", is_flag=True, help="As JSON: the model names, each a list of its versions.")
 @click.pass_context
-def versions(ctx: click.Context, model: str | None) -> None:
-    """The versions in the repository, with sizes and dates, and which is live."""
+def versions(ctx: click.Context, model: str | None, as_json: bool) -> None:
+    """The versions in the repository: each one's file, format, size and date, where an AOTInductor package was
+    compiled for, and which is live."""
     result = _call(ctx, "versions", model=model)
-    for name, found in result.items():
-        click.echo(f"{name}:")
-        for entry in found:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(entry["modified"]))
-            click.echo(f"  {'*' if entry['live'] else ' '} {entry['version']:<16} {entry['file']:<10} "
-                       f"{entry['size_bytes'] / 2**20:10.2f} MiB  {stamp}{'  (live)' if entry['live'] else ''}")
+    click.echo(json.dumps(result, indent=2) if as_json else versions_text(result))
 
 
 @inferctl.command()

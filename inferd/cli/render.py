@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -195,13 +196,32 @@ def models_text(models: dict[str, Any], listen: list[str]) -> str:
         on_disk = model["on_disk"]
         if isinstance(on_disk, str):
             lines.append(f"    cannot list them: {on_disk}")
-        for entry in on_disk if isinstance(on_disk, list) else []:
-            live = entry["version"] == model["live_version"]
-            what = (f"cannot be served: {entry['problem']}" if entry["problem"] else
-                    f"{entry['format']:<12} {entry['size_bytes'] / 2**20:8.2f} MiB{'  (live)' if live else ''}")
-            lines.append(f"  {'*' if live else ' '} {entry['version']:<14} {entry['file'] or '-':<10} {what}")
+        lines += [version_line(entry, entry["version"] == model["live_version"])
+                  for entry in (on_disk if isinstance(on_disk, list) else [])]
         lines.append("  try it:")
         lines += [f"    {line}" for line in _example(name, config["inputs"], endpoint)]
+    return "\n".join(lines)
+
+
+def version_line(entry: dict[str, Any], live: bool, modified: bool = False) -> str:
+    """One version on disk: its file, format, size (and with `modified` its date), where an AOTInductor package
+    was compiled for, whether it is live; or why it cannot be served."""
+    if entry["problem"]:
+        what = f"cannot be served: {entry['problem']}"
+    else:
+        stamp = time.strftime("  %Y-%m-%d %H:%M:%S", time.localtime(entry["modified"])) if modified else ""
+        device = entry.get("made", {}).get("device")
+        what = (f"{entry['format']:<12} {entry['size_bytes'] / 2**20:8.2f} MiB{stamp}"
+                f"{f'  compiled for {device}' if device else ''}{'  (live)' if live else ''}")
+    return f"  {'*' if live else ' '} {entry['version']:<14} {entry['file'] or '-':<10} {what}"
+
+
+def versions_text(result: dict[str, list[dict[str, Any]]]) -> str:
+    """What `inferctl versions` prints: each model's versions on disk."""
+    lines: list[str] = []
+    for name, found in result.items():
+        lines.append(f"{name}:")
+        lines += [version_line(entry, entry["live"], modified=True) for entry in found]
     return "\n".join(lines)
 
 

@@ -323,6 +323,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc('"fp32", "fp16" or "bf16" (GPU only): the model is converted when it loads, floating inputs are cast '
              "on the device, floating outputs come back as float32."),
     ] = "fp32"
+    allow_writable: Annotated[
+        bool,
+        _doc("Serve a version whose model file or folder others than its owner may write. A model file is code the "
+             "worker runs (an AOTInductor package holds a shared library; a torch.export archive can hold pickled "
+             "parts), so by default such a version is refused.", live=True),
+    ] = False
     retry_lost_batches: Annotated[
         bool,
         _doc("A batch lost with its worker (a crash, a hang) is computed again, once, on another executor: "

@@ -141,7 +141,7 @@ class Commands:
         except (RepositoryError, OSError) as exc:
             return str(exc)
         return found + [{"version": folder, "file": None, "size_bytes": 0, "modified": 0.0, "format": None,
-                         "problem": f"the folder holds no {' or '.join(MODEL_FILES)}"} for folder in empty]
+                         "made": {}, "problem": f"the folder holds no {' or '.join(MODEL_FILES)}"} for folder in empty]
 
     def command_status(self) -> dict[str, Any]:
         """The daemon's state, its workers, its gateways and the live version of each model."""

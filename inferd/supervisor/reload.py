@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferd import model_files
 from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.repository import RepositoryError, SavedVersions, model_file
@@ -89,6 +90,9 @@ class ReloadManager:
         self.retiring: set[tuple[WorkerHandle, str, str]] = set()
         # Loads that bring a worker to the live version outside any reload.
         self.catching_up: set[tuple[WorkerHandle, str, str]] = set()
+        self._deprecation_said: set[tuple[str, str]] = set()
+        for model, version in live.items():
+            self._say_if_deprecated(model, version)
 
     def configure(self, config: Config) -> None:
         """Take a new config (a SIGHUP): model configs, the memory guard, the load timeout."""
@@ -97,6 +101,21 @@ class ReloadManager:
     def add_model(self, model: str, version: str) -> None:
         """Serve a model a config reload added, at `version`; every ready worker catches up to it."""
         self.live.add(model, version)
+        self._say_if_deprecated(model, version)
+
+    def _say_if_deprecated(self, model: str, version: str) -> None:
+        """Log, once per version, that a live TorchScript version will stop loading one day, and how to convert it."""
+        if (model, version) in self._deprecation_said:
+            return
+        try:
+            found = model_files.inspect(model_file(self.config.models[model].repository or "", version))
+        except RepositoryError:
+            return
+        if found.format == model_files.TORCHSCRIPT:
+            self._deprecation_said.add((model, version))
+            log.warning("%s %s is TorchScript, which PyTorch has deprecated (torch.jit.load warns; a coming release "
+                        "will not load it): `inferd convert --config PATH --model %s --from %s --to NEW` makes an "
+                        "exported or AOTInductor version of it", model, version, model, version)
 
     def start(self, model: str, version: str, allow_signature_change: bool, reply: Reply,
               on_loaded: Callable[[Reload], None] | None = None) -> None:
@@ -296,6 +315,7 @@ class ReloadManager:
         switch_started = time.perf_counter()
         previous = self.live.switch(model, version)
         switch_ms = (time.perf_counter() - switch_started) * 1000
+        self._say_if_deprecated(model, version)
         for worker in self.workers.workers:
             if (model, previous) in worker.loaded:
                 self._retire(worker, model, previous)

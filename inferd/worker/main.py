@@ -143,7 +143,7 @@ def _boot(spec: WorkerSpec, config: Config, context: zmq.Context, stop_fd: int):
         torch.set_num_threads(config.workers.cpu_threads)
     arena = Arena.attach(spec.arena)
     pinned = _pin(arena, device)
-    runner = ModelRunner(device)
+    runner = ModelRunner(device, config.workers.streams)
     overlap = Overlap()
     executors = [
         Executor(k, context, spec.backend, messages.Hello(spec.worker, spec.generation, k), arena, runner, stop_fd,

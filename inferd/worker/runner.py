@@ -1,8 +1,9 @@
 """Models on one device: load a version, warm it up, run a batch.
 
-Files are read with TorchScript (`torch.jit.load`) or torch.export
-(`torch.export.load`), whichever the file holds (model_files), never with a
-bare pickle `torch.load`.
+Files are read with TorchScript (`torch.jit.load`), torch.export
+(`torch.export.load`) or AOTInductor's loader, whichever the file holds
+(model_files), never with a bare pickle `torch.load`. An AOTInductor package
+gets one runner per executor: a runner computes one batch at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from inferd.arrays import to_numpy
 from inferd.config.schema import ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.protocol import DTYPES
-from inferd.repository import CANARY_ATOL, CANARY_RTOL, model_file
+from inferd.repository import CANARY_ATOL, CANARY_RTOL, model_file, writable_by_others
 
 log = logging.getLogger("inferd.worker.runner")
 
@@ -43,12 +44,15 @@ def describe_error(exc: BaseException) -> str:
     return text.removeprefix("builtins.")
 
 
-def load_module(path: Path, device: torch.device, config: ModelConfig) -> Any:
-    """Load a TorchScript or torch.export file onto `device`, in eval mode, by what the file holds
-    (whatever its name); a torch.export program must take every batch size `config` warms up."""
+def load_module(path: Path, device: torch.device, config: ModelConfig, runners: int = 1) -> Any:
+    """Load a TorchScript, torch.export or AOTInductor file onto `device`, in eval mode, by what the file holds
+    (whatever its name); a torch.export program must take every batch size `config` warms up, and an
+    AOTInductor package gets `runners` runners (one per executor) and must have been compiled for `device`."""
     found = model_files.inspect(path)
     if found.problem is not None:
         raise ModelError(found.problem)
+    if found.format == model_files.AOTI:
+        return _load_aoti(path, device, config, found.made, runners)
     try:
         if found.format == model_files.EXPORTED:
             program = torch.export.load(str(path))
@@ -64,6 +68,25 @@ def load_module(path: Path, device: torch.device, config: ModelConfig) -> Any:
     if isinstance(module, torch.jit.ScriptModule):
         module.eval()
     return module
+
+
+def _load_aoti(path: Path, device: torch.device, config: ModelConfig, made: dict[str, str], runners: int) -> Any:
+    compiled_for = made.get("device")
+    if compiled_for is not None and compiled_for != device.type:
+        raise ModelError(f"{path} is an AOTInductor package compiled for {compiled_for}, but this worker runs on "
+                         f"{device}; compile it for {device.type} (inferd convert --format aoti --device "
+                         f"{device.type})")
+    if config.precision != "fp32":
+        raise ModelError(f"{path} is an AOTInductor package, which computes in the precision it was compiled in; "
+                         "set precision = \"fp32\" (and compile it in the precision wanted)")
+    from torch._inductor.package import load_package
+
+    try:
+        return load_package(str(path), num_runners=max(1, runners),
+                            device_index=device.index if device.index is not None else -1)
+    except Exception as exc:  # noqa: BLE001 - a package another torch built fails in many ways
+        raise ModelError(f"{path} is an AOTInductor package this worker's torch {torch.__version__} cannot load "
+                         f"({describe_error(exc)}); compile it again with this torch") from None
 
 
 def _check_batch_dim(program: Any, path: Path, config: ModelConfig) -> None:
@@ -121,8 +144,9 @@ class Loaded:
 class ModelRunner:
     """The models loaded on one device, by name and version."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, executors: int = 1) -> None:
         self.device = device
+        self.executors = executors  # each may run a batch of the same model at once
         self._models: dict[tuple[str, str], Loaded] = {}
 
     def load(
@@ -153,9 +177,12 @@ class ModelRunner:
             path = model_file(config.repository or "", version)
         except Exception as exc:  # noqa: BLE001 - a repository error, said in one sentence
             raise ModelError(str(exc)) from None
+        refusal = None if config.allow_writable else writable_by_others(name, path)
+        if refusal is not None:
+            raise ModelError(refusal)
         if memory_factor is not None:
             self._check_room(name, version, path, memory_factor)
-        module = load_module(path, self.device, config)
+        module = load_module(path, self.device, config, self.executors)
         if precision != torch.float32:
             module = module.to(precision)
         model = Loaded(module, precision)

@@ -1,0 +1,192 @@
+"""`inferd convert`: a version of a model made again in another format, beside it in its repository.
+
+TorchScript goes through PyTorch's converter (TS2EPConverter) to a torch.export
+program; a program is exported again with a dynamic batch dim up to the model's
+max_batch_size, and with the `aoti` format compiled by AOTInductor for the
+device. The new version must give the old one's answers, on seeded inputs at
+several batch sizes and on the folder's example_input.npy; its folder gets an
+example input and the old version's output for it (expected_output.npy), which
+the reload guard checks again when it loads the version. Nothing is written to
+the repository unless every step passed: the version appears whole or not at
+all. This runs in the command's own process, never in the daemon's.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from inferd import model_files
+from inferd.config.schema import ModelConfig, version_problem
+from inferd.repository import CANARY_ATOL, CANARY_RTOL, RepositoryError, model_file, writable_by_others
+from inferd.worker.runner import TORCH_DTYPES, as_outputs, describe_error
+
+SEED = 0
+UNSUPPORTED_NODE = re.compile(r"^\s*\d+\.\s+(\S+)\s+\[", re.MULTILINE)  # a line of TS2EPConverter.explain()
+
+
+class ConvertError(Exception):
+    """A conversion that cannot be done; the message says why in one sentence."""
+
+
+def default_format() -> str:
+    """`aoti` where a C++ compiler is found (AOTInductor needs one), else `exported`."""
+    return model_files.AOTI if shutil.which("c++") or shutil.which("g++") else model_files.EXPORTED
+
+
+def convert(name: str, model: ModelConfig, source: str, target: str, format_: str, device: str,
+            say: Callable[[str], None]) -> Path:
+    """Make version `target` of model `name` from version `source` in `format_` for `device`, checked against
+    `source`; `say` hears each step as it starts. Returns the new version's folder; ConvertError otherwise."""
+    repository = Path(model.repository or "")
+    problem = version_problem(target)
+    if problem is not None:
+        raise ConvertError(f"--to {problem}")
+    destination = repository / target
+    if destination.exists():
+        raise ConvertError(f"{destination} exists already; name another version with --to")
+    try:
+        path = model_file(repository, source)
+    except RepositoryError as exc:
+        raise ConvertError(str(exc)) from None
+    found = model_files.inspect(path)
+    if found.problem is not None:
+        raise ConvertError(found.problem)
+    if found.format == model_files.AOTI:
+        raise ConvertError(f"{path} is an AOTInductor package already; convert the version it was made from")
+    target_device = torch.device(device)
+    examples = _seeded_inputs(model, 2, target_device)
+    say(f"loading {name} {source} ({found.format}) from {path}")
+    original = _load(path, found.format, target_device)
+    module = original
+    if found.format == model_files.TORCHSCRIPT:
+        say("converting TorchScript to a torch.export program (PyTorch's TS2EPConverter)")
+        module = _from_torchscript(name, source, original, examples)
+    say(f"exporting with a dynamic batch dim of 1 to {model.max_batch_size}")
+    program = _export(name, source, module, examples, model.max_batch_size)
+    with tempfile.TemporaryDirectory(prefix=f".{target}-", dir=repository) as staging:
+        folder = Path(staging) / target
+        folder.mkdir()
+        package = folder / "model.pt2"
+        if format_ == model_files.AOTI:
+            say(f"compiling with AOTInductor for {target_device} (minutes on a small machine)")
+            converted = _compile(program, package, target_device)
+        else:
+            say(f"saving the program as {package.name}")
+            torch.export.save(program, str(package))
+            converted = torch.export.load(str(package)).module()
+        sizes = sorted({1, 2, model.max_batch_size})
+        say(f"checking {target} against {source} at batch sizes {', '.join(map(str, sizes))}")
+        example = _check(original, converted, model, source, target, sizes, path.parent, target_device)
+        if example is not None:
+            x, expected = example
+            np.save(folder / "example_input.npy", x)
+            np.save(folder / "expected_output.npy", expected)
+        for written in folder.iterdir():
+            written.chmod(0o644)
+        folder.chmod(0o755)
+        folder.rename(destination)
+    problem = writable_by_others(name, destination / "model.pt2")
+    if problem is not None and not model.allow_writable:
+        say(f"note: {problem}")
+    return destination
+
+
+def _seeded_inputs(model: ModelConfig, batch: int, device: torch.device, seed: int = SEED) -> tuple[torch.Tensor, ...]:
+    """Inputs of `batch` samples: floats drawn from `seed`, other dtypes zeros (ids must stay in range)."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = []
+    for spec in model.inputs:
+        dtype = TORCH_DTYPES[spec.dtype]
+        shape = (batch, *spec.shape)
+        value = (torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
+                 else torch.zeros(shape, dtype=dtype))
+        inputs.append(value.to(device))
+    return tuple(inputs)
+
+
+def _load(path: Path, format_: str | None, device: torch.device) -> Any:
+    try:
+        if format_ == model_files.TORCHSCRIPT:
+            return torch.jit.load(str(path), map_location=device).eval()
+        return torch.export.load(str(path)).module().to(device)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a file it cannot read
+        raise ConvertError(f"cannot load {path}: {describe_error(exc)}") from None
+
+
+def _from_torchscript(name: str, source: str, module: Any, examples: tuple[torch.Tensor, ...]) -> Any:
+    from torch._export.converter import TS2EPConverter
+
+    try:
+        return TS2EPConverter(module, examples).convert().module()
+    except Exception as exc:  # noqa: BLE001 - the converter names what stopped it in its explanation
+        try:
+            explained = TS2EPConverter(module, examples).explain() or ""
+        except Exception:  # noqa: BLE001 - explain itself may fail where convert did
+            explained = ""
+        ops = list(dict.fromkeys(UNSUPPORTED_NODE.findall(explained)))
+        blocked = (f"PyTorch's converter does not support {', '.join(ops)}" if ops else
+                   f"PyTorch's converter failed: {describe_error(exc)}")
+        raise ConvertError(f"{name} {source} cannot be converted from TorchScript: {blocked}; export the model from "
+                           "its Python source with torch.export.export instead") from None
+
+
+def _export(name: str, source: str, module: Any, examples: tuple[torch.Tensor, ...], max_batch: int) -> Any:
+    batch = torch.export.Dim("batch", min=1, max=max(2, max_batch))
+    try:
+        return torch.export.export(module, examples, dynamic_shapes=tuple({0: batch} for _ in examples))
+    except Exception as exc:  # noqa: BLE001 - export's errors name the op or the guard that stopped it
+        raise ConvertError(f"{name} {source} cannot be exported with a dynamic batch dim: "
+                           f"{describe_error(exc)}") from None
+
+
+def _compile(program: Any, package: Path, device: torch.device) -> Any:
+    from torch._inductor.package import load_package
+
+    try:
+        torch._inductor.aoti_compile_and_package(program, package_path=str(package))
+    except Exception as exc:  # noqa: BLE001 - a compiler's failure, in one line
+        raise ConvertError(f"AOTInductor could not compile it: {describe_error(exc)}") from None
+    return load_package(str(package), device_index=device.index if device.index is not None else -1)
+
+
+def _outputs(module: Any, inputs: Sequence[torch.Tensor]) -> tuple[np.ndarray, ...]:
+    with torch.inference_mode():
+        return tuple(y.detach().float().cpu().numpy() if y.is_floating_point() else y.detach().cpu().numpy()
+                     for y in as_outputs(module(*inputs)))
+
+
+def _check(original: Any, converted: Any, model: ModelConfig, source: str, target: str, sizes: list[int],
+           folder: Path, device: torch.device) -> tuple[np.ndarray, np.ndarray] | None:
+    """Compare `converted` with `original` on seeded inputs of each batch size and the folder's example input;
+    the example input and `original`'s output for it (the canary of the new version: one input models only)."""
+    cases = [(f"batch {size}", _seeded_inputs(model, size, device, SEED + size)) for size in sizes]
+    example = folder / "example_input.npy"
+    if example.exists():
+        cases.append((example.name, (torch.from_numpy(np.load(example, allow_pickle=False)).to(device),)))
+    for label, inputs in cases:
+        want, got = _outputs(original, inputs), _outputs(converted, inputs)
+        for index, (a, b) in enumerate(zip(want, got)):
+            if a.shape != b.shape or not np.allclose(b, a, rtol=CANARY_RTOL, atol=CANARY_ATOL):
+                by = (f"shape {list(b.shape)} instead of {list(a.shape)}" if a.shape != b.shape else
+                      f"up to {float(np.max(np.abs(b.astype(np.float64) - a.astype(np.float64)))):.3g}")
+                raise ConvertError(f"{target} does not give {source}'s answers on {label}: output {index} differs "
+                                   f"by {by} (rtol {CANARY_RTOL:g}, atol {CANARY_ATOL:g})")
+    if len(model.inputs) != 1:
+        return None
+    inputs = cases[-1][1] if example.exists() else cases[1][1]
+    return inputs[0].cpu().numpy(), _outputs(original, inputs)[0]
+
+
+def timed(say: Callable[[str], None]) -> Callable[[str], None]:
+    """`say` with each line prefixed by the seconds since this call, as `inferctl reload` shows its steps."""
+    started = time.perf_counter()
+    return lambda line: say(f"[{time.perf_counter() - started:7.2f} s] {line}")

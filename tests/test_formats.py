@@ -1,0 +1,239 @@
+"""Models as PyTorch ships them: TorchScript, torch.export programs and AOTInductor packages, served by
+the real daemon and compared with the same files run in this process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import models
+import numpy as np
+import pytest
+import torch
+from conftest import MLP, base_config, module_daemon, wait_for
+from test_reload import Traffic, inferctl
+
+from inferd import model_files
+from inferd.harness import to_toml
+
+FORMATS = {"v1": "torchscript", "v2": "exported", "v3": "aoti"}
+
+
+@pytest.fixture(scope="module")
+def in_process(formats_repo: Path) -> dict[str, object]:
+    """Each version of the formats repository, loaded in this process the way PyTorch documents."""
+    folder = formats_repo / "mlp"
+    return {
+        "v1": torch.jit.load(str(folder / "v1" / "model.pt")),
+        "v2": torch.export.load(str(folder / "v2" / "model.pt2")).module(),
+        "v3": torch._inductor.aoti_load_package(str(folder / "v3" / "model.pt2")),
+    }
+
+
+@pytest.fixture(scope="module")
+def daemon(formats_repo: Path):
+    """One daemon serving the formats repository's mlp, v1 (TorchScript) live, on two executors."""
+    with module_daemon(formats_repo, {"mlp": {**MLP, "version": "v1"}}) as started:
+        yield started
+
+
+def test_reloads_between_every_format_under_load_drop_nothing(daemon, in_process):
+    with Traffic(daemon, threads=4) as traffic:
+        for version in ("v2", "v3", "v1", "v3"):
+            assert daemon.call("reload", timeout=120, version=version)["version"] == version
+            traffic.wait_for_more(40)
+        assert daemon.call("reload", timeout=120, version="v1")["version"] == "v1"
+    traffic.check(in_process)  # every reply ok, equal to its own version's file run in this process
+    assert {header["version"] for _, header, _, _ in traffic.records} == {"v1", "v2", "v3"}
+
+
+def test_versions_name_each_format_and_where_a_package_was_compiled(daemon):
+    result = inferctl(daemon, "versions", "--json")
+    assert result.returncode == 0, result.stderr
+    listed = {v["version"]: v for v in json.loads(result.stdout)["mlp"]}
+    assert {version: listed[version]["format"] for version in FORMATS} == FORMATS
+    assert listed["v3"]["made"]["device"] == "cpu" and listed["v1"]["made"] == {}
+    table = inferctl(daemon, "versions").stdout
+    assert any(" v3 " in line and "aoti" in line and "compiled for cpu" in line for line in table.splitlines())
+
+
+def package_for(device: str, formats_repo: Path, target: Path) -> None:
+    """A copy of the AOTInductor package v3 whose metadata says it was compiled for `device`."""
+    with zipfile.ZipFile(formats_repo / "mlp" / "v3" / "model.pt2") as source, \
+            zipfile.ZipFile(target, "w") as copy:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename.endswith("_metadata.json"):
+                data = json.dumps({**json.loads(data), "AOTI_DEVICE_KEY": device}).encode()
+            copy.writestr(item, data)
+
+
+def test_a_package_compiled_for_another_device_or_a_broken_one_is_refused_with_a_sentence(formats_repo, workdir,
+                                                                                         start_daemon):
+    repo = workdir / "repo"
+    shutil.copytree(formats_repo, repo)
+    (repo / "mlp" / "gpu").mkdir()
+    package_for("cuda", formats_repo, repo / "mlp" / "gpu" / "model.pt2")
+    (repo / "mlp" / "cut").mkdir()
+    whole = (formats_repo / "mlp" / "v3" / "model.pt2").read_bytes()
+    (repo / "mlp" / "cut" / "model.pt2").write_bytes(whole[: len(whole) // 2])
+    (repo / "mlp" / "foreign").mkdir()
+    with zipfile.ZipFile(repo / "mlp" / "foreign" / "model.pt2", "w") as foreign:
+        foreign.writestr("weights/archive.bin", b"not a model")
+    daemon = start_daemon({"mlp": {**MLP, "version": "v1", "repository": str(repo / "mlp")}})
+    for version, says in (
+        ("gpu", "is an AOTInductor package compiled for cuda, but this worker runs on cpu; compile it for cpu"),
+        ("cut", "is not a TorchScript or torch.export archive"),
+        ("foreign", "is a zip archive but neither TorchScript nor torch.export"),
+    ):
+        result = inferctl(daemon, "reload", "--version", version)
+        assert result.returncode == 1 and says in result.stderr, (version, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    with daemon.client() as client:
+        x = np.ones((2, models.MLP_IN), dtype=np.float32)
+        np.testing.assert_allclose(client.infer("mlp", x),
+                                   torch.jit.load(str(repo / "mlp" / "v1" / "model.pt"))(torch.from_numpy(x))
+                                   .detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_file_is_told_by_what_it_holds(formats_repo, tmp_path):
+    folder = formats_repo / "mlp"
+    assert model_files.inspect(folder / "v1" / "model.pt").format == model_files.TORCHSCRIPT
+    assert model_files.inspect(folder / "v2" / "model.pt2").format == model_files.EXPORTED
+    package = model_files.inspect(folder / "v3" / "model.pt2")
+    assert package.format == model_files.AOTI and package.made["device"] == "cpu" and package.problem is None
+    renamed = tmp_path / "model.pt"  # a package under TorchScript's name is still a package
+    shutil.copy(folder / "v3" / "model.pt2", renamed)
+    assert model_files.inspect(renamed).format == model_files.AOTI
+
+
+def test_a_torchscript_version_is_logged_as_deprecated_once_with_the_command_that_converts_it(daemon):
+    lines = [line for line in daemon.log().splitlines() if "TorchScript, which PyTorch has deprecated" in line]
+    assert len(lines) == 1 and "mlp v1" in lines[0] and "inferd convert" in lines[0], lines
+
+
+def test_the_formats_repository_serves_every_format_from_a_fresh_start(formats_repo, workdir, in_process):
+    from conftest import Daemon
+
+    for version in ("v2", "v3"):
+        folder = workdir / version
+        folder.mkdir()
+        started = Daemon(folder, base_config(folder, formats_repo, {"mlp": {**MLP, "version": version}})).start()
+        try:
+            x = np.random.default_rng(4).standard_normal((3, models.MLP_IN), dtype=np.float32)
+            with started.client() as client:
+                got = client.infer("mlp", x)
+            with torch.inference_mode():
+                want = in_process[version](torch.from_numpy(x)).numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        finally:
+            started.kill_all()
+
+
+def test_a_version_others_may_write_is_refused_unless_allowed(formats_repo, workdir, start_daemon):
+    repo = workdir / "repo"
+    shutil.copytree(formats_repo, repo)
+    (repo / "mlp" / "v2").chmod(0o775)  # the folder: its group may put another file there
+    (repo / "mlp" / "v3" / "model.pt2").chmod(0o646)  # the file: anyone may rewrite it
+    model = {**MLP, "version": "v1", "repository": str(repo / "mlp")}
+    daemon = start_daemon({"mlp": model})
+    for version, where, who in (("v2", repo / "mlp" / "v2", "its group"), ("v3", repo / "mlp" / "v3" / "model.pt2",
+                                                                            "others")):
+        result = inferctl(daemon, "reload", "--version", version)
+        assert result.returncode == 1, result.stdout
+        assert f"{where} may be written by {who}, and a model file is code the worker runs; `chmod go-w {where}`, " \
+               "or set models.mlp.allow_writable = true" in result.stderr, result.stderr
+    config = dict(daemon.config)
+    config["models"]["mlp"]["allow_writable"] = True
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: applied" in daemon.log(), what="the SIGHUP applied")
+    assert inferctl(daemon, "reload", "--version", "v3").returncode == 0
+    assert daemon.status()["models"]["mlp"]["live_version"] == "v3"
+
+
+# -- inferd convert --------------------------------------------------------------------------------------
+
+
+def convert(config: Path, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).parent / "inferd"), "convert", "--config", str(config), *argv],
+                          capture_output=True, text=True, timeout=600)
+
+
+def config_file(workdir: Path, served: dict) -> Path:
+    path = workdir / "inferd.toml"
+    path.write_text(to_toml({"models": served}))
+    return path
+
+
+def test_convert_makes_an_exported_version_of_torchscript_that_a_reload_checks_and_serves(repo, workdir,
+                                                                                       start_daemon):
+    copy = workdir / "repo"
+    shutil.copytree(repo / "mlp", copy / "mlp")
+    model = {**MLP, "version": "v1", "repository": str(copy / "mlp")}
+    result = convert(config_file(workdir, {"mlp": model}), "--model", "mlp", "--from", "v1", "--to", "v1x",
+                     "--format", "exported")
+    assert result.returncode == 0, result.stderr
+    steps = result.stdout.splitlines()
+    assert all(line.startswith("[") and " s] " in line for line in steps), steps
+    assert any("converting TorchScript to a torch.export program" in line for line in steps)
+    assert any("checking v1x against v1 at batch sizes 1, 2, 16" in line for line in steps)
+    assert steps[-1].endswith("`inferctl reload --model mlp --version v1x` puts it live")
+    folder = copy / "mlp" / "v1x"
+    assert sorted(p.name for p in folder.iterdir()) == ["example_input.npy", "expected_output.npy", "model.pt2"]
+    assert model_files.inspect(folder / "model.pt2").format == model_files.EXPORTED
+    x = np.load(folder / "example_input.npy")
+    with torch.inference_mode():
+        np.testing.assert_allclose(np.load(folder / "expected_output.npy"),
+                                   torch.jit.load(str(copy / "mlp" / "v1" / "model.pt"))(torch.from_numpy(x)).numpy())
+    daemon = start_daemon({"mlp": model})
+    assert inferctl(daemon, "reload", "--version", "v1x").returncode == 0  # its canary is checked on the way
+    x = np.random.default_rng(9).standard_normal((5, models.MLP_IN), dtype=np.float32)
+    with daemon.client() as client, torch.inference_mode():
+        np.testing.assert_allclose(client.infer("mlp", x), torch.jit.load(str(copy / "mlp" / "v1" / "model.pt"))(
+            torch.from_numpy(x)).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_convert_compiles_the_demos_model_with_aoti_and_it_answers_as_the_original(workdir):
+    from inferd import demo
+
+    demo.build_repository(workdir / "demo")
+    model = {"repository": str(workdir / "demo" / "mlp"), "inputs": [{"dtype": "float32", "shape": [256]}],
+             "max_batch_size": 32}
+    result = convert(config_file(workdir, {"mlp": model}), "--model", "mlp", "--from", "v2", "--to", "v2-aoti",
+                     "--format", "aoti")
+    assert result.returncode == 0, result.stderr
+    assert "Warning" not in result.stderr, result.stderr
+    assert any("compiling with AOTInductor for cpu" in line for line in result.stdout.splitlines())
+    package = workdir / "demo" / "mlp" / "v2-aoti" / "model.pt2"
+    assert model_files.inspect(package).format == model_files.AOTI
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal((7, 256), dtype=np.float32))
+    with torch.inference_mode():
+        want = torch.export.load(str(workdir / "demo" / "mlp" / "v2" / "model.pt2")).module()(x)
+        got = torch._inductor.aoti_load_package(str(package))(x)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_convert_names_what_blocks_a_conversion_and_writes_nothing(repo, workdir):
+    copy = workdir / "repo"
+    shutil.copytree(repo / "variable", copy / "variable")
+    shutil.copytree(repo / "mlp", copy / "mlp")
+    served = {"variable": {"repository": str(copy / "variable"), "inputs": [{"dtype": "float32", "shape": [2]}],
+                           "max_batch_size": 4},
+              "mlp": {**MLP, "repository": str(copy / "mlp")}}
+    config = config_file(workdir, served)
+    loop = convert(config, "--model", "variable", "--from", "v1", "--to", "v2", "--format", "exported")
+    assert loop.returncode == 1 and len(loop.stderr.strip().splitlines()) == 1, loop.stderr
+    assert "variable v1 cannot be converted from TorchScript: PyTorch's converter does not support prim::Loop; " \
+           "export the model from its Python source with torch.export.export instead" in loop.stderr, loop.stderr
+    assert sorted(p.name for p in (copy / "variable").iterdir()) == ["v1"], "nothing written"
+    for argv, says in ((("--to", "v2"), f"{copy / 'mlp' / 'v2'} exists already; name another version with --to"),
+                       (("--to", "../elsewhere"), "--to '../elsewhere' is not a version name"),
+                       (("--to", "v9", "--model", "nope"), "has no model 'nope'")):
+        result = convert(config, "--model", "mlp", "--from", "v1", "--format", "exported", *argv)
+        assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
