@@ -99,6 +99,14 @@ class Sum(torch.nn.Module):
         return x.sum(-1, keepdim=True)
 
 
+class SeesBatch(torch.nn.Module):
+    """float32 [2] -> (float32 [2], float32 [1]): each sample doubled, and the batch size the model was run at
+    (the second output shows padding that the first must never show)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, torch.full((x.shape[0], 1), float(x.shape[0]))
+
+
 class RunsOutOfMemory(torch.nn.Module):
     """float32 [2] -> [2]; for a batch whose first value is negative, raises what PyTorch raises when
     the device has no memory left (a "CUDA error" in its text: not one that poisons the context)."""
@@ -190,6 +198,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["bigtemp/v1"] = save_script(BigTemporary, root, "bigtemp", "v1", 12)
     files["bf16/v1"] = save_script(lambda: Bfloat16Mix(1_000), root, "bf16", "v1", 15)  # ~5 ms a batch
     files["sum/v1"] = save_script(Sum, root, "sum", "v1", 16)
+    files["seesbatch/v1"] = save_script(SeesBatch, root, "seesbatch", "v1", 17)
     return files
 
 

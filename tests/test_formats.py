@@ -237,3 +237,35 @@ def test_convert_names_what_blocks_a_conversion_and_writes_nothing(repo, workdir
                        (("--to", "v9", "--model", "nope"), "has no model 'nope'")):
         result = convert(config, "--model", "mlp", "--from", "v1", "--format", "exported", *argv)
         assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+# -- batch buckets ---------------------------------------------------------------------------------------
+
+SEES_BATCH = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 8, "batch_buckets": [4, 8],
+              "warmup_batch_sizes": [1, 8]}
+
+
+def test_a_batch_is_padded_to_its_bucket_and_the_padding_never_reaches_a_reply(start_daemon):
+    daemon = start_daemon({"seesbatch": SEES_BATCH}, workers={"streams": 1})
+    assert "warmed on batch sizes [4, 8]" in daemon.log()
+    rng = np.random.default_rng(1)
+    with daemon.client() as client:
+        for samples, bucket in ((1, 4), (3, 4), (4, 4), (5, 8), (8, 8)):
+            x = rng.standard_normal((samples, 2), dtype=np.float32)
+            doubled, seen = client.infer("seesbatch", x)
+            np.testing.assert_array_equal(doubled, x * 2)  # the request's own rows, none of the padding
+            assert seen.shape == (samples, 1) and set(seen.ravel()) == {bucket}, (samples, seen)
+        stats = daemon.call("stats")["models"]["seesbatch"]
+    assert stats["samples"] == 1 + 3 + 4 + 5 + 8, "counted as the requests' samples, not the padded ones"
+
+
+@pytest.mark.parametrize("buckets, says", [
+    ([4, 16], "batch_buckets: 16 is over max_batch_size (8)"),
+    ([8, 4], "batch_buckets: list each size once, smallest first"),
+])
+def test_buckets_that_cannot_be_are_refused_by_check_config(workdir, buckets, says):
+    config = config_file(workdir, {"seesbatch": {**SEES_BATCH, "batch_buckets": buckets,
+                                                 "repository": str(workdir)}})
+    result = subprocess.run([str(Path(sys.executable).parent / "inferd"), "check-config", "--config", str(config)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and says in result.stderr, result.stderr

@@ -90,11 +90,13 @@ def _build_model(name: str, table: Any, state_dir: str, problems: list[str], bas
     if model is None:
         return None
     warmup = model.warmup_batch_sizes or tuple(sorted({1, model.max_batch_size}))
-    too_big = [size for size in warmup if size > model.max_batch_size]
-    if too_big:
-        problems.append(
-            f"{prefix}warmup_batch_sizes: {too_big[0]} is over max_batch_size ({model.max_batch_size})"
-        )
+    for key, sizes in (("warmup_batch_sizes", warmup), ("batch_buckets", model.batch_buckets)):
+        too_big = [size for size in sizes if size > model.max_batch_size]
+        if too_big:
+            problems.append(f"{prefix}{key}: {too_big[0]} is over max_batch_size ({model.max_batch_size})")
+            return None
+    if list(model.batch_buckets) != sorted(set(model.batch_buckets)):
+        problems.append(f"{prefix}batch_buckets: list each size once, smallest first (e.g. [1, 2, 4, 8])")
         return None
     repository = model.repository or str(Path(state_dir) / "models" / name)
     return msgspec.structs.replace(model, warmup_batch_sizes=warmup, repository=repository)

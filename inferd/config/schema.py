@@ -318,6 +318,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         tuple[Annotated[int, Meta(ge=1)], ...] | None,
         _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]", live=True),
     ] = None
+    batch_buckets: Annotated[
+        tuple[Annotated[int, Meta(ge=1)], ...],
+        _doc("Batch sizes the model is run at, ascending, e.g. [1, 2, 4, 8, 16, 32]: a batch is padded up to the "
+             "next one (with copies of its last sample) and its outputs cut back, so the model sees few distinct "
+             "shapes; a batch above the largest runs as it is. Warm-up runs each. Empty: every batch as it is."),
+    ] = ()
     precision: Annotated[
         str,
         _doc('"fp32", "fp16" or "bf16" (GPU only): the model is converted when it loads, floating inputs are cast '

@@ -129,7 +129,8 @@ class Reconfigurer:
         change = self._keep_slots_large_enough(running, plan(running, new))
         for name in change.added_models:
             try:
-                self.reloads.add_model(name, resolve_version(change.config.models[name], self.saved_live.get(name)))
+                added = change.config.models[name]
+                self.reloads.add_model(name, resolve_version(added, self.saved_live.get(name)), added.repository)
             except RepositoryError as exc:
                 log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
                 change.config.models.pop(name)

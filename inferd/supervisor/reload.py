@@ -92,23 +92,24 @@ class ReloadManager:
         self.catching_up: set[tuple[WorkerHandle, str, str]] = set()
         self._deprecation_said: set[tuple[str, str]] = set()
         for model, version in live.items():
-            self._say_if_deprecated(model, version)
+            self._say_if_deprecated(model, version, config.models[model].repository)
 
     def configure(self, config: Config) -> None:
         """Take a new config (a SIGHUP): model configs, the memory guard, the load timeout."""
         self.config = config
 
-    def add_model(self, model: str, version: str) -> None:
-        """Serve a model a config reload added, at `version`; every ready worker catches up to it."""
+    def add_model(self, model: str, version: str, repository: str | None) -> None:
+        """Serve a model a config reload added (its repository in the new config), at `version`; every ready
+        worker catches up to it."""
         self.live.add(model, version)
-        self._say_if_deprecated(model, version)
+        self._say_if_deprecated(model, version, repository)
 
-    def _say_if_deprecated(self, model: str, version: str) -> None:
+    def _say_if_deprecated(self, model: str, version: str, repository: str | None) -> None:
         """Log, once per version, that a live TorchScript version will stop loading one day, and how to convert it."""
         if (model, version) in self._deprecation_said:
             return
         try:
-            found = model_files.inspect(model_file(self.config.models[model].repository or "", version))
+            found = model_files.inspect(model_file(repository or "", version))
         except RepositoryError:
             return
         if found.format == model_files.TORCHSCRIPT:
@@ -315,7 +316,7 @@ class ReloadManager:
         switch_started = time.perf_counter()
         previous = self.live.switch(model, version)
         switch_ms = (time.perf_counter() - switch_started) * 1000
-        self._say_if_deprecated(model, version)
+        self._say_if_deprecated(model, version, self.config.models[model].repository)
         for worker in self.workers.workers:
             if (model, previous) in worker.loaded:
                 self._retire(worker, model, previous)

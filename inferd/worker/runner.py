@@ -105,6 +105,13 @@ def _check_batch_dim(program: Any, path: Path, config: ModelConfig) -> None:
                 "one dict per input")
 
 
+def warmup_sizes(config: ModelConfig) -> list[int]:
+    """The batch sizes a version is warmed up at: its buckets, and the warm-up sizes above the largest (a
+    smaller one is run at its bucket's size anyway)."""
+    largest = max(config.batch_buckets, default=0)
+    return [*config.batch_buckets, *(size for size in config.warmup_batch_sizes or (1,) if size > largest)]
+
+
 def as_outputs(result: Any) -> tuple[torch.Tensor, ...]:
     """A model's return value as a tuple of tensors."""
     if isinstance(result, torch.Tensor):
@@ -118,27 +125,32 @@ CANARY_INPUT, CANARY_OUTPUT = "example_input.npy", "expected_output.npy"
 
 
 class Loaded:
-    """A model version on the device, and the precision it computes in."""
+    """A model version on the device, the precision it computes in, and the batch sizes it is run at."""
 
-    def __init__(self, module: Any, precision: torch.dtype) -> None:
+    def __init__(self, module: Any, precision: torch.dtype, buckets: tuple[int, ...] = ()) -> None:
         self.module = module
         self.precision = precision
+        self.buckets = buckets
 
     def __call__(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Run one batch: floating inputs cast to the model's precision, floating outputs back to float32."""
+        """Run one batch: padded up to its bucket, floating inputs cast to the model's precision, floating
+        outputs back to float32, and cut back to the batch's own samples."""
+        samples = inputs[0].shape[0]
+        batch = next((size for size in self.buckets if size >= samples), samples)
+        if batch > samples:  # copies of the last sample: values the model has seen, never a row of zeros
+            inputs = [torch.cat([x, x[-1:].expand(batch - samples, *x.shape[1:])]) for x in inputs]
         if self.precision != torch.float32:
             inputs = [x.to(self.precision) if x.is_floating_point() else x for x in inputs]
         with torch.inference_mode():
             outputs = as_outputs(self.module(*inputs))
         if self.precision != torch.float32:
             outputs = tuple(y.float() if y.is_floating_point() else y for y in outputs)
-        batch = inputs[0].shape[0]
         for index, output in enumerate(outputs):
             if output.dim() == 0 or output.shape[0] != batch:
                 raise ModelError(
                     f"output {index} has shape {list(output.shape)}; its first dim must be the batch size {batch}"
                 )
-        return outputs
+        return outputs if batch == samples else tuple(y[:samples] for y in outputs)
 
 
 class ModelRunner:
@@ -185,7 +197,7 @@ class ModelRunner:
         module = load_module(path, self.device, config, self.executors)
         if precision != torch.float32:
             module = module.to(precision)
-        model = Loaded(module, precision)
+        model = Loaded(module, precision, config.batch_buckets)
         try:
             loaded = time.perf_counter()
             outputs = self._warm_up(model, name, config, version, streams or [None])
@@ -204,7 +216,7 @@ class ModelRunner:
         warmed = time.perf_counter()
         log.info(
             "loaded %s %s from %s in %.2f s, warmed on batch sizes %s in %.2f s",
-            name, version, path, loaded - started, list(config.warmup_batch_sizes or (1,)), warmed - loaded,
+            name, version, path, loaded - started, warmup_sizes(config), warmed - loaded,
         )
         return LoadedModel(version=version, outputs=outputs), loaded - started, warmed - loaded
 
@@ -261,7 +273,7 @@ class ModelRunner:
         outputs: tuple[TensorSpec, ...] = ()
         for stream in streams:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for batch in config.warmup_batch_sizes or (1,):
+                for batch in warmup_sizes(config):
                     inputs = [
                         torch.zeros((batch, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
                         for spec in config.inputs
