@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs docs-check proto bench bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
+.PHONY: demo test docs docs-check proto bench bench-formats bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -46,6 +46,11 @@ test: $(STAMP) $(THIRD_PARTY)
 bench: $(STAMP)
 	$(PY) -m bench.run
 	$(PY) -m bench.shm_echo
+	$(PY) -m bench.formats
+
+# TorchScript, torch.export and AOTInductor of the mlp and the cnn, in-process and through inferd (minutes: it compiles).
+bench-formats: $(STAMP)
+	$(PY) -m bench.formats
 
 # max_wait_ms 0, 2, 5 and "auto", concurrency 1..128, per model (about 3 minutes each).
 bench-curve: $(STAMP)

@@ -2,6 +2,9 @@
 
     python -m bench.inprocess MODEL_FILE --shape 256 [--threads 1]
 
+MODEL_FILE is TorchScript, a torch.export program or an AOTInductor package, loaded
+the way PyTorch documents for each (told by what the file holds).
+
 Prints one JSON line: p50 latency at batch 1, back to back and after an idle
 gap like a served model has between requests at concurrency 1; and samples/s
 at each batch size up to --max-batch (the best of them is the compute limit).
@@ -12,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,8 +28,7 @@ def measure(path: str, shape: tuple[int, ...], threads: int, max_batch: int, sec
     """Batch-1 latency percentiles (back to back, and after IDLE_GAP_S asleep) and throughput per
     batch size, each measured for about `seconds`."""
     torch.set_num_threads(threads)
-    module = torch.jit.load(path)
-    module.eval()
+    module = load(path)
     latencies: list[float] = []
     throughput: dict[int, float] = {}
     with torch.inference_mode():
@@ -58,6 +62,18 @@ def measure(path: str, shape: tuple[int, ...], threads: int, max_batch: int, sec
         "best_samples_per_s": round(max(throughput.values()), 1),
         "threads": threads,
     }
+
+
+def load(path: str) -> Any:
+    """The model in `path`, ready to call, whatever format the file holds."""
+    from inferd import model_files
+
+    found = model_files.inspect(Path(path))
+    if found.format == model_files.AOTI:
+        return torch._inductor.aoti_load_package(path)
+    if found.format == model_files.EXPORTED:
+        return torch.export.load(path).module()
+    return torch.jit.load(path).eval()
 
 
 def _percentiles_ms(latencies: list[float]) -> dict[str, float]:
