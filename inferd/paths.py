@@ -14,6 +14,7 @@ from pathlib import Path
 SYSTEM_RUNTIME_DIR = Path("/run/inferd")
 SYSTEM_STATE_DIR = Path("/var/lib/inferd")
 CONTROL_SOCKET_NAME = "control.sock"
+COMPILE_CACHE = "compile-cache"  # in state_dir: what torch.compile made for models with compile = "inductor"
 
 
 def _writable(folder: Path) -> bool:

@@ -4,6 +4,8 @@ the real daemon and compared with the same files run in this process."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import signal
 import subprocess
@@ -269,3 +271,35 @@ def test_buckets_that_cannot_be_are_refused_by_check_config(workdir, buckets, sa
     result = subprocess.run([str(Path(sys.executable).parent / "inferd"), "check-config", "--config", str(config)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and says in result.stderr, result.stderr
+
+
+# -- compile = "inductor" ----------------------------------------------------------------------------------
+
+
+def test_an_exported_version_is_compiled_while_it_warms_and_a_restarted_worker_takes_it_from_the_cache(
+        formats_repo, start_daemon, in_process, monkeypatch):
+    # torch in this process has set its own cache folder in the environment the daemon would inherit (an
+    # operator's setting, which the worker keeps); the daemon uses its state folder's.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    daemon = start_daemon({"mlp": {**MLP, "version": "v2", "compile": "inductor",
+                                   "repository": str(formats_repo / "mlp")}}, workers={"streams": 1}, wait=False)
+    daemon.wait_healthy(300)  # the compile is in the start: a small machine takes tens of seconds
+    compiled = re.findall(r"compiled mlp v2 with inductor while it warmed up: (\d+) graph\(s\) compiled, (\d+) from "
+                          r"the compile cache", daemon.log())
+    assert len(compiled) == 1 and int(compiled[0][0]) > 0, daemon.log()[-2000:]
+    assert any((Path(daemon.config["server"]["state_dir"]) / "compile-cache").iterdir())
+    x = np.random.default_rng(6).standard_normal((5, models.MLP_IN), dtype=np.float32)
+
+    def answers_like_the_file() -> None:
+        with daemon.client() as client, torch.inference_mode():
+            np.testing.assert_allclose(client.infer("mlp", x), in_process["v2"](torch.from_numpy(x)).numpy(),
+                                       rtol=1e-5, atol=1e-6)
+
+    answers_like_the_file()
+    os.kill(daemon.status()["workers"][0]["pid"], signal.SIGKILL)
+    wait_for(lambda: (w := daemon.status()["workers"][0])["restarts"] == 1 and w["state"] == "ready", timeout=300,
+             what="the replacement ready")
+    again = re.findall(r"compiled mlp v2 with inductor while it warmed up: (\d+) graph\(s\) compiled, (\d+) from "
+                       r"the compile cache", daemon.log())
+    assert len(again) == 2 and again[1][0] == "0" and int(again[1][1]) == int(compiled[0][0]), again
+    answers_like_the_file()

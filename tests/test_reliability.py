@@ -20,6 +20,7 @@ from conftest import until, wait_for
 from wire import RawPeer
 
 from inferd import protocol
+from inferd.harness import to_toml
 from inferd.protocol import OutputPlace, TensorMeta
 from inferd.shm_names import SHM_DIR
 
@@ -227,6 +228,12 @@ def test_a_reload_asked_for_while_the_only_worker_restarts_waits_for_it(reload_d
     assert refused.returncode == 1 and "no worker serving v1 came back within workers.load_timeout_s (2 s)" in \
         refused.stderr, refused.stderr
     wait_for(lambda: daemon.status()["workers"][0]["state"] == "ready", what="the replacement ready")
+    # Now time enough for the replacement's boot however loaded the machine: the reload waits for it.
+    daemon.config["workers"]["load_timeout_s"] = 120
+    daemon.config_path.write_text(to_toml(daemon.config))
+    applied = daemon.log().count("SIGHUP: applied")
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: daemon.log().count("SIGHUP: applied") > applied, what="the SIGHUP applied")
     held = replacement_held(daemon, 2)
     waiting = subprocess.Popen(inferctl, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -318,6 +318,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         tuple[Annotated[int, Meta(ge=1)], ...] | None,
         _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]", live=True),
     ] = None
+    compile: Annotated[
+        Literal["none", "inductor"],
+        _doc('"inductor": a torch.export version is compiled with torch.compile while it loads and warms up, so no '
+             "request waits for it (workers.load_timeout_s covers it); what it compiles is cached in "
+             'STATE_DIR/compile-cache for restarts and the other workers. "none": run as exported. TorchScript and '
+             "AOTInductor versions are run as they are.", live=True),
+    ] = "none"
     batch_buckets: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...],
         _doc("Batch sizes the model is run at, ascending, e.g. [1, 2, 4, 8, 16, 32]: a batch is padded up to the "

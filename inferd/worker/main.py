@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -24,6 +25,7 @@ from inferd.config import loading
 from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.logs import set_level
+from inferd.paths import COMPILE_CACHE
 from inferd.worker.exits import WorkerExit
 
 log = logging.getLogger("inferd.worker")
@@ -80,6 +82,9 @@ def worker_main(encoded_spec: bytes) -> None:
     """Entry point of a spawned worker process."""
     spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
     config = loading.decode(spec.config)
+    # Read by torch.compile's inductor when it first compiles: what one worker compiled, the others (and a
+    # restart) load from here. Inductor keys what it keeps by the torch version and the device.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(config.server.state_dir or "") / COMPILE_CACHE))
     begin_child(f"inferd: worker{spec.worker} gen{spec.generation} {spec.device}", f"worker{spec.worker}",
                 config.server.log_level, WorkerExit.PARENT_GONE)
     # Written from the signal handler itself, so a worker hung inside a model still answers.

@@ -53,11 +53,14 @@ def load_module(path: Path, device: torch.device, config: ModelConfig, runners: 
         raise ModelError(found.problem)
     if found.format == model_files.AOTI:
         return _load_aoti(path, device, config, found.made, runners)
+    module: Any
     try:
         if found.format == model_files.EXPORTED:
             program = torch.export.load(str(path))
             _check_batch_dim(program, path, config)
             module = program.module().to(device)
+            if config.compile == "inductor":  # compiled by the warm-up's first calls, before any request
+                module = torch.compile(module, backend="inductor", dynamic=True)
         else:
             module = torch.jit.load(str(path), map_location=device)
     except ModelError:
@@ -200,7 +203,12 @@ class ModelRunner:
         model = Loaded(module, precision, config.batch_buckets)
         try:
             loaded = time.perf_counter()
+            compiled_before = _compile_counts()
             outputs = self._warm_up(model, name, config, version, streams or [None])
+            if config.compile == "inductor" and model_files.inspect(path).format == model_files.EXPORTED:
+                misses, hits = (now - before for now, before in zip(_compile_counts(), compiled_before))
+                log.info("compiled %s %s with inductor while it warmed up: %d graph(s) compiled, %d from the "
+                         "compile cache", name, version, misses, hits)
             if expect is not None and outputs != expect:
                 raise ModelError(
                     f"{name} {version} outputs {_describe(outputs)}, but the live version outputs "
@@ -323,6 +331,13 @@ class ModelRunner:
                 f"{name} {version} does not reproduce {CANARY_OUTPUT}: its output differs by up to "
                 f"{_max_difference(got, want)} (rtol {CANARY_RTOL:g}, atol {CANARY_ATOL:g})"
             )
+
+
+def _compile_counts() -> tuple[int, int]:
+    """Inductor's graphs compiled and graphs found in its cache so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["fxgraph_cache_miss"], counters["inductor"]["fxgraph_cache_hit"]
 
 
 def _describe(specs: tuple[TensorSpec, ...]) -> str:
