@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs docs-check proto bench bench-formats bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-soak sim clean
+.PHONY: demo test docs docs-check proto bench bench-formats bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-restart bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -68,6 +68,10 @@ bench-priority: $(STAMP)
 
 bench-reload: $(STAMP)
 	$(PY) -m bench.reload
+
+# A crashed worker's replacement, timed, beside a fresh interpreter's import of torch.
+bench-restart: $(STAMP)
+	$(PY) -m bench.restart --rounds 3
 
 bench-canary: $(STAMP)
 	$(PY) -m bench.reload --canary

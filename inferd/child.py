@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -15,10 +16,17 @@ from inferd.logs import setup_logging
 
 log = logging.getLogger("inferd.child")
 
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+# In the workers' fork server and what it forks, the server's pid (inferd.worker.preload sets it).
+fork_server: int | None = None
+
 
 def begin_child(title: str, component: str, log_level: str, parent_gone_code: int) -> None:
     """Name the process `title` in ps, log as `component`, leave SIGINT to the supervisor, and exit
     with `parent_gone_code` the moment the supervisor is gone, so no orphan holds a port or a device."""
+    if fork_server is not None:
+        _die_with_fork_server(parent_gone_code)
     setproctitle.setproctitle(title)
     setup_logging(component, log_level)
     # The supervisor decides when its children stop; a Ctrl-C in the terminal reaches the whole
@@ -34,3 +42,12 @@ def begin_child(title: str, component: str, log_level: str, parent_gone_code: in
         os._exit(parent_gone_code)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _die_with_fork_server(parent_gone_code: int) -> None:
+    """Have the kernel kill this process when the fork server that forked it exits. The supervisor learns of a
+    worker's exit from the fork server, so it would take the workers of one that died for dead, and start others
+    beside them."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != fork_server:  # it exited before the line above
+        os._exit(parent_gone_code)

@@ -46,7 +46,7 @@ def build_repository(root: Path) -> None:
         if any((target.parent / name).exists() for name in MODEL_FILES):  # an earlier release's demo is kept
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
+        partial = target.with_name("partial-" + target.name)  # torch.export.save warns of a name not ending .pt2
         torch.export.save(build_mlp(seed), str(partial))
         # Whatever the umask: a model file others may write is refused (models.NAME.allow_writable).
         partial.chmod(0o644)

@@ -52,9 +52,17 @@ def until(moment: float) -> None:
              what="the moment", every=0.005)
 
 
+def exited(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie its parent has not collected yet counts)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 # The files that take longest (seconds of test time each, measured with --durations=0), run first: xdist
 # hands out files in order, so the two workers then end together rather than one finishing a long file alone.
-LONGEST_FIRST = ("test_reliability.py", "test_scaleout.py", "test_faults.py", "test_reload.py",
+LONGEST_FIRST = ("test_formats.py", "test_reliability.py", "test_scaleout.py", "test_faults.py", "test_reload.py",
                  "test_lifecycle.py", "test_promises.py", "test_oip_connections.py", "test_canary.py")
 
 

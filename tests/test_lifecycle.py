@@ -11,7 +11,7 @@ import models
 import numpy as np
 import psutil
 import pytest
-from conftest import FAILING, MLP, ONE_AT_A_TIME, SLOW, reference, requests_accounted, wait_for
+from conftest import FAILING, MLP, ONE_AT_A_TIME, SLOW, exited, reference, requests_accounted, wait_for
 from wire import RawPeer
 
 from inferd import Client, RetryPolicy
@@ -134,7 +134,7 @@ def test_sigterm_finishes_queued_work_and_leaves_nothing_behind(start_daemon, ga
     assert daemon.wait() == 0
     assert arenas_of(pid) == []
     assert not Path(daemon.control[len("ipc://"):]).exists()
-    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in workers)
+    assert all(exited(p) for p in workers)
     assert "stopped" in daemon.log()
 
 
@@ -169,17 +169,20 @@ def test_a_killed_supervisor_leaves_nothing_behind(start_daemon, kill):
     title = [f"inferd: reaper of {pid}"]
     reaper = [p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[:1] == title]
     assert len(reaper) == 1, "the supervisor has its reaper"
+    fork_server = psutil.Process(worker).parent()
+    assert fork_server.cmdline()[0] == "inferd: fork server" and fork_server.ppid() == pid
+    # Its socket's folder, private to this supervisor.
+    folder = Path(fork_server.net_connections("unix")[0].laddr).parent
+    files.append(folder)
     if kill == "supervisor":
         first.signal(signal.SIGKILL)
     else:
         first.kill_all()  # the supervisor and its workers at once: nobody of them can clean up
     first.wait()
-    wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
-             what="the worker's exit")
+    wait_for(lambda: exited(worker) and exited(fork_server.pid), what="the worker's and the fork server's exit")
     wait_for(lambda: not arenas_of(pid) and not any(path.exists() for path in files),
              what="the reaper's clean-up")
-    wait_for(lambda: not reaper[0].is_running() or reaper[0].status() == psutil.STATUS_ZOMBIE,
-             what="the reaper's exit")
+    wait_for(lambda: exited(reaper[0].pid), what="the reaper's exit")
     assert f"supervisor {pid} died; removed" in first.log()
     second = start_daemon({"mlp": MLP})
     with second.client() as client:

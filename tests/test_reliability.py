@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import until, wait_for
+from conftest import exited, until, wait_for
 from wire import RawPeer
 
 from inferd import protocol
@@ -147,6 +147,37 @@ def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_retur
         assert header["status"] == "ok", header
         np.testing.assert_array_equal(outputs[0], arrays[i])  # variable returns its input
     assert "lost (worker0 died" in daemon.log() and "its requests are computed again" in daemon.log()
+
+
+def test_a_killed_fork_server_takes_its_workers_along_and_their_replacements_lose_nothing(start_daemon, gates):
+    daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1, "devices": ["cpu", "cpu"]})
+    workers = [psutil.Process(w["pid"]) for w in daemon.status()["workers"]]
+    server = workers[0].parent()
+    assert server.cmdline()[0] == "inferd: fork server" and server.ppid() == daemon.process.pid
+    assert workers[1].ppid() == server.pid, "every worker forked from the one fork server"
+    gate = gates()
+    arrays = [gate.input] + [np.array([[10, i]], dtype=np.float32) for i in range(1, 12)]
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(0, "variable", [arrays[0]], timeout_ms=60_000)
+        wait_for(lambda: any(w["executors_busy"] for w in daemon.status()["workers"]), what="the held batch running")
+        server.kill()
+        # The kernel kills its workers with it: none is left serving beside the replacements.
+        wait_for(lambda: all(exited(p.pid) for p in [server, *workers]), what="the fork server and its workers gone")
+        for i, x in enumerate(arrays[1:], 1):
+            peer.send(i, "variable", [x], timeout_ms=60_000)
+        gate.open(timeout=60)  # the lost batch, computed again by a replacement
+        replies = {}
+        for _ in arrays:
+            header, outputs = peer.recv(timeout=60)
+            replies[header["id"]] = (header, outputs)
+        assert peer.nothing_more()
+    assert sorted(replies) == list(range(len(arrays))), "each request answered exactly once"
+    for i, (header, outputs) in replies.items():
+        assert header["status"] == "ok", header
+        np.testing.assert_array_equal(outputs[0], arrays[i])  # variable returns its input
+    replacements = [psutil.Process(w["pid"]) for w in daemon.status()["workers"]]
+    assert {p.ppid() for p in replacements} == {replacements[0].parent().pid} != {server.pid}
+    assert replacements[0].parent().cmdline()[0] == "inferd: fork server"
 
 
 def test_a_request_that_cannot_wait_for_the_return_is_unavailable_saying_when_it_is_expected(start_daemon, gates):

@@ -20,7 +20,7 @@ def signalled_stacks(files: RuntimeFiles) -> dict[str, Any]:
         pid = int(files.pid.read_text())
         supervisor = psutil.Process(pid)
         workers = {child: int(child.cmdline()[0].split()[1].removeprefix("worker"))
-                   for child in supervisor.children() if child.cmdline()[0].startswith("inferd: worker")}
+                   for child in supervisor.children(recursive=True) if child.cmdline()[0].startswith("inferd: worker")}
     except (OSError, ValueError, IndexError, psutil.Error) as exc:
         raise CliError(f"cannot find the daemon's processes from {files.pid}: {exc}") from None
     targets = {"supervisor": (supervisor, files.stacks),

@@ -9,20 +9,43 @@ same way and a crash loop only burns the cores the others serve on.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import signal
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import ClassVar
 
 CRASH_WINDOW_S = 60.0  # deaths counted against workers.max_restarts within this window
 MAX_BACKOFF_S = 30.0
 STOP_TIMEOUT_S = 10.0  # how long a child told to stop may take before it is killed
 KILLED_JOIN_S = 5.0  # how long a killed child may take to be reaped
 
-# A fresh interpreter for each child: a forked one would inherit the supervisor's sockets and threads.
-_spawn = multiprocessing.get_context("spawn")
+# A fresh interpreter for each gateway: a forked supervisor would hand it its sockets and threads.
+SPAWNED = multiprocessing.get_context("spawn")
+# Each worker forked from a fork server: a fresh interpreter of its own (none of the supervisor's sockets or
+# threads either) that has imported torch once, so that a worker started for a reload or after a crash is not
+# held up by an import of its own (inferd.worker.preload says what it imports and why forking it is safe).
+FORKED = multiprocessing.get_context("forkserver")
+WORKER_PRELOAD = "inferd.worker.preload"
+
+
+def fork_server_folder() -> Path:
+    """The private folder the fork server's socket goes in: made now, removed when this process exits (or by the
+    reaper, if it is killed)."""
+    return Path(multiprocessing.util.get_temp_dir())
+
+
+def start_fork_server() -> None:
+    """Start the workers' fork server now, so that its import of torch runs while the supervisor starts the rest;
+    the first worker's start waits for what is left of it."""
+    FORKED.set_forkserver_preload([WORKER_PRELOAD])
+    multiprocessing.forkserver.ensure_running()
 
 
 def backoff(crashes: int) -> float:
@@ -35,6 +58,7 @@ def backoff(crashes: int) -> float:
 class ChildProcess:
     """One child the supervisor keeps running: the process serving now, its restarts and its recent deaths."""
 
+    starter: ClassVar[SpawnContext | ForkServerContext] = SPAWNED  # how its processes are started
     process: BaseProcess | None = None
     restarts: int = 0
     respawn_at: float = 0.0  # when the next process may start (monotonic)
@@ -47,7 +71,7 @@ class ChildProcess:
 
     def spawn(self, target: Callable[[bytes], None], spec: bytes, name: str) -> int:
         """Start a process that runs `target(spec)`; its pid."""
-        process = _spawn.Process(target=target, args=(spec,), name=name)
+        process = self.starter.Process(target=target, args=(spec,), name=name)
         process.start()
         self.process = process
         assert process.pid is not None

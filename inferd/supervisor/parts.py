@@ -28,7 +28,7 @@ from inferd.shm_names import SHM_DIR
 from inferd.supervisor.batcher import Batcher, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
-from inferd.supervisor.children import STOP_TIMEOUT_S
+from inferd.supervisor.children import STOP_TIMEOUT_S, fork_server_folder, start_fork_server
 from inferd.supervisor.commands import Commands
 from inferd.supervisor.control_server import ControlServer
 from inferd.supervisor.devices import resolve_devices
@@ -82,7 +82,9 @@ class Parts:
                                        *(self.files.upstream(name) for name in PROTOCOLS)) if path is not None],
             pid_file=self.files.pid,
             files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices)))],
+            folders=[fork_server_folder()],
         )
+        start_fork_server()
         self.context = zmq.Context()
         if hasattr(os, "SCHED_BATCH"):
             # ZeroMQ's I/O thread, woken by a reply, then does not preempt the loop that sent it:

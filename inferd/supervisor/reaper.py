@@ -6,14 +6,15 @@ start swept them. So before it opens anything, the supervisor forks this
 process, in a session of its own (a kill of the daemon's process group does
 not reach it). It waits on a pipe: a byte means the supervisor cleaned up and
 it exits; end-of-file without one means the supervisor died, and it removes
-the arenas, the sockets nobody listens on any more, and the pid and stacks
-files that still name the dead supervisor.
+the arenas, the workers' fork server's folder, the sockets nobody listens on
+any more, and the pid and stacks files that still name the dead supervisor.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -42,10 +43,14 @@ def _names(path: Path, pid: int) -> bool:
 
 
 def _reap(read_fd: int, supervisor: int, arenas: list[Path], sockets: list[Path], pid_file: Path,
-          files: list[Path]) -> None:
+          files: list[Path], folders: list[Path]) -> None:
     if os.read(read_fd, 1) == CLEAN:
         return
     removed = []
+    for folder in folders:
+        if folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
     for path in arenas:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -72,8 +77,10 @@ class Reaper:
         self._write_fd: int | None = None
         self.pid: int | None = None
 
-    def start(self, arenas: list[Path], sockets: list[Path], pid_file: Path, files: list[Path]) -> None:
-        """Fork the reaper; call before any thread or socket exists in this process."""
+    def start(self, arenas: list[Path], sockets: list[Path], pid_file: Path, files: list[Path],
+              folders: list[Path]) -> None:
+        """Fork the reaper; call before any thread or socket exists in this process. `folders` are private to
+        this supervisor, removed whole."""
         read_fd, write_fd = os.pipe()
         supervisor = os.getpid()
         pid = os.fork()
@@ -86,7 +93,7 @@ class Reaper:
                 os.closerange(3, read_fd)
                 os.closerange(read_fd + 1, os.sysconf("SC_OPEN_MAX"))
                 setproctitle.setproctitle(f"inferd: reaper of {supervisor}")
-                _reap(read_fd, supervisor, arenas, sockets, pid_file, files)
+                _reap(read_fd, supervisor, arenas, sockets, pid_file, files, folders)
             finally:
                 os._exit(0)
         os.close(read_fd)

@@ -18,7 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
+from typing import ClassVar
 
 import msgspec
 import zmq
@@ -31,7 +33,7 @@ from inferd.ipc.messages import LoadedModel
 from inferd.ipc.slots import SlotPool, slot_shortfall
 from inferd.ipc.sockets import send_parts
 from inferd.paths import RuntimeFiles
-from inferd.supervisor.children import CRASH_WINDOW_S, ChildProcess
+from inferd.supervisor.children import CRASH_WINDOW_S, FORKED, ChildProcess
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.state import StartupError
 from inferd.worker.exits import WorkerExit, describe_exit
@@ -76,6 +78,7 @@ class ExecutorHandle:
 class WorkerHandle(ChildProcess):
     """One worker slot: a device, an arena, and the process currently serving them."""
 
+    starter: ClassVar[SpawnContext | ForkServerContext] = FORKED
     index: int
     device: str
     arena: Arena

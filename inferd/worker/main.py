@@ -1,6 +1,6 @@
 """The worker process: one device, its models, its executors.
 
-Started by the supervisor with the spawn method (never fork after CUDA). It
+Forked from the workers' fork server (preload), which never touches CUDA. It
 attaches its arena, loads and warms every model, starts one executor per
 stream, then reports Ready. It exits when told to, or on its own as soon as
 the supervisor is gone.
@@ -79,7 +79,7 @@ def _unpin(arena) -> None:
 
 
 def worker_main(encoded_spec: bytes) -> None:
-    """Entry point of a spawned worker process."""
+    """Entry point of a worker process, forked from the workers' fork server."""
     spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
     config = loading.decode(spec.config)
     # Read by torch.compile's inductor when it first compiles: what one worker compiled, the others (and a

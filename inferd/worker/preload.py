@@ -1,0 +1,28 @@
+"""What the workers' fork server imports once, before it forks any worker.
+
+Workers are forked from a fork server (multiprocessing's "forkserver": a fresh
+interpreter of its own, started by the supervisor, holding none of its sockets
+or threads) that has imported torch and the worker's modules: a worker started
+for a reload or after a crash is ready without its own import of torch (about
+1.5 s of CPU). The server never touches a device, so no worker inherits a CUDA
+context: each makes its own after the fork, as a spawned one would.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import setproctitle
+
+from inferd import child
+
+setproctitle.setproctitle("inferd: fork server")
+child.fork_server = os.getpid()
+
+# With them torch, imported once here for every worker forked from this process.
+from inferd.worker import executor, main, runner  # noqa: E402, F401
+
+# What was imported lives as long as the workers: kept out of their collections, a collection in a worker
+# never writes to (and so copies) the pages it shares with this process.
+gc.freeze()
