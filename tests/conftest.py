@@ -168,13 +168,21 @@ def repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) 
     return built_once(tmp_path_factory, pytestconfig, "repo", models.build_repository)
 
 
+TESTS_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferd-tests"
+# Inductor's compile cache, shared by every daemon of the run (a worker keeps the folder its environment names)
+# and by later runs: in a fresh one, a worker's first load of an AOTInductor package compiles inductor's probes
+# of the CPU's instruction sets first, some 14 s of a C++ compiler's time. (torch sets this itself, in this
+# process, once it has compiled or loaded a package: set here, it is the same for the daemons of every test.)
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(TESTS_CACHE / f"inductor-{torch.__version__}")
+
+
 def cached_across_runs(root: Path, build: Callable[[Path], Any]) -> None:
     """Build into `root` what takes minutes to build (AOTInductor packages), or copy it from the build of an
     earlier run: kept in the user's cache folder, under the torch version and the source of the test
     models, so a change to either builds it again."""
     source = (Path(__file__).parent / "models.py").read_bytes()
     key = hashlib.sha256(torch.__version__.encode() + b"\0" + source).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "inferd-tests" / f"{root.name}-{key}"
+    cache = TESTS_CACHE / f"{root.name}-{key}"
     if cache.is_dir():
         shutil.copytree(cache, root, dirs_exist_ok=True)
         return
