@@ -29,8 +29,9 @@ KILLED_JOIN_S = 5.0  # how long a killed child may take to be reaped
 # A fresh interpreter for each gateway: a forked supervisor would hand it its sockets and threads.
 SPAWNED = multiprocessing.get_context("spawn")
 # Each worker forked from a fork server: a fresh interpreter of its own (none of the supervisor's sockets or
-# threads either) that has imported torch once, so that a worker started for a reload or after a crash is not
-# held up by an import of its own (inferd.worker.preload says what it imports and why forking it is safe).
+# threads either) that has imported torch once, so that neither a worker started after a crash nor the many
+# workers of a machine of many devices wait for an import of their own (inferd.worker.preload says what it
+# imports and why forking it is safe).
 FORKED = multiprocessing.get_context("forkserver")
 WORKER_PRELOAD = "inferd.worker.preload"
 

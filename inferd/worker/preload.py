@@ -3,9 +3,10 @@
 Workers are forked from a fork server (multiprocessing's "forkserver": a fresh
 interpreter of its own, started by the supervisor, holding none of its sockets
 or threads) that has imported torch and the worker's modules: a worker started
-for a reload or after a crash is ready without its own import of torch (about
-1.5 s of CPU). The server never touches a device, so no worker inherits a CUDA
-context: each makes its own after the fork, as a spawned one would.
+after a crash, or one of the many workers of a machine of many devices, is
+ready without its own import of torch (about 1.5 s of CPU each). The server
+never touches a device, so no worker inherits a CUDA context: each makes its
+own after the fork, as a spawned one would.
 """
 
 from __future__ import annotations
