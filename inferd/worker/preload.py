@@ -22,7 +22,14 @@ setproctitle.setproctitle("inferd: fork server")
 child.fork_server = os.getpid()
 
 # With them torch, imported once here for every worker forked from this process.
+import torch  # noqa: E402
+
 from inferd.worker import executor, main, runner  # noqa: E402, F401
+
+# A process forked from one that has initialized CUDA cannot use it: were an import ever to, say so rather
+# than start workers that fail on their first device call.
+if torch.cuda.is_initialized():
+    raise RuntimeError("importing the worker's modules initialized CUDA in the workers' fork server")
 
 # What was imported lives as long as the workers: kept out of their collections, a collection in a worker
 # never writes to (and so copies) the pages it shares with this process.
