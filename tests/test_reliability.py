@@ -463,7 +463,10 @@ def test_a_flood_of_large_requests_grows_the_supervisor_by_about_the_queues_byte
     assert set(statuses) == {"ok", "overloaded"} and statuses.count("overloaded") >= 70, statuses
     assert all("queue.max_bytes" in r["error"] for r in replies if r["status"] == "overloaded")
     grown = peak - before
-    assert grown <= 1.5 * budget + 16 * MIB, f"the supervisor grew {grown / MIB:.0f} MiB at its peak"
+    # The queue's budget, and what ZeroMQ's I/O thread has received that the loop has not read yet: a few requests
+    # per connection on a quiet machine (80 to 84 MiB in all), more when the loop is slowed (128 MiB beside a CPU
+    # burner). Either way a bound of the queue's, not a share of the 384 MiB offered.
+    assert grown <= 2 * budget + 16 * MIB, f"the supervisor grew {grown / MIB:.0f} MiB at its peak"
     after = wait_for(lambda: (now := resident(pid)) <= before + 8 * MIB and now, timeout=10,
                      what=f"the freed requests' memory given back (resident {resident(pid) / MIB:.0f} MiB, "
                           f"{before / MIB:.0f} MiB before the flood)")
