@@ -125,6 +125,19 @@ def kill_worker_in_a_batch(daemon, restarts: int) -> None:
     wait_for(lambda: daemon.status()["workers"][0]["restarts"] == restarts + 1, what="the worker's death seen")
 
 
+def each_echoed_once(peer: RawPeer, arrays: list[np.ndarray]) -> None:
+    """Request i of `variable` (sent with id i, input arrays[i]) answered exactly once, ok, with its input."""
+    replies = {}
+    for _ in arrays:
+        header, outputs = peer.recv(timeout=60)
+        replies[header["id"]] = (header, outputs)
+    assert peer.nothing_more()
+    assert sorted(replies) == list(range(len(arrays))), "each request answered exactly once"
+    for i, (header, outputs) in replies.items():
+        assert header["status"] == "ok", header
+        np.testing.assert_array_equal(outputs[0], arrays[i])  # variable returns its input
+
+
 def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_return(start_daemon, gates):
     daemon = start_daemon({"variable": VARIABLE}, workers={"streams": 1})
     gate = gates()
@@ -137,15 +150,7 @@ def test_a_worker_killed_mid_batch_loses_nothing_and_requests_wait_for_its_retur
         for i, x in enumerate(arrays[16:], 16):
             peer.send(i, "variable", [x], timeout_ms=30_000)
         gate.open()  # the lost batch, computed again, waits at the gate once more
-        replies = {}
-        for _ in arrays:
-            header, outputs = peer.recv(timeout=60)
-            replies[header["id"]] = (header, outputs)
-        assert peer.nothing_more()
-    assert sorted(replies) == list(range(len(arrays))), "each request answered exactly once"
-    for i, (header, outputs) in replies.items():
-        assert header["status"] == "ok", header
-        np.testing.assert_array_equal(outputs[0], arrays[i])  # variable returns its input
+        each_echoed_once(peer, arrays)
     assert "lost (worker0 died" in daemon.log() and "its requests are computed again" in daemon.log()
 
 
@@ -166,15 +171,7 @@ def test_a_killed_fork_server_takes_its_workers_along_and_their_replacements_los
         for i, x in enumerate(arrays[1:], 1):
             peer.send(i, "variable", [x], timeout_ms=60_000)
         gate.open(timeout=60)  # the lost batch, computed again by a replacement
-        replies = {}
-        for _ in arrays:
-            header, outputs = peer.recv(timeout=60)
-            replies[header["id"]] = (header, outputs)
-        assert peer.nothing_more()
-    assert sorted(replies) == list(range(len(arrays))), "each request answered exactly once"
-    for i, (header, outputs) in replies.items():
-        assert header["status"] == "ok", header
-        np.testing.assert_array_equal(outputs[0], arrays[i])  # variable returns its input
+        each_echoed_once(peer, arrays)
     replacements = [psutil.Process(w["pid"]) for w in daemon.status()["workers"]]
     assert {p.ppid() for p in replacements} == {replacements[0].parent().pid} != {server.pid}
     assert replacements[0].parent().cmdline()[0] == "inferd: fork server"
