@@ -214,6 +214,17 @@ def references(reload_repo: Path):
     return {v: torch.jit.load(str(reload_repo / "mlp" / v / "model.pt")) for v in ("v1", "v2", "v3")}
 
 
+def gated_reload_repo(reload_repo: Path, folder: Path, *versions: str) -> tuple[Path, Gate]:
+    """A repository in `folder` with the reload repository's mlp `versions` and a version `gated` whose
+    warm-up, and so any load of it, waits at the gate returned until the test opens it."""
+    repo = folder / "gated-repo"
+    for version in versions:
+        shutil.copytree(reload_repo / "mlp" / version, repo / "mlp" / version)
+    gate = Gate(folder)
+    models.save_gated_version(repo, "gated", gate.path)
+    return repo, gate
+
+
 @pytest.fixture
 def reload_daemon(workdir: Path, reload_repo: Path):
     """Start daemons serving the reload repository; each is killed at the end of the test."""

@@ -233,19 +233,22 @@ class Head(torch.nn.Module):
         return self.linear(x)
 
 
-class SlowToWarm(Mlp):
-    """An Mlp that spends a while on every batch (`steps` products of 256 x 256 matrices),
-    so warming it up takes about steps / 800 seconds."""
+class WarmsAtGate(Mlp):
+    """An Mlp whose every batch is saved to the file `gate` first: where a test made that file a named
+    pipe (tests/gates.py), its warm-up, and so its reload, waits there until the test opens it."""
 
-    def __init__(self, steps: int = 400) -> None:
+    def __init__(self, gate: str) -> None:
         super().__init__()
-        self.steps = steps
+        self.gate = gate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.randn(256, 256)
-        for _ in range(self.steps):
-            h = torch.tanh(h @ h)
-        return self.net(x) + 0.0 * h.sum()
+        torch.save(x, self.gate)
+        return self.net(x)
+
+
+def save_gated_version(root: Path, version: str, gate: Path) -> Path:
+    """Save NAME mlp VERSION `version` under `root`: an Mlp whose warm-up waits at `gate` (WarmsAtGate)."""
+    return save_script(lambda: WarmsAtGate(str(gate)), root, "mlp", version, 6)
 
 
 class HangsOnFullBatches(Mlp):
@@ -279,7 +282,6 @@ def build_reload_repository(root: Path) -> dict[str, Path]:
     files["refuses_big"] = save_script(MlpRefusingBigBatches, root, "mlp", "refuses_big", 4)
     files["wide"] = save_script(lambda: Head(8), root, "mlp", "wide", 5)
     files["huge_output"] = save_script(lambda: Head(16384), root, "mlp", "huge_output", 10)
-    files["slower_warm"] = save_script(lambda: SlowToWarm(4000), root, "mlp", "slower_warm", 6)
     files["huge_failing"] = save_script(HugeFailing, root, "mlp", "huge_failing", 7)
     files["hangs"] = save_script(HangsOnFullBatches, root, "mlp", "hangs", 11)
     files["fails_some"] = save_script(MlpFailingOnSome, root, "mlp", "fails_some", 12)

@@ -3,6 +3,7 @@ memory is bounded by bytes, nothing stays stuck, deadlines and versions are kept
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import models
 import msgspec
 import numpy as np
 import pytest
-from conftest import MLP, RELOAD_MLP, Daemon, base_config, until, wait_for
+from conftest import MLP, RELOAD_MLP, Daemon, base_config, exited, gated_reload_repo, until, wait_for
 from test_reload import Traffic
 from wire import RawPeer
 
@@ -138,28 +139,25 @@ def test_a_reload_whose_warm_up_hangs_ends_at_the_load_timeout_and_the_next_one_
 
 
 def test_a_worker_that_dies_during_a_reload_ends_it_with_a_sentence(workdir, reload_repo):
-    config = base_config(workdir, reload_repo, {"mlp": RELOAD_MLP}, workers={"devices": ["cpu", "cpu"]})
+    repo, gate = gated_reload_repo(reload_repo, workdir, "v1", "v2")
+    config = base_config(workdir, repo, {"mlp": RELOAD_MLP}, workers={"devices": ["cpu", "cpu"]})
     daemon = Daemon(workdir, config).start()
     try:
         reload = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version",
-                                   "slower_warm"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert "loading mlp slower_warm" in reload.stdout.readline()
+                                   "gated"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "loading mlp gated" in reload.stdout.readline()
         victim = daemon.status()["workers"][1]["pid"]
-        signal_worker(victim)
+        os.kill(victim, signal.SIGKILL)
+        wait_for(lambda: exited(victim), what="worker1 gone")
+        gate.open()  # worker0's load ends; the reload, which waits for every worker, with it
         _, err = reload.communicate(timeout=120)
         assert reload.returncode == 1
-        assert "worker1 died while loading slower_warm" in err and "v1 keeps serving" in err, err
+        assert "worker1 died while loading gated" in err and "v1 keeps serving" in err, err
         assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
         daemon.wait_healthy()
         assert inferctl(daemon, "reload", "--version", "v2").returncode == 0
     finally:
         daemon.kill_all()
-
-
-def signal_worker(pid: int) -> None:
-    import os
-
-    os.kill(pid, signal.SIGKILL)
 
 
 def test_sigusr1_writes_the_supervisors_stacks_to_the_log_and_the_stacks_file(shared_daemon):

@@ -330,13 +330,17 @@ def test_a_region_changed_under_waiting_requests_fails_only_them_once_each(start
                                                          outputs=(OutputPlace("r", 1024 + 8 * index),)))
                 sent[name] = "output"
             wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] >= 10, what="the requests queued")
+            replies = {}
             if change == "unregistered":
                 peer.send_frames([protocol.encode_op(protocol.UnregisterRegion(id="unreg", name="r"))])
+                # Only the unregistration can be answered while the executor is held: the change is
+                # in force before anything behind the blocker moves.
+                header, _ = peer.recv(timeout=60)
+                assert (header["id"], header["status"]) == ("unreg", "ok"), header
             else:
                 os.truncate(path, 4)
             gate.open()
-            replies = {}
-            for _ in range(len(sent) + 1 + (change != "truncated")):
+            for _ in range(len(sent) + 1):
                 header, _ = peer.recv(timeout=60)
                 replies[header["id"]] = header
             assert peer.nothing_more(), "one reply each"
