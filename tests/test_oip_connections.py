@@ -145,6 +145,16 @@ def served(protocol_name: str, target: str) -> bool:
 
 
 @pytest.mark.parametrize("protocol_name", ["http", "grpc"])
+def test_the_daemon_is_healthy_only_once_every_gateway_takes_connections(start_daemon, protocol_name):
+    # A service started right after `systemctl start inferd` (READY=1, the same moment) must not be refused.
+    daemon = start_daemon({"mlp": MLP}, server={protocol_name: f"127.0.0.1:{free_port()}",
+                                                f"{protocol_name}_processes": 2})
+    assert served(protocol_name, daemon.config["server"][protocol_name]), "healthy, and the front end refused"
+    gateways = daemon.status()["gateways"]
+    assert len(gateways) == 2 and all(g["listening"] for g in gateways), gateways
+
+
+@pytest.mark.parametrize("protocol_name", ["http", "grpc"])
 def test_a_dead_gateway_is_restarted_and_serves_again(start_daemon, protocol_name):
     daemon = start_daemon({"mlp": MLP}, server={protocol_name: f"127.0.0.1:{free_port()}"})
     target = daemon.config["server"][protocol_name]

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import msgspec
@@ -39,7 +40,7 @@ ANSWER_SLACK_S = 30.0
 class FrontEnd(Protocol):
     """A protocol's server: HttpServer or GrpcServer."""
 
-    async def serve(self) -> None: ...
+    async def serve(self, listening: Callable[[], Awaitable[None]]) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -73,9 +74,15 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
         front = GrpcServer(InferenceService(catalog, upstream, control, shared_memory), server, max_message_bytes)
         scheme = "grpcs" if server.tls_cert else "grpc"
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, front.stop)
-    log.info("Open Inference Protocol at %s://%s", scheme, address)
+
+    async def listening() -> None:
+        # The daemon is ready, and says so to systemd and `inferctl health`, only once its front ends take
+        # connections: a client started right after `systemctl start` must not be refused.
+        log.info("Open Inference Protocol at %s://%s", scheme, address)
+        await control.call("gateway_listening", name=spec.name, pid=os.getpid())
+
     try:
-        await front.serve()
+        await front.serve(listening)
     finally:
         upstream.close()
         control.close()

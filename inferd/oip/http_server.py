@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -205,11 +205,19 @@ class GuardedProtocol(HttpToolsProtocol):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, with the gateway's own signal handling (uvicorn's would take SIGINT too)."""
+    """uvicorn's server, with the gateway's own signal handling (uvicorn's would take SIGINT too), that
+    calls `listening` once its socket takes connections."""
+
+    listening: Callable[[], Awaitable[None]] | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started and self.listening is not None:
+            await self.listening()
 
 
 def _reuse_port_socket(host: str, port: int) -> socket.socket:
@@ -239,8 +247,10 @@ class HttpServer:
             ssl_certfile=server.tls_cert or None, ssl_keyfile=server.tls_key or None,
         ))
 
-    async def serve(self) -> None:
-        """Serve until stop(); requests in progress are answered first."""
+    async def serve(self, listening: Callable[[], Awaitable[None]]) -> None:
+        """Serve until stop(), calling `listening` once connections are taken; requests in progress are
+        answered first."""
+        self._server.listening = listening
         await self._server.serve(sockets=self._sockets)
 
     def stop(self) -> None:

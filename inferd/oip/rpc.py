@@ -296,8 +296,9 @@ class GrpcServer:
         self._server: grpc.aio.Server | None = None
         self._stopping: asyncio.Task[None] | None = None
 
-    async def serve(self) -> None:
-        """Serve until stop(); calls in progress are answered first (for at most STOP_GRACE_S)."""
+    async def serve(self, listening: Callable[[], Awaitable[None]]) -> None:
+        """Serve until stop(), calling `listening` once calls are taken; calls in progress are answered
+        first (for at most STOP_GRACE_S)."""
         self._server = grpc.aio.server(options=[
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", -1),
@@ -315,6 +316,7 @@ class GrpcServer:
         else:
             self._server.add_insecure_port(self._config.grpc)
         await self._server.start()
+        await listening()
         await self._server.wait_for_termination()
 
     def stop(self) -> None:

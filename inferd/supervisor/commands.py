@@ -176,7 +176,8 @@ class Commands:
             ],
             "gateways": [
                 {"protocol": g.protocol, "name": g.name, "address": g.address,
-                 "pid": g.process.pid if g.process else None, "restarts": g.restarts, "given_up": g.given_up}
+                 "pid": g.process.pid if g.process else None, "restarts": g.restarts, "given_up": g.given_up,
+                 "listening": g.listening}
                 for g in self.daemon.gateways
             ],
             "replies": dict(self.daemon.stats.replies),
@@ -232,6 +233,12 @@ class Commands:
                        f"back to {previous} (blue-green): run it again with --yes to do that")
             return
         self.daemon.reloads.start(name, previous, True, reply)
+
+    def command_gateway_listening(self, name: str, pid: int) -> None:
+        """A gateway process (`name`, `pid`) says it takes connections: the daemon is ready once all do."""
+        for gateway in self.daemon.gateways:
+            if gateway.name == name and gateway.process is not None and gateway.process.pid == pid:
+                gateway.listening = True
 
     def command_trim(self) -> dict[str, Any]:
         """Every ready worker returns its GPU allocator's unused memory now, busy or not."""

@@ -61,6 +61,7 @@ class Gateway(ChildProcess):
         self._devices, self._control = devices, control
         self.stopping = False
         self.given_up = False
+        self.listening = False  # its process said it takes connections
 
     @property
     def address(self) -> str:
@@ -76,6 +77,7 @@ class Gateway(ChildProcess):
 
     def start(self) -> None:
         """Spawn the gateway process."""
+        self.listening = False
         spec = GatewaySpec(protocol=self.protocol, name=self.name, config=loading.encode(self.config),
                            devices=self._devices, control=self._control, upstream=self.upstream)
         pid = self.spawn(_run, msgspec.msgpack.encode(spec), f"inferd-gateway-{self.name.replace(' ', '-')}")
@@ -95,6 +97,10 @@ class Gateway(ChildProcess):
                       len(self.deaths), CRASH_WINDOW_S, reason)
             return
         log.error("gateway %s died (%s); restarting in %.1f s", self.name, reason, delay)
+
+    def up(self) -> bool:
+        """Whether it is as far as it will get: listening, or given up."""
+        return self.listening or self.given_up
 
     def respawn_due(self, now: float) -> bool:
         """True when it is down, not given up, and its backoff has passed."""

@@ -60,7 +60,7 @@ class Supervisor(Parts):
         super().__init__(config)
         self.poller = zmq.Poller()
         self.exit_code = 0
-        self.worker_messages = WorkerMessages(self.workers, self.dispatcher, self.reloads, self._worker_changed)
+        self.worker_messages = WorkerMessages(self.workers, self.dispatcher, self.reloads, self._maybe_started)
         self._children: dict[int, ChildProcess] = {}  # a process sentinel -> the worker or gateway it watches
         self._deadline = 0.0
         self._next_tick = 0.0
@@ -180,6 +180,7 @@ class Supervisor(Parts):
             return self.worker_messages.on_readable()
         if target is self.control.socket:
             self.control.on_readable()
+            self._maybe_started()  # a command may be a gateway saying it listens
         elif target == self.wakeup.fileno():
             self._on_wakeup()
         elif target in self._children:
@@ -245,13 +246,14 @@ class Supervisor(Parts):
                 and all(front.process is None for front in self.gateways)):
             self._done = True
 
-    def _worker_changed(self) -> None:
+    def _maybe_started(self) -> None:
         if self.state == DaemonState.STARTING:
             self._check_started()
 
     def _check_started(self) -> None:
         workers = self.workers.workers
-        if any(w.state not in (WorkerState.READY, WorkerState.FAILED) for w in workers):
+        if any(w.state not in (WorkerState.READY, WorkerState.FAILED) for w in workers) or \
+                not all(front.up() for front in self.gateways):
             return
         if all(w.state == WorkerState.FAILED for w in workers):
             errors = {w.last_error for w in workers if w.last_error}
@@ -288,7 +290,7 @@ class Supervisor(Parts):
                     self.replies.error(request, protocol.UNAVAILABLE, "every worker was given up; nothing can "
                                        "compute the request (see inferctl status)")
             self.reloads.on_worker_exit(child)
-            self._worker_changed()
+            self._maybe_started()
         self._check_stopped()
 
     def _stop_workers(self) -> None:
