@@ -280,6 +280,11 @@ def _answering(name: str, method: Callable[[Any, Call], Awaitable[Message]],
         except Exception:
             log.exception("handling %s raised", name)
             code, message = grpc.StatusCode.INTERNAL, GATEWAY_BUG
+        remaining = context.time_remaining()
+        if context.done() or (remaining is not None and remaining <= 0):
+            # The call ended first (its deadline passed as the daemon answered `timeout`, or its client went):
+            # grpc has told the client, and a status sent now fails in grpc's core, which logs it as an error.
+            raise asyncio.CancelledError
         await context.abort(code, message)
         raise AssertionError("abort returns only by raising")
 
