@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs docs-check proto bench bench-formats bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-restart bench-soak sim clean
+.PHONY: demo test lint docs docs-check proto bench bench-formats bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-restart bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -32,15 +32,19 @@ $(THIRD_PARTY): tests/third_party.py | $(PY)
 	$(PY) tests/third_party.py install $(VENV)
 	touch $(THIRD_PARTY)
 
+lint: $(STAMP)
+	$(PY) -m ruff check inferd tests bench deploy
+	$(PY) -m mypy
+
 demo: $(RUNTIME)
 	$(PY) -m inferd.demo run
 
-test: $(STAMP) $(THIRD_PARTY)
-	$(PY) -m ruff check inferd tests bench deploy
-	$(PY) -m mypy
-	# Two test files at a time (the suite waits on daemons more than it computes), then the few
-	# tests that measure CPU or time or use fixed ports, alone.
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not serial"
+# The third-party tools install beside the venv's own packages and the linters: neither needs the other.
+test:
+	$(MAKE) --no-print-directory -j2 lint $(THIRD_PARTY)
+	# Three test files at a time (on two cores: a file waiting on a daemon leaves its core to the others),
+	# then the few tests that measure CPU or time or use fixed ports, alone.
+	$(PY) -m pytest -q -n 3 --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -p no:xdist -m serial
 
 bench: $(STAMP)

@@ -61,7 +61,7 @@ def exited(pid: int) -> bool:
 
 
 # The files that take longest (seconds of test time each, measured with --durations=0), run first: xdist
-# hands out files in order, so the two workers then end together rather than one finishing a long file alone.
+# hands out files in order, so the workers then end together rather than one finishing a long file alone.
 LONGEST_FIRST = ("test_formats.py", "test_reliability.py", "test_scaleout.py", "test_faults.py", "test_reload.py",
                  "test_lifecycle.py", "test_promises.py", "test_oip_connections.py", "test_canary.py")
 
