@@ -14,17 +14,20 @@ $(PY):
 # What the daemon needs, for the demo; the test tools come on top. (Only the tools' kubernetes asks for newer
 # dateutil and pydantic than some system packages visible through --system-site-packages, which pip reports
 # as an ERROR line: the demo does not install it.)
+# torch==2.13.0 only where none is importable: the CPU build where pip finds a local CPU wheel; from PyPI on
+# Linux x86-64 it is the multi-GB CUDA build (docs/getting-started.md says how to get the CPU one).
+TORCH := $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 RUNTIME := $(VENV)/.installed-runtime
 $(RUNTIME): pyproject.toml | $(PY)
-	# torch==2.13.0 only where none is importable: the CPU build where pip finds a local CPU wheel; from PyPI on
-	# Linux x86-64 it is the multi-GB CUDA build (docs/getting-started.md says how to get the CPU one).
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(TORCH)
 	$(PY) -m pip install -q -e .
 	touch $(RUNTIME)
 
-$(STAMP): $(RUNTIME)
+# The test tools come with the runtime in one install (not after it: a second build of the package).
+$(STAMP): pyproject.toml | $(PY)
+	$(TORCH)
 	$(PY) -m pip install -q -e ".[test]"
-	touch $(STAMP)
+	touch $(RUNTIME) $(STAMP)
 
 THIRD_PARTY := $(VENV)/.third-party
 # Triton's perf_analyzer and KServe's SDK: clients others wrote, which the OIP tests run (tests/third_party.py).

@@ -69,7 +69,7 @@ def run(tool: Path, daemon: Daemon, protocol: str, report: Path, *options: str) 
     address = daemon.config["server"][protocol]
     # Three windows are taken as they come (perf_analyzer waits for three that agree within
     # --stability-percentage): on a machine shared with the rest of the suite they may not agree.
-    return subprocess.run([str(tool), "-m", "mlp", "-u", address, "-i", protocol, "--measurement-interval", "500",
+    return subprocess.run([str(tool), "-m", "mlp", "-u", address, "-i", protocol, "--measurement-interval", "250",
                            "--stability-percentage", "1000", "--max-trials", "5", "-f", str(report), *options],
                           capture_output=True, text=True, timeout=300)
 
