@@ -199,6 +199,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["bf16/v1"] = save_script(lambda: Bfloat16Mix(1_000), root, "bf16", "v1", 15)  # ~5 ms a batch
     files["sum/v1"] = save_script(Sum, root, "sum", "v1", 16)
     files["seesbatch/v1"] = save_script(SeesBatch, root, "seesbatch", "v1", 17)
+    files["ragged/v1"] = save_script(lambda: Ragged(str(root / GATES)), root, "ragged", "v1", 18)
     return files
 
 
@@ -342,6 +343,25 @@ class Variable(torch.nn.Module):
         for _ in range(first):
             acc = acc + 1.0
         return x + acc * 0.0
+
+
+RAGGED_MAX = 64  # the longest sample `ragged` is configured for
+
+
+class Ragged(torch.nn.Module):
+    """float32 [2, L], L of any length -> float32 [L], the running sum of its two rows, and float32 [4], its
+    rows' sums through a linear layer. A batch whose first value is -n waits at gate n, as Variable's."""
+
+    def __init__(self, gates: str) -> None:
+        super().__init__()
+        self.gates = gates
+        self.head = torch.nn.Linear(2, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        first = int(x[0, 0, 0].item())
+        if first < 0:
+            torch.save(x, self.gates + "/" + str(-first))
+        return torch.cumsum(x[:, 0] + x[:, 1], dim=1), self.head(x.sum(dim=2))
 
 
 class BigTemporary(torch.nn.Module):

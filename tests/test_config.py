@@ -78,7 +78,14 @@ def test_without_xdg_the_runtime_dir_is_per_uid_under_tmp(monkeypatch):
          "models.m.inputs: unknown dtype 'f32'; known: bool, uint8, int8, int16, int32, int64, float16, float32, "
          "float64, bfloat16"),
         ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4, 0]}]}}},
-         "models.m.inputs[0].shape[1]: Expected `int` >= 1, got 0"),
+         "models.m.inputs: input 0 has shape [4, 0]: each dim is at least 1, or -1 for a dim of any size"),
+        ({"models": {"m": {"inputs": [{"dtype": "int64", "shape": [-1]}]}}},
+         "models.m.inputs: input 0 has shape [-1], whose -1 needs a bound: add max_shape, the largest sample it "
+         "takes, e.g. max_shape = [512]"),
+        ({"models": {"m": {"inputs": [{"dtype": "int64", "shape": [3, -1], "max_shape": [4, 9]}]}}},
+         "models.m.inputs: input 0 has max_shape [4, 9], which does not match its shape [3, -1]"),
+        ({"models": {"m": {"inputs": [{"dtype": "int64", "shape": [3], "max_shape": [3]}]}}},
+         "models.m.inputs: input 0 has max_shape but no -1 in its shape [3]"),
         ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4], "colour": "x"}]}}},
          "models.m.inputs[0]: Object contains unknown field `colour`"),
         ({"models": {"m": {**MINIMAL["models"]["m"], "version": "../v1"}}}, "models.m.version: '../v1' is not"),

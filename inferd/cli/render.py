@@ -183,7 +183,8 @@ def models_text(models: dict[str, Any], listen: list[str]) -> str:
         lines.append(f"{name}: live {model['live_version']} (from {origin}; the config says {config['version']!r})")
         for index, spec in enumerate(config["inputs"]):
             label = spec["name"] or f"INPUT__{index}"
-            lines.append(f"  input  {label:<16} {_per_sample(spec['dtype'], spec['shape'])}")
+            bound = f" (-1: any size, up to max_shape {spec['max_shape']})" if spec.get("max_shape") else ""
+            lines.append(f"  input  {label:<16} {_per_sample(spec['dtype'], spec['shape'])}{bound}")
         names = [o["name"] for o in config["outputs"]]
         for index, (dtype, shape) in enumerate(model["outputs"]):
             label = names[index] if index < len(names) else f"OUTPUT__{index}"
@@ -229,11 +230,18 @@ def _per_sample(dtype: str, shape: list[int]) -> str:
     return f"{dtype} [{', '.join(['N', *map(str, shape)])}]"
 
 
+def _example_shape(spec: dict[str, Any]) -> tuple[int, ...]:
+    """One sample's shape, batch dim first: a -1 dim at 8, or at its bound where that is less."""
+    bound = spec.get("max_shape") or spec["shape"]
+    return (1, *(min(8, most) if dim == -1 else dim for dim, most in zip(spec["shape"], bound)))
+
+
 def _example(name: str, inputs: list[dict[str, Any]], endpoint: str) -> list[str]:
     """Commands that send `name` one sample of zeros: with inferctl (.npy files), and with the Python client."""
-    zeros = [f"np.zeros({(1, *spec['shape'])}, {spec['dtype']!r})" for spec in inputs]
+    shapes = [_example_shape(spec) for spec in inputs]
+    zeros = [f"np.zeros({shape}, {spec['dtype']!r})" for spec, shape in zip(inputs, shapes)]
     if any(spec["dtype"] == "bfloat16" for spec in inputs):  # numpy has no bfloat16: torch makes the tensor
-        zeros = [f"torch.zeros({(1, *spec['shape'])}, dtype=torch.{spec['dtype']})" for spec in inputs]
+        zeros = [f"torch.zeros({shape}, dtype=torch.{spec['dtype']})" for spec, shape in zip(inputs, shapes)]
         return [f"python -c \"import torch; from inferd.client import Client; "
                 f"print(Client('{endpoint}').infer('{name}', [{', '.join(zeros)}]))\""]
     files = [f"{name}-input{index}.npy" for index in range(len(inputs))]

@@ -239,12 +239,29 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One model input: dtype name, per-sample shape (no batch dim), and the name the Open Inference
-    Protocol knows it by (default `INPUT__<i>`, Triton's PyTorch convention)."""
+    """One model input: dtype name, per-sample shape (no batch dim; -1 for a dim of any size up to its
+    `max_shape`), and the name the Open Inference Protocol knows it by (default `INPUT__<i>`, Triton's
+    PyTorch convention)."""
 
     dtype: str
-    shape: Annotated[tuple[Annotated[int, Meta(ge=1)], ...], Meta(max_length=7)]
+    shape: Annotated[tuple[int, ...], Meta(max_length=7)]
     name: str | None = None
+    max_shape: Annotated[tuple[int, ...], Meta(max_length=7)] | None = None
+
+    @property
+    def variable(self) -> bool:
+        """Whether a request's sample may have any size in some dim (a -1 in `shape`)."""
+        return -1 in self.shape
+
+    @property
+    def bound(self) -> tuple[int, ...]:
+        """The largest per-sample shape: `shape`, each -1 taken at its `max_shape`."""
+        return self.max_shape if self.max_shape is not None else self.shape
+
+    def fits(self, shape: tuple[int, ...]) -> bool:
+        """Whether a sample of `shape` (no batch dim) is one this input takes."""
+        return len(shape) == len(self.shape) and all(
+            given == dim if dim != -1 else given <= most for given, dim, most in zip(shape, self.shape, self.bound))
 
 
 class OutputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -287,7 +304,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     inputs: Annotated[
         tuple[InputSpec, ...],
         Meta(min_length=1),
-        _doc('Per-sample inputs, e.g. [{ dtype = "float32", shape = [256] }].'),
+        _doc('Per-sample inputs, e.g. [{ dtype = "float32", shape = [256] }]. A dim may be -1 (any size) with '
+             'max_shape bounding it, e.g. { dtype = "int64", shape = [-1], max_shape = [512] }: requests batch '
+             "with requests of the same shape, and arena slots are sized for max_shape."),
     ]
     repository: Annotated[
         str | None,
@@ -414,7 +433,23 @@ def _check_inputs(value: tuple[InputSpec, ...]) -> str | None:
     bad = [spec.dtype for spec in value if spec.dtype not in DTYPES]
     if bad:
         return f"unknown dtype {bad[0]!r}; known: {', '.join(DTYPES)}"
-    return _check_names([spec.name for spec in value], "input")
+    return next((problem for index, spec in enumerate(value) if (problem := _check_shape(index, spec))), None) \
+        or _check_names([spec.name for spec in value], "input")
+
+
+def _check_shape(index: int, spec: InputSpec) -> str | None:
+    shape, bound = list(spec.shape), spec.max_shape
+    if any(dim < 1 and dim != -1 for dim in shape):
+        return f"input {index} has shape {shape}: each dim is at least 1, or -1 for a dim of any size"
+    if bound is None:
+        return (f"input {index} has shape {shape}, whose -1 needs a bound: add max_shape, the largest sample it "
+                f"takes, e.g. max_shape = {[512 if dim == -1 else dim for dim in shape]}") if spec.variable else None
+    if not spec.variable:
+        return f"input {index} has max_shape but no -1 in its shape {shape}: max_shape bounds the -1 dims"
+    if len(bound) != len(shape) or any(dim not in (-1, most) or most < 1 for dim, most in zip(shape, bound)):
+        return (f"input {index} has max_shape {list(bound)}, which does not match its shape {shape}: as many dims, "
+                "each fixed dim as it is, a bound of at least 1 for each -1")
+    return None
 
 
 def _check_file(value: str) -> str | None:

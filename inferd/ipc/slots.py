@@ -38,9 +38,9 @@ def place(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 def batch_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], samples: int) -> int:
-    """Bytes of slot a batch of `samples` samples of `model` takes, inputs and outputs
-    (`outputs`: the per-sample signature of the model's outputs)."""
-    rows = [tensor_bytes(spec.dtype, spec.shape) for spec in model.inputs]
+    """Bytes of slot a batch of `samples` samples of `model` takes at most, inputs (at their largest shape)
+    and outputs (`outputs`: the per-sample signature of the model's outputs, as warmed up at that shape)."""
+    rows = [tensor_bytes(spec.dtype, spec.bound) for spec in model.inputs]
     rows += [tensor_bytes(spec.dtype, spec.shape) for spec in outputs]
     return place(0, [samples * row for row in rows])[1]
 

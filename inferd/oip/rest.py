@@ -277,6 +277,9 @@ def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
         raise InvalidRequest(f"a raw binary request (Inference-Header-Content-Length 0) is for a model of one "
                              f"input; {model.name} takes {', '.join(model.inputs)}: send JSON naming each")
     spec = model.config.inputs[0]
+    if spec.variable:
+        raise InvalidRequest(f"a raw binary request cannot say the shape of {model.inputs[0]!r}, which takes "
+                             f"{list(spec.shape)} per sample: send JSON with its shape")
     sample = protocol.tensor_bytes(spec.dtype, spec.shape)
     if size == 0 or size % sample:
         raise InvalidRequest(f"a raw binary request's {size} bytes are not a whole number of samples of "

@@ -134,7 +134,7 @@ class Batcher:
         for name, lane in self._lanes.items():
             waiting = self.queue.lanes[name]
             wait = lane.policy.max_wait_s
-            if not waiting.samples or (wait is not None and waiting.samples >= lane.policy.max_batch_size):
+            if not waiting.samples or (wait is not None and self._full(waiting, lane)):
                 continue
             due = lane.go_at if wait is None else waiting.oldest().received + wait
             if due is not None and due > now:
@@ -149,14 +149,14 @@ class Batcher:
         its oldest request has waited the window; with "auto", when an executor is about to be free."""
         wait = lane.policy.max_wait_s
         if wait is not None:
-            return waiting.samples >= lane.policy.max_batch_size or now - waiting.oldest().received >= wait
+            return self._full(waiting, lane) or now - waiting.oldest().received >= wait
         # "auto": the batch could not start before an executor is free anyway, so it is formed just
         # before then (unless its most pressing deadline needs it sent sooner): a partial one gathers
         # company, and a full one takes in the urgent requests that come meanwhile instead of leaving
         # them to wait behind it. A full one with no more urgent traffic to expect goes at once: held,
         # it would only cost a fast model its pipelining.
         plan = self._plan(waiting, lane)
-        if waiting.samples >= lane.policy.max_batch_size:
+        if self._full(waiting, lane):
             least_urgent = max(r.priority for r in plan)
             if not any(seen > now - URGENT_MEMORY_S for seen in waiting.seen[:least_urgent]):
                 return True
@@ -167,6 +167,14 @@ class Batcher:
         lane.go_at = go_at
         return now >= go_at
 
+    def _full(self, waiting: Lane, lane: _LanePolicy) -> bool:
+        """Whether the lane's next batch would be full."""
+        limit = lane.policy.max_batch_size
+        if waiting.samples < limit:
+            return False
+        # Requests of a model of fixed shapes all batch together; others only with their like.
+        return not waiting.oldest().shapes or sum(r.samples for r in self._plan(waiting, lane)) >= limit
+
     def _leader(self, waiting: Lane, lane: _LanePolicy) -> int:
         """The level that leads the next batch: one that waited through too many batches, else the most urgent."""
         patience = self.queue.levels.patience
@@ -176,7 +184,8 @@ class Batcher:
 
     def _plan(self, waiting: Lane, lane: _LanePolicy) -> list[QueuedRequest]:
         """The requests the lane's next batch takes, in order: the oldest of the leading level, then of
-        each other level, most urgent first, while their samples fit in max_batch_size."""
+        each other level, most urgent first, while their samples fit in max_batch_size. Where the model
+        takes inputs of any size, only requests whose samples are shaped like the first one's join it."""
         limit = lane.policy.max_batch_size
         batch: list[QueuedRequest] = []
         samples = 0
@@ -187,6 +196,8 @@ class Batcher:
                 # accepted: the slot was sized for the old limit, and leaving it would jam the lane.
                 if batch and samples + request.samples > limit:
                     break
+                if batch and request.shapes != batch[0].shapes:
+                    continue
                 batch.append(request)
                 samples += request.samples
         return batch

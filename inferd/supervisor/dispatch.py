@@ -523,12 +523,15 @@ class Dispatcher:
         buf = worker.arena.buf
         base, size = worker.slots.offset(batch.slot), worker.slots.slot_size
         samples = sum(r.samples for r in batch.requests)
-        offsets, end = place(base, [samples * protocol.tensor_bytes(s.dtype, s.shape) for s in spec.inputs])
+        # The batcher put together only requests whose samples are shaped alike: the first one's shapes.
+        shapes = [tuple(meta.shape[1:]) for meta in batch.requests[0].header.inputs]
+        offsets, end = place(base, [samples * protocol.tensor_bytes(s.dtype, shape)
+                                    for s, shape in zip(spec.inputs, shapes)])
         if end > base + size:
             raise SlotOverflow
         refs = []
-        for index, (input_spec, start) in enumerate(zip(spec.inputs, offsets)):
-            refs.append(TensorRef(input_spec.dtype, (samples, *input_spec.shape), start))
+        for index, (input_spec, shape, start) in enumerate(zip(spec.inputs, shapes, offsets)):
+            refs.append(TensorRef(input_spec.dtype, (samples, *shape), start))
             offset = start
             for request in batch.requests:
                 value = request.buffers[index]

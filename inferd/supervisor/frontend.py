@@ -33,7 +33,7 @@ from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.client_regions import ClientRegions, Places
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.queue import QueuedRequest, Refusal, RequestQueue
+from inferd.supervisor.queue import QueuedRequest, Refusal, RequestQueue, Shapes
 from inferd.supervisor.regions import Regions, RegionSlice
 from inferd.supervisor.replies import Replies, ReplyTo
 from inferd.supervisor.state import DaemonState, StartupError
@@ -70,8 +70,9 @@ def receive_limits(config: Config) -> tuple[int, int]:
     return largest, hwm
 
 
-def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig) -> int:
-    """Check a request's inputs against what the model takes; return its sample count or raise InvalidRequest."""
+def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig) -> tuple[int, Shapes]:
+    """Check a request's inputs against what the model takes; return its sample count and its samples'
+    shapes (() for a model of fixed shapes: every request batches with every other), or raise InvalidRequest."""
     rid = header.id
     if len(header.inputs) != len(model.inputs):
         raise InvalidRequest(f"{name} takes {len(model.inputs)} input(s), the request has {len(header.inputs)}", rid)
@@ -79,10 +80,11 @@ def check_against_model(header: protocol.RequestHeader, name: str, model: ModelC
     for index, (meta, spec) in enumerate(zip(header.inputs, model.inputs)):
         if meta.dtype != spec.dtype:
             raise InvalidRequest(f"input {index} is {meta.dtype} but {name} takes {spec.dtype}", rid)
-        if tuple(meta.shape[1:]) != spec.shape:
+        if not spec.fits(tuple(meta.shape[1:])):
+            bound = f" (each -1 at most as in max_shape {list(spec.bound)})" if spec.variable else ""
             raise InvalidRequest(
                 f"input {index} has shape {list(meta.shape)}; {name} takes [N, "
-                f"{', '.join(map(str, spec.shape))}] with the batch dim N first",
+                f"{', '.join(map(str, spec.shape))}]{bound} with the batch dim N first",
                 rid,
             )
         if meta.shape[0] != samples:
@@ -91,7 +93,9 @@ def check_against_model(header: protocol.RequestHeader, name: str, model: ModelC
         raise InvalidRequest(
             f"the request carries {samples} samples, over max_batch_size {model.max_batch_size} of {name}", rid
         )
-    return samples
+    if not any(spec.variable for spec in model.inputs):
+        return samples, ()
+    return samples, tuple(meta.shape[1:] for meta in header.inputs)
 
 
 def _refusal_sentence(refusal: Refusal, queue: RequestQueue) -> str:
@@ -142,7 +146,7 @@ class Frontend:
         self.default_timeout_s = config.queue.default_timeout_ms / 1000
         # (model, inputs) -> samples, for signatures that passed check_against_model: clients
         # send the same few again and again, and the check is pure Python.
-        self._checked: dict[tuple[str, tuple[protocol.TensorMeta, ...]], int] = {}
+        self._checked: dict[tuple[str, tuple[protocol.TensorMeta, ...]], tuple[int, Shapes]] = {}
 
     def bind(self, internal: dict[str, str]) -> None:
         """Bind a ROUTER on every `server.listen` endpoint (tcp ones with CURVE when it is configured),
@@ -276,12 +280,13 @@ class Frontend:
                 raise InvalidRequest(f"priority {priority} is not a level; this daemon has levels 0 (the most "
                                      f"urgent) to {levels.count - 1}", header.id)
             signature = (name, header.inputs)
-            samples = self._checked.get(signature)
-            if samples is None:
-                samples = check_against_model(header, name, model)
+            checked = self._checked.get(signature)
+            if checked is None:
+                checked = check_against_model(header, name, model)
                 if len(self._checked) >= SIGNATURES_KEPT:
                     self._checked.clear()
-                self._checked[signature] = samples
+                self._checked[signature] = checked
+            samples, shapes = checked
             buffers: list[Buffer | RegionSlice] = request.buffers  # type: ignore[assignment] # None only with regions
             places: Places = ()
             if header.outputs or None in buffers:
@@ -303,7 +308,7 @@ class Frontend:
             return
         client = reply_to.connection
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,
-                               priority, places=places)
+                               priority, places=places, shapes=shapes)
         finish = self.forecast.too_late(name, model.max_batch_size, priority, samples, timeout, now)
         if finish is not None:
             self.stats.deadline_refusals[name] += 1

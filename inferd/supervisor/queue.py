@@ -25,6 +25,9 @@ from typing import Any
 from inferd.protocol import Buffer, RequestHeader, RequestId
 from inferd.supervisor.regions import Region, RegionSlice
 
+# Each input's per-sample shape, for a request of a model that takes inputs of any size in some dim.
+Shapes = tuple[tuple[int, ...], ...]
+
 # A request's life in the queue; a request leaves exactly once (REMOVED: displaced or cancelled).
 WAITING, TAKEN, EXPIRED, REMOVED = range(4)
 
@@ -56,6 +59,7 @@ class QueuedRequest:
     cancelled: bool = False  # its client cancelled it while its batch ran: the result is dropped
     answered: bool = False  # answered `timeout` at its deadline while its batch ran: the result is dropped
     lost_with: tuple[str, ...] = ()  # the workers that died while its batch ran (it is tried again once)
+    shapes: Shapes = ()  # its samples' shape per input, where the model takes any: it batches only with its like
 
 
 @dataclass(frozen=True)
@@ -210,11 +214,16 @@ class RequestQueue:
 
     def take(self, model: str, batch: list[QueuedRequest]) -> list[int]:
         """Take `batch` out of `model`'s lane: the requests at the head of each level, in order (what the
-        batcher planned). Returns the samples taken from each level."""
+        batcher planned), but for those it passed over as shaped unlike the batch. Returns the samples
+        taken from each level."""
         lane = self.lanes[model]
         taken = [0] * len(lane.levels)
         for request in batch:
-            lane.levels[request.priority].popleft()
+            level = lane.levels[request.priority]
+            if level[0] is request:
+                level.popleft()
+            else:
+                level.remove(request)
             request.state = TAKEN
             self._left(request)
             taken[request.priority] += request.samples

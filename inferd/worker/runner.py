@@ -285,7 +285,7 @@ class ModelRunner:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for batch in warmup_sizes(config):
                     inputs = [
-                        torch.zeros((batch, *spec.shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                        torch.zeros((batch, *spec.bound), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
                         for spec in config.inputs
                     ]
                     try:

@@ -1,0 +1,127 @@
+"""Inputs with a dim of any size (-1 in the config, bounded by max_shape): requests of many lengths over
+ZeroMQ, HTTP and gRPC, each answered as the model answers it alone, batched only with requests of their
+own shape; shapes past the bound or off the fixed dims refused with a sentence."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import models
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import Daemon, module_daemon, reference, wait_for
+from tritonclient.utils import InferenceServerException
+from wire import RawPeer
+
+from inferd.harness import free_port
+
+RAGGED = {"inputs": [{"dtype": "float32", "shape": [2, -1], "max_shape": [2, models.RAGGED_MAX], "name": "x"}],
+          "outputs": [{"name": "running"}, {"name": "pooled"}], "max_batch_size": 8, "max_wait_ms": 50}
+
+
+@pytest.fixture(scope="module")
+def daemon(repo) -> Iterator[Daemon]:
+    # One executor: a batch held at a gate keeps the rest waiting, so the test sees how they are batched.
+    with module_daemon(repo, {"ragged": RAGGED}, workers={"streams": 1},
+                       server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"}) as started:
+        yield started
+
+
+def sample(length: int, seed: int, samples: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).uniform(0, 1, (samples, 2, length)).astype(np.float32)
+
+
+def batches(daemon: Daemon) -> int:
+    return daemon.call("stats")["workers"][0]["batches"]
+
+
+def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alone(daemon, repo):
+    expected = reference(repo, "ragged", "v1")
+    lengths = [1, 3, 3, 17, models.RAGGED_MAX, 5, 17, 3, 40, 1, 9, 64]
+    answers: dict[int, tuple[np.ndarray, ...]] = {}
+    failures: list[BaseException] = []
+
+    def one_client(index: int) -> None:
+        try:
+            with daemon.client() as client:
+                for round_ in range(4):
+                    x = sample(lengths[index], seed=index * 10 + round_, samples=1 + round_ % 2)
+                    answers[index * 10 + round_] = (x, *client.infer("ragged", x))
+        except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=one_client, args=(index,)) for index in range(len(lengths))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+    assert len(answers) == 4 * len(lengths)
+    for x, running, pooled in answers.values():
+        want_running, want_pooled = expected(x)
+        assert running.shape == x.shape[:1] + x.shape[2:] and pooled.shape == (x.shape[0], 4)
+        np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_batches_only_with_requests_of_its_own_shape(daemon, repo, gates):
+    expected = reference(repo, "ragged", "v1")
+    gate = gates()
+    held = np.zeros((1, 2, 2), dtype=np.float32)
+    held[0, 0, 0] = -gate.number
+    before = batches(daemon)
+    with daemon.client() as client:
+        blocker = client.submit("ragged", held)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+        inputs = [sample(length, seed) for seed, length in enumerate([5, 7, 5, 7, 5, 7])]
+        futures = [client.submit("ragged", x) for x in inputs]
+        wait_for(lambda: daemon.status()["models"]["ragged"]["queue_depth"] == len(inputs), what="all queued")
+        gate.open()
+        blocker.result()
+        for x, future in zip(inputs, futures):
+            running, pooled = future.result()
+            want_running, want_pooled = expected(x)
+            np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
+    # The held batch, then one batch of each length: the six fit one batch of 8, were shapes not kept apart.
+    assert batches(daemon) - before == 3
+
+
+@pytest.mark.parametrize("shape, sentence", [
+    ((1, 2, models.RAGGED_MAX + 1), f"each -1 at most as in max_shape [2, {models.RAGGED_MAX}]"),
+    ((1, 3, 5), "takes [N, 2, -1]"),
+    ((1, 2), "takes [N, 2, -1]"),
+    ((1, 2, 1 << 20), "max_shape"),
+], ids=["past max_shape", "fixed dim off", "a dim short", "huge"])
+def test_a_shape_the_model_does_not_take_is_refused_with_a_sentence_and_the_daemon_serves_on(daemon, shape,
+                                                                                           sentence):
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("bad", "ragged", [np.zeros(shape, dtype=np.float32)])
+        header, _ = peer.recv()
+        assert header["status"] == "invalid" and sentence in header["error"], header
+        peer.send("good", "ragged", [sample(6, 1)], timeout_ms=10_000)
+        assert peer.recv()[0]["status"] == "ok"
+
+
+def test_the_open_inference_protocol_reports_minus_one_and_takes_each_requests_shape(daemon, repo):
+    expected = reference(repo, "ragged", "v1")
+    server = daemon.config["server"]
+    http, grpc = httpclient.InferenceServerClient(server["http"]), grpcclient.InferenceServerClient(server["grpc"])
+    assert http.get_model_metadata("ragged")["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 2, -1]}]
+    assert http.get_model_config("ragged")["input"][0]["dims"] == [2, -1]
+    for length, (module, client) in zip([4, 11], [(httpclient, http), (grpcclient, grpc)]):
+        x = sample(length, seed=length, samples=2)
+        given = module.InferInput("x", list(x.shape), "FP32")
+        given.set_data_from_numpy(x)
+        result = client.infer("ragged", [given])
+        want_running, want_pooled = expected(x)
+        np.testing.assert_allclose(result.as_numpy("running"), want_running, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("pooled"), want_pooled, rtol=1e-5, atol=1e-5)
+    too_long = httpclient.InferInput("x", [1, 2, models.RAGGED_MAX + 1], "FP32")
+    too_long.set_data_from_numpy(sample(models.RAGGED_MAX + 1, 0))
+    with pytest.raises(InferenceServerException) as refused:
+        http.infer("ragged", [too_long])
+    assert "max_shape" in str(refused.value)
