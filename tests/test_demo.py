@@ -21,7 +21,8 @@ def port_in_use(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.mark.serial  # the demo listens on fixed ports
+# The demo listens on fixed ports (5555, and the config's defaults for the rest), below the ephemeral range every
+# other test's daemon takes its ports from: it runs beside them.
 @pytest.mark.skipif(port_in_use(int(DEMO_ENDPOINT.rsplit(":", 1)[1])), reason="the demo's port is taken")
 def test_demo_runs_answers_correctly_and_stops_cleanly_leaving_no_state(tmp_path):
     system_state = paths.SYSTEM_STATE_DIR / "demo"
