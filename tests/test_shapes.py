@@ -110,7 +110,11 @@ def test_the_open_inference_protocol_reports_minus_one_and_takes_each_requests_s
     expected = reference(repo, "ragged", "v1")
     server = daemon.config["server"]
     http, grpc = httpclient.InferenceServerClient(server["http"]), grpcclient.InferenceServerClient(server["grpc"])
-    assert http.get_model_metadata("ragged")["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 2, -1]}]
+    metadata = http.get_model_metadata("ragged")
+    assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 2, -1]}]
+    # The running sums are as long as the sample; the pooled rows are not.
+    assert metadata["outputs"] == [{"name": "running", "datatype": "FP32", "shape": [-1, -1]},
+                                   {"name": "pooled", "datatype": "FP32", "shape": [-1, 4]}]
     assert http.get_model_config("ragged")["input"][0]["dims"] == [2, -1]
     for length, (module, client) in zip([4, 11], [(httpclient, http), (grpcclient, grpc)]):
         x = sample(length, seed=length, samples=2)

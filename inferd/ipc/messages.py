@@ -20,10 +20,16 @@ class TensorRef(msgspec.Struct, frozen=True, array_like=True):
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
-    """A per-sample signature: dtype name and shape without the batch dim."""
+    """A per-sample signature: dtype name and shape without the batch dim; of an output of a model that takes
+    inputs of any size, the dims whose size follows theirs (`varies`), at their size for inputs at max_shape."""
 
     dtype: str
     shape: tuple[int, ...]
+    varies: tuple[int, ...] = ()
+
+    def public_shape(self) -> list[int]:
+        """The shape as a client reads it: -1 for each dim whose size varies."""
+        return [-1 if dim in self.varies else size for dim, size in enumerate(self.shape)]
 
 
 class LoadedModel(msgspec.Struct, frozen=True, array_like=True):

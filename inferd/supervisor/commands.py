@@ -124,7 +124,7 @@ class Commands:
                 "ready_versions": [v for v in (live, canary)
                                    if v is not None and any(w.serves(name, v) for w in self.daemon.workers.workers)],
                 "version_numbers": numbers,
-                "outputs": [[spec.dtype, list(spec.shape)] for spec in outputs],
+                "outputs": [[spec.dtype, spec.public_shape()] for spec in outputs],
                 "versions": versions,
             }
             if on_disk:

@@ -297,7 +297,28 @@ class ModelRunner:
                                          f"{describe_error(exc)}") from None
             if stream is not None:
                 stream.synchronize()
+        if any(spec.variable for spec in config.inputs):
+            outputs = self._varying_dims(model, name, config, version, outputs)
         return outputs
+
+    def _varying_dims(self, model: Loaded, name: str, config: ModelConfig, version: str,
+                      at_bound: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+        """The outputs' signature with the dims whose size follows the inputs' marked: those that differ
+        between one sample at max_shape (the warm-up) and one with every -1 dim at 1."""
+        inputs = [torch.zeros((1, *(1 if dim == -1 else dim for dim in spec.shape)), dtype=TORCH_DTYPES[spec.dtype],
+                              device=self.device) for spec in config.inputs]
+        try:
+            smallest = self.signature(model(inputs))
+        except ModelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a model may raise anything
+            raise ModelError(f"warm-up of {name} {version} with every -1 dim at 1 failed: "
+                             f"{describe_error(exc)}") from None
+        if [len(s.shape) for s in smallest] != [len(s.shape) for s in at_bound]:
+            raise ModelError(f"{name} {version} returns outputs of other ranks for inputs of other sizes")
+        return tuple(TensorSpec(big.dtype, big.shape, tuple(dim for dim, (size, least) in
+                                                            enumerate(zip(big.shape, small.shape)) if size != least))
+                     for big, small in zip(at_bound, smallest))
 
     def _check_room(self, name: str, version: str, path: Path, factor: float) -> None:
         """The memory guard: refuse to load unless the device has `factor` x the file's size free."""
