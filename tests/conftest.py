@@ -214,6 +214,23 @@ def references(reload_repo: Path):
     return {v: torch.jit.load(str(reload_repo / "mlp" / v / "model.pt")) for v in ("v1", "v2", "v3")}
 
 
+def held_reload_repo(reload_repo: Path, folder: Path, *versions: str) -> tuple[Path, Path]:
+    """A repository in `folder` with the reload repository's mlp `versions` and a v1 that saves each warm-up
+    batch to the file returned (where no gate is made there, it saves it and goes on; see hold_boots)."""
+    repo, hold = folder / "held-repo", folder / "hold"
+    for version in versions:
+        shutil.copytree(reload_repo / "mlp" / version, repo / "mlp" / version)
+    models.save_gated_version(repo, "v1", hold)
+    return repo, hold
+
+
+def hold_boots(hold: Path) -> Gate:
+    """From now on, a worker that warms up held_reload_repo's v1 (one booting) waits at a gate at `hold` until
+    the test opens it."""
+    hold.unlink(missing_ok=True)  # where the warm-ups so far saved their batches
+    return Gate(hold.parent, hold.name)
+
+
 def gated_reload_repo(reload_repo: Path, folder: Path, *versions: str) -> tuple[Path, Gate]:
     """A repository in `folder` with the reload repository's mlp `versions` and a version `gated` whose
     warm-up, and so any load of it, waits at the gate returned until the test opens it."""
@@ -227,11 +244,11 @@ def gated_reload_repo(reload_repo: Path, folder: Path, *versions: str) -> tuple[
 
 @pytest.fixture
 def reload_daemon(workdir: Path, reload_repo: Path):
-    """Start daemons serving the reload repository; each is killed at the end of the test."""
+    """Start daemons serving the reload repository (or `repo`); each is killed at the end of the test."""
     started: list[Daemon] = []
 
-    def start(directory: Path = workdir, model: dict | None = None, **sections) -> Daemon:
-        daemon = Daemon(directory, base_config(directory, reload_repo, {"mlp": model or RELOAD_MLP}, **sections))
+    def start(directory: Path = workdir, model: dict | None = None, repo: Path = reload_repo, **sections) -> Daemon:
+        daemon = Daemon(directory, base_config(directory, repo, {"mlp": model or RELOAD_MLP}, **sections))
         started.append(daemon)
         return daemon.start()
 

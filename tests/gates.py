@@ -20,15 +20,18 @@ MAX_GATE = 1 << 24  # float32 holds every whole number below this exactly
 
 
 class Gate:
-    """One named pipe in `folder`: a batch whose first row is `gate.input` waits at it until `open`."""
+    """One named pipe in `folder`: a batch whose first row is `gate.input` waits at it until `open`; or, with
+    `name`, the pipe of that name, at which whatever saves to it (tests/models.py's WarmsAtGate) waits."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, name: str | None = None) -> None:
         while True:
             number = random.randrange(1, MAX_GATE)
-            path = folder / str(number)
+            path = folder / (name or str(number))
             try:
                 os.mkfifo(path, 0o600)
             except FileExistsError:
+                if name is not None:
+                    raise
                 continue
             break
         self.number, self.path = number, path

@@ -58,6 +58,9 @@ def test_without_xdg_the_runtime_dir_is_per_uid_under_tmp(monkeypatch):
     assert str(paths.user_runtime_dir()).startswith("/tmp/inferd-")
 
 
+IDS = {"dtype": "int64", "shape": [-1], "max_shape": [8], "pad_value": 0, "name": "ids"}
+
+
 @pytest.mark.parametrize(
     "raw, expected",
     [
@@ -86,6 +89,18 @@ def test_without_xdg_the_runtime_dir_is_per_uid_under_tmp(monkeypatch):
          "models.m.inputs: input 0 has max_shape [4, 9], which does not match its shape [3, -1]"),
         ({"models": {"m": {"inputs": [{"dtype": "int64", "shape": [3], "max_shape": [3]}]}}},
          "models.m.inputs: input 0 has max_shape but no -1 in its shape [3]"),
+        ({"models": {"m": {"inputs": [{"dtype": "int64", "shape": [3], "pad_value": 0}]}}},
+         "models.m.inputs: input 0 has pad_value but no -1 dim: pad_value is for the -1 dims"),
+        ({"models": {"m": {"inputs": [IDS, {"dtype": "int64", "shape": [-1], "max_shape": [8]}]}}},
+         "models.m.inputs: input 1 has a -1 dim but no pad_value, while input 0 is padded"),
+        ({"models": {"m": {"inputs": [{**IDS, "pad_value": None}], "shape_buckets": [4]}}},
+         "models.m.shape_buckets: no input has a pad_value, so nothing is padded to a bucket"),
+        ({"models": {"m": {"inputs": [IDS], "shape_buckets": [8, 4]}}},
+         "models.m.shape_buckets: list each size once, smallest first"),
+        ({"models": {"m": {"inputs": [IDS], "outputs": [{"unpad": "mask"}]}}},
+         "models.m.outputs: output 0: unpad 'mask' names no input; the inputs are ['ids']"),
+        ({"models": {"m": {"inputs": [IDS], "outputs": [{"unpad": "ids:1"}]}}},
+         "models.m.outputs: output 0: unpad 'ids:1' must name -1 dims of an input with pad_value; ids is [-1]"),
         ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4], "colour": "x"}]}}},
          "models.m.inputs[0]: Object contains unknown field `colour`"),
         ({"models": {"m": {**MINIMAL["models"]["m"], "version": "../v1"}}}, "models.m.version: '../v1' is not"),

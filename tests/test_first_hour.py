@@ -167,7 +167,7 @@ def test_the_client_refuses_a_request_over_the_message_limit_before_sending_it(s
 def test_inferctl_models_shows_the_contract_and_a_request_that_runs_as_printed(daemon, mistakes, workdir):
     found = json.loads(inferctl(daemon, "models", "--json").stdout)["mlp"]
     assert found["config"]["inputs"] == [{"dtype": "float32", "shape": [models.MLP_IN], "name": None,
-                                         "max_shape": None}]
+                                         "max_shape": None, "pad_value": None}]
     assert found["outputs"] == [["float32", [models.MLP_OUT]]]
     # "config" unless a test of this module reloaded it before (each reload ends back on v1).
     origin = "config" if daemon.status()["models"]["mlp"]["previous_version"] is None else "reload"

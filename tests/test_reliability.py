@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import exited, until, wait_for
+from conftest import exited, held_reload_repo, hold_boots, until, wait_for
+from gates import Gate
 from wire import RawPeer
 
 from inferd import protocol
@@ -234,25 +235,25 @@ def test_a_worker_that_wedges_while_idle_is_found_by_a_ping_and_replaced(start_d
         assert peer.recv()[0]["status"] == "ok"
 
 
-def replacement_held(daemon, restarts: int) -> psutil.Process:
-    """SIGKILL the only worker and stop its replacement while it boots (SIGSTOP), so that no worker serves
-    until the test lets it go on; the replacement's process."""
+def replacement_held(daemon, restarts: int, hold: Path) -> Gate:
+    """SIGKILL the only worker (serving held_reload_repo's v1): its replacement waits at a gate while it boots,
+    so that no worker serves until the test opens it."""
+    gate = hold_boots(hold)
     os.kill(daemon.status()["workers"][0]["pid"], signal.SIGKILL)
-    booting = wait_for(lambda: (w := daemon.status()["workers"][0])["restarts"] == restarts
-                       and w["state"] == "booting" and w["pid"] and w, what="the replacement booting")
-    process = psutil.Process(booting["pid"])
-    process.suspend()
-    return process
+    wait_for(lambda: (w := daemon.status()["workers"][0])["restarts"] == restarts and w["state"] == "booting",
+             what="the replacement booting")
+    return gate
 
 
-def test_a_reload_asked_for_while_the_only_worker_restarts_waits_for_it(reload_daemon):
-    daemon = reload_daemon(workers={"load_timeout_s": 2})
+def test_a_reload_asked_for_while_the_only_worker_restarts_waits_for_it(reload_daemon, reload_repo, workdir):
+    repo, hold = held_reload_repo(reload_repo, workdir, "v2")
+    daemon = reload_daemon(repo=repo, workers={"load_timeout_s": 2})
     inferctl = [str(Path(sys.executable).parent / "inferctl"), "--control", daemon.control, "reload", "--version", "v2"]
-    held = replacement_held(daemon, 1)
+    held = replacement_held(daemon, 1, hold)
     try:  # it does not come back within workers.load_timeout_s: the reload ends, saying so
         refused = subprocess.run(inferctl, capture_output=True, text=True, timeout=60)
     finally:
-        held.resume()
+        held.open()
     assert refused.returncode == 1 and "no worker serving v1 came back within workers.load_timeout_s (2 s)" in \
         refused.stderr, refused.stderr
     wait_for(lambda: daemon.status()["workers"][0]["state"] == "ready", what="the replacement ready")
@@ -262,14 +263,14 @@ def test_a_reload_asked_for_while_the_only_worker_restarts_waits_for_it(reload_d
     applied = daemon.log().count("SIGHUP: applied")
     daemon.signal(signal.SIGHUP)
     wait_for(lambda: daemon.log().count("SIGHUP: applied") > applied, what="the SIGHUP applied")
-    held = replacement_held(daemon, 2)
+    held = replacement_held(daemon, 2, hold)
     waiting = subprocess.Popen(inferctl, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert waiting.stdout is not None
         first = waiting.stdout.readline()
         assert "no worker serves mlp now: waiting for worker0, expected back in" in first and "to load v2" in first
     finally:
-        held.resume()
+        held.open()
     out, err = waiting.communicate(timeout=60)
     assert waiting.returncode == 0, err
     assert out.strip().splitlines()[-1].startswith("mlp v2 is live (was v1)"), out

@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from conftest import RELOAD_MLP, Daemon, base_config, module_daemon, wait_for
+from conftest import RELOAD_MLP, Daemon, base_config, held_reload_repo, hold_boots, module_daemon, wait_for
 from wire import RawPeer
 
 BIN = Path(sys.executable).parent
@@ -280,15 +280,18 @@ def test_a_crashed_worker_comes_back_on_the_live_version(reload_daemon):
     assert worker["restarts"] == 1 and worker["loaded"] == ["mlp v2"]
 
 
-def test_a_worker_that_starts_during_a_reload_catches_up(reload_daemon, references):
-    daemon = reload_daemon(workers={"devices": ["cpu", "cpu"]})
+def test_a_worker_that_starts_during_a_reload_catches_up(reload_daemon, reload_repo, references, workdir):
+    repo, hold = held_reload_repo(reload_repo, workdir, "v2")
+    daemon = reload_daemon(repo=repo, workers={"devices": ["cpu", "cpu"]})
+    gate = hold_boots(hold)
     os.kill(daemon.status()["workers"][1]["pid"], signal.SIGKILL)
     wait_for(lambda: (w := daemon.status()["workers"][1])["generation"] == 2 and w["state"] == "booting",
              what="worker1 booting again")
-    # worker1 now boots on v1 (the live version when it was spawned) while v2 goes live.
+    # worker1 now boots on v1 (the live version when it was spawned), held at the gate while v2 goes live.
     result = daemon.call("reload", timeout=60, version="v2")
     assert result["version"] == "v2"
-    assert daemon.status()["workers"][1]["state"] == "booting", "the test needs the reload to win the race"
+    assert daemon.status()["workers"][1]["state"] == "booting"
+    gate.open()
     wait_for(lambda: daemon.status()["workers"][1]["loaded"] == ["mlp v2"], timeout=60, what="worker1 on v2")
     assert "worker1: catching up mlp to the live version v2" in daemon.log()
     with Traffic(daemon, threads=4) as traffic:

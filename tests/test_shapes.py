@@ -20,12 +20,19 @@ from inferd.harness import free_port
 
 RAGGED = {"inputs": [{"dtype": "float32", "shape": [2, -1], "max_shape": [2, models.RAGGED_MAX], "name": "x"}],
           "outputs": [{"name": "running"}, {"name": "pooled"}], "max_batch_size": 8, "max_wait_ms": 50}
+# The same model with its samples padded with zeros (which change neither its running sums, cut back to each
+# request's length, nor its pooled sums): to each batch's longest, or to shape buckets.
+PADDED = {**RAGGED, "inputs": [{**RAGGED["inputs"][0], "pad_value": 0}],
+          "outputs": [{"name": "running", "unpad": "x:1"}, {"name": "pooled"}]}
+BUCKETED = {**PADDED, "shape_buckets": [8, 16, 48]}
 
 
 @pytest.fixture(scope="module")
 def daemon(repo) -> Iterator[Daemon]:
     # One executor: a batch held at a gate keeps the rest waiting, so the test sees how they are batched.
-    with module_daemon(repo, {"ragged": RAGGED}, workers={"streams": 1},
+    ragged = str(repo / "ragged")
+    with module_daemon(repo, {"ragged": RAGGED, "padded": {**PADDED, "repository": ragged},
+                              "bucketed": {**BUCKETED, "repository": ragged}}, workers={"streams": 1},
                        server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"}) as started:
         yield started
 
@@ -67,27 +74,38 @@ def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alo
         np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
 
 
-def test_a_request_batches_only_with_requests_of_its_own_shape(daemon, repo, gates):
+# How many batches the requests of each length make, behind one held at a gate, by how the model batches:
+# exact shapes apart; padded to the longest, all of them; to buckets, per bucket (5 and 7 in 8, 12 in 16,
+# 40 in 48), a smaller bucket riding along in a larger one's batch only while it could not fill its own.
+@pytest.mark.parametrize("model, lengths, expected_batches", [
+    ("ragged", [5, 7, 5, 7, 5, 7], 2),
+    ("padded", [5, 7, 40, 1, 64, 12], 1),
+    ("bucketed", [5, 7, 5, 7, 5, 7], 1),
+    ("bucketed", [40, 5, 12, 12, 40, 7], 1),
+    ("bucketed", [40] + [5] * 8, 2),
+])
+def test_requests_batch_by_shape_or_bucket_and_each_is_answered_as_alone(daemon, repo, gates, model, lengths,
+                                                                       expected_batches):
     expected = reference(repo, "ragged", "v1")
     gate = gates()
     held = np.zeros((1, 2, 2), dtype=np.float32)
     held[0, 0, 0] = -gate.number
     before = batches(daemon)
     with daemon.client() as client:
-        blocker = client.submit("ragged", held)
+        blocker = client.submit(model, held)
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
-        inputs = [sample(length, seed) for seed, length in enumerate([5, 7, 5, 7, 5, 7])]
-        futures = [client.submit("ragged", x) for x in inputs]
-        wait_for(lambda: daemon.status()["models"]["ragged"]["queue_depth"] == len(inputs), what="all queued")
+        inputs = [sample(length, seed) for seed, length in enumerate(lengths)]
+        futures = [client.submit(model, x) for x in inputs]
+        wait_for(lambda: daemon.status()["models"][model]["queue_depth"] == len(inputs), what="all queued")
         gate.open()
         blocker.result()
         for x, future in zip(inputs, futures):
             running, pooled = future.result()
             want_running, want_pooled = expected(x)
+            assert running.shape == want_running.shape, "the padding reached the reply"
             np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
-    # The held batch, then one batch of each length: the six fit one batch of 8, were shapes not kept apart.
-    assert batches(daemon) - before == 3
+    assert batches(daemon) - before == 1 + expected_batches
 
 
 @pytest.mark.parametrize("shape, sentence", [
@@ -129,3 +147,13 @@ def test_the_open_inference_protocol_reports_minus_one_and_takes_each_requests_s
     with pytest.raises(InferenceServerException) as refused:
         http.infer("ragged", [too_long])
     assert "max_shape" in str(refused.value)
+
+
+def test_a_padded_model_whose_output_follows_the_inputs_without_unpad_is_refused_with_a_sentence(start_daemon,
+                                                                                              repo):
+    # Were it served, the zeros its samples were padded with would come back in its running sums.
+    daemon = start_daemon({"ragged": {**PADDED, "outputs": [{"name": "running"}, {"name": "pooled"}]}}, wait=False)
+    assert daemon.wait(90) == 1
+    log = daemon.log()
+    assert "output 0 of ragged has dims [0] whose size follows the inputs'" in log, log
+    assert 'unpad = "x"' in log and "no worker could start" in log

@@ -187,7 +187,7 @@ def models_text(models: dict[str, Any], listen: list[str]) -> str:
             lines.append(f"  input  {label:<16} {_per_sample(spec['dtype'], spec['shape'])}{bound}")
         names = [o["name"] for o in config["outputs"]]
         for index, (dtype, shape) in enumerate(model["outputs"]):
-            label = names[index] if index < len(names) else f"OUTPUT__{index}"
+            label = (names[index] if index < len(names) else None) or f"OUTPUT__{index}"
             lines.append(f"  output {label:<16} {_per_sample(dtype, shape)}")
         wait = config["max_wait_ms"]
         window = "until an executor is about to be free" if wait == "auto" else f"up to {wait:g} ms"

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 
 from inferd import paths
-from inferd.config.schema import CHECKS, MODEL_NAME, PATH_KEYS, SECTIONS, Config, ModelConfig
+from inferd.config.schema import CHECKS, MODEL_NAME, PATH_KEYS, SECTIONS, Config, ModelConfig, padding_problem
 
 
 class ConfigError(Exception):
@@ -97,6 +97,10 @@ def _build_model(name: str, table: Any, state_dir: str, problems: list[str], bas
             return None
     if list(model.batch_buckets) != sorted(set(model.batch_buckets)):
         problems.append(f"{prefix}batch_buckets: list each size once, smallest first (e.g. [1, 2, 4, 8])")
+        return None
+    padding = padding_problem(model)
+    if padding is not None:
+        problems.append(f"{prefix}{padding[0]}: {padding[1]}")
         return None
     repository = model.repository or str(Path(state_dir) / "models" / name)
     return msgspec.structs.replace(model, warmup_batch_sizes=warmup, repository=repository)

@@ -22,6 +22,7 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 TENSOR_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+UNPAD_DIMS = re.compile(r"^[0-9]+(,[0-9]+)*$")
 
 
 def _doc(text: str, default_doc: str | None = None, live: bool = False) -> Meta:
@@ -247,6 +248,7 @@ class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shape: Annotated[tuple[int, ...], Meta(max_length=7)]
     name: str | None = None
     max_shape: Annotated[tuple[int, ...], Meta(max_length=7)] | None = None
+    pad_value: float | None = None  # its -1 dims may be padded with this, to batch with requests of other sizes
 
     @property
     def variable(self) -> bool:
@@ -258,6 +260,11 @@ class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """The largest per-sample shape: `shape`, each -1 taken at its `max_shape`."""
         return self.max_shape if self.max_shape is not None else self.shape
 
+    @property
+    def padded(self) -> bool:
+        """Whether its -1 dims are padded (it has a pad_value)."""
+        return self.pad_value is not None
+
     def fits(self, shape: tuple[int, ...]) -> bool:
         """Whether a sample of `shape` (no batch dim) is one this input takes."""
         return len(shape) == len(self.shape) and all(
@@ -265,9 +272,23 @@ class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class OutputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One model output, as the Open Inference Protocol names it (default `OUTPUT__<i>`)."""
+    """One model output, as the Open Inference Protocol names it (default `OUTPUT__<i>`), and, where inputs
+    are padded, the input dims its own size follows (`unpad`: "INPUT", or "INPUT:DIM[,DIM]"), cut back to
+    each request's size."""
 
-    name: str
+    name: str | None = None
+    unpad: str | None = None
+
+    def follows(self, inputs: tuple[InputSpec, ...], names: list[str]) -> tuple[int, tuple[int, ...]] | None:
+        """The input (its index) and its per-sample dims, in order, that `unpad` names; None without one."""
+        if self.unpad is None:
+            return None
+        name, _, dims = self.unpad.rpartition(":") if UNPAD_DIMS.match(self.unpad.rpartition(":")[2]) \
+            else (self.unpad, "", "")
+        index = names.index(name)
+        spec = inputs[index]
+        return index, tuple(map(int, dims.split(","))) if dims else tuple(
+            dim for dim, size in enumerate(spec.shape) if size == -1)
 
 
 class CanaryGuard(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -306,7 +327,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         Meta(min_length=1),
         _doc('Per-sample inputs, e.g. [{ dtype = "float32", shape = [256] }]. A dim may be -1 (any size) with '
              'max_shape bounding it, e.g. { dtype = "int64", shape = [-1], max_shape = [512] }: requests batch '
-             "with requests of the same shape, and arena slots are sized for max_shape."),
+             "with requests of the same shape, and arena slots are sized for max_shape. With pad_value (e.g. "
+             "pad_value = 0) on every such input, requests of other sizes batch together, padded (shape_buckets)."),
     ]
     repository: Annotated[
         str | None,
@@ -331,7 +353,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     outputs: Annotated[
         tuple[OutputSpec, ...],
         _doc('Names of the outputs for the Open Inference Protocol, e.g. [{ name = "logits" }]; unnamed ones are '
-             "OUTPUT__<i>."),
+             "OUTPUT__<i>. Where inputs are padded, an output whose size follows theirs says which input dims it "
+             'follows, e.g. { name = "tokens", unpad = "input_ids:0" } ("input_ids": its -1 dims in order), and '
+             "is cut back to each request's own size; outputs of fixed size are returned as they are."),
     ] = ()
     warmup_batch_sizes: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...] | None,
@@ -344,6 +368,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
              'STATE_DIR/compile-cache for restarts and the other workers. "none": run as exported. TorchScript and '
              "AOTInductor versions are run as they are.", live=True),
     ] = "none"
+    shape_buckets: Annotated[
+        tuple[Annotated[int, Meta(ge=1)], ...],
+        _doc("Sizes a padded -1 dim (an input with pad_value) is padded to, ascending, e.g. [32, 64, 128, 256, 512]: "
+             "a request batches with those of its own bucket (the smallest that holds it), and with smaller ones "
+             "only while theirs could not fill a batch; a size above the largest is its own bucket. Warm-up runs "
+             "each. Empty: a batch is padded to its longest request."),
+    ] = ()
     batch_buckets: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...],
         _doc("Batch sizes the model is run at, ascending, e.g. [1, 2, 4, 8, 16, 32]: a batch is padded up to the "
@@ -374,6 +405,50 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
              "version. A SIGHUP's new margins apply to a running guarded canary at its next check.",
              "none (guarded only with --auto-rollback, by the defaults below)", live=True),
     ] = None
+
+    def input_names(self) -> list[str]:
+        """Each input's protocol name: its configured name, else INPUT__<i>."""
+        return [spec.name or f"INPUT__{index}" for index, spec in enumerate(self.inputs)]
+
+    @property
+    def padded(self) -> bool:
+        """Whether its -1 dims are padded, so that requests of other sizes batch together."""
+        return any(spec.padded for spec in self.inputs)
+
+    def bucket(self, size: int, bound: int) -> int:
+        """What a padded dim of `size` (at most `bound`, its max_shape) is padded to: the smallest of
+        shape_buckets that holds it, never past the bound; a size above them all, itself."""
+        return next((min(bucket, bound) for bucket in self.shape_buckets if bucket >= size), size)
+
+
+def padding_problem(model: ModelConfig) -> tuple[str, str] | None:
+    """Where padding is configured inconsistently: the key and a sentence; None when it is not."""
+    padded = [index for index, spec in enumerate(model.inputs) if spec.padded]
+    for index, spec in enumerate(model.inputs):
+        if spec.padded and not spec.variable:
+            return "inputs", f"input {index} has pad_value but no -1 dim: pad_value is for the -1 dims"
+        if padded and spec.variable and not spec.padded:
+            return "inputs", (f"input {index} has a -1 dim but no pad_value, while input {padded[0]} is padded: "
+                              "give every input with a -1 dim a pad_value, or none")
+    if model.shape_buckets and not padded:
+        return "shape_buckets", "no input has a pad_value, so nothing is padded to a bucket"
+    if list(model.shape_buckets) != sorted(set(model.shape_buckets)):
+        return "shape_buckets", "list each size once, smallest first (e.g. [32, 64, 128])"
+    names = model.input_names()
+    for index, output in enumerate(model.outputs):
+        try:
+            found = output.follows(model.inputs, names)
+        except ValueError:
+            return "outputs", f"output {index}: unpad {output.unpad!r} names no input; the inputs are {names}"
+        if found is None:
+            continue
+        source, dims = found
+        spec = model.inputs[source]
+        if not spec.padded or any(dim >= len(spec.shape) or spec.shape[dim] != -1 for dim in dims):
+            return "outputs", (f"output {index}: unpad {output.unpad!r} must name -1 dims of an input with "
+                               f"pad_value; {names[source]} is {list(spec.shape)}"
+                               f"{'' if spec.padded else ' and has no pad_value'}")
+    return None
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):

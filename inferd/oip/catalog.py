@@ -35,14 +35,13 @@ class NotFound(Exception):
     """No such model, or not that version of it; the message says which."""
 
 
-def input_names(model: ModelConfig) -> list[str]:
-    """Each input's protocol name: its configured name, else INPUT__<i>."""
-    return [spec.name or f"INPUT__{i}" for i, spec in enumerate(model.inputs)]
+
 
 
 def output_name(model: ModelConfig, index: int) -> str:
     """Output `index`'s protocol name: the configured one, else OUTPUT__<index>."""
-    return model.outputs[index].name if index < len(model.outputs) else f"OUTPUT__{index}"
+    named = model.outputs[index].name if index < len(model.outputs) else None
+    return named or f"OUTPUT__{index}"
 
 
 class GivenInput(NamedTuple):
@@ -118,7 +117,7 @@ class ModelView:
         self.ready: bool = state["ready"]
         self.numbers: dict[str, int] = state["version_numbers"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
-        self.inputs = input_names(self.config)
+        self.inputs = self.config.input_names()
         self.output_names = [output_name(self.config, i) for i in range(len(self.outputs))]
         self._streams = streams
         self._devices = devices

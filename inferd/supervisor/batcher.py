@@ -16,12 +16,13 @@ model's backlog.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from inferd.config.schema import Config
-from inferd.supervisor.queue import Bounds, Lane, Levels, QueuedRequest, RequestQueue
+from inferd.supervisor.queue import Bounds, Lane, Levels, QueuedRequest, RequestQueue, Shapes
 
 # The "auto" window sends a batch this long before its executor is expected to be free: the time to
 # stack it and for the worker to pick it up, so the executor never waits for it.
@@ -35,6 +36,7 @@ class ModelPolicy:
 
     max_batch_size: int
     max_wait_s: float | None
+    pads: bool = False  # its requests are padded to shape buckets: a smaller bucket may ride along
 
 
 class Capacity(NamedTuple):
@@ -66,10 +68,16 @@ def queue_settings(config: Config) -> tuple[Bounds, dict[str, ModelPolicy], Leve
     queue = config.queue
     bounds = Bounds(queue.max_size, queue.max_bytes, queue.max_per_client, queue.max_bytes_per_client)
     policies = {
-        name: ModelPolicy(m.max_batch_size, None if m.max_wait_ms == "auto" else m.max_wait_ms / 1000)
+        name: ModelPolicy(m.max_batch_size, None if m.max_wait_ms == "auto" else m.max_wait_ms / 1000,
+                          m.padded and bool(m.shape_buckets))
         for name, m in config.models.items()
     }
     return bounds, policies, Levels(queue.priority_levels, queue.default_level, queue.priority_share)
+
+
+def _within(shapes: Shapes, bucket: Shapes) -> bool:
+    """Whether samples of bucket `shapes` fit, padded up, in bucket `bucket`: no dim of theirs is larger."""
+    return all(size <= most for shape, largest in zip(shapes, bucket) for size, most in zip(shape, largest))
 
 
 class _NoTimes:
@@ -185,11 +193,16 @@ class Batcher:
     def _plan(self, waiting: Lane, lane: _LanePolicy) -> list[QueuedRequest]:
         """The requests the lane's next batch takes, in order: the oldest of the leading level, then of
         each other level, most urgent first, while their samples fit in max_batch_size. Where the model
-        takes inputs of any size, only requests whose samples are shaped like the first one's join it."""
+        takes inputs of any size, only requests shaped like the first one (or of its shape bucket) join
+        it; where they are padded to buckets, requests of a smaller bucket also ride along, padded up,
+        when the samples of their own bucket that wait could not fill a batch: short requests are not
+        padded to long ones while enough of them wait to go on their own, and never wait for company
+        that is not coming. A longer bucket never joins."""
         limit = lane.policy.max_batch_size
         batch: list[QueuedRequest] = []
         samples = 0
         leader = self._leader(waiting, lane)
+        by_bucket: Counter[Shapes] | None = None
         for index in (leader, *(index for index in range(len(waiting.levels)) if index != leader)):
             for request in waiting.levels[index]:
                 # The first request always goes, even over a max_batch_size lowered (SIGHUP) since it was
@@ -197,7 +210,15 @@ class Batcher:
                 if batch and samples + request.samples > limit:
                     break
                 if batch and request.shapes != batch[0].shapes:
-                    continue
+                    if not lane.policy.pads or not _within(request.shapes, batch[0].shapes):
+                        continue
+                    if by_bucket is None:
+                        by_bucket = Counter()
+                        for level in waiting.levels:
+                            for each in level:
+                                by_bucket[each.shapes] += each.samples
+                    if by_bucket[request.shapes] >= limit:
+                        continue
                 batch.append(request)
                 samples += request.samples
         return batch

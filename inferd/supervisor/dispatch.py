@@ -30,6 +30,7 @@ from inferd.config.schema import Config
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place
+from inferd.supervisor import padding
 from inferd.supervisor.backstop import failure
 from inferd.supervisor.batcher import Capacity
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
@@ -66,6 +67,7 @@ class Batch:
     samples: int
     inputs: tuple[TensorRef, ...] = ()
     deadline: float = math.inf  # the soonest deadline of its requests not answered yet
+    cuts: tuple[padding.Cut, ...] = ()  # its outputs cut back to each request's size (its inputs were padded)
     copy_for_shadow: bool = False  # a live batch the shadow candidate computes again once it is answered
     shadow_job: ShadowJob | None = None  # a shadow batch: that copy, computed again; nobody waits for it
 
@@ -193,7 +195,7 @@ class Dispatcher:
                 self.replies.error(request, protocol.INTERNAL, "no free arena slot")
             return
         batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0,
-                      copy_for_shadow=copy_for_shadow)
+                      cuts=self._cuts(model, version), copy_for_shadow=copy_for_shadow)
         while True:
             try:
                 message = self._stack(batch, worker)
@@ -517,21 +519,31 @@ class Dispatcher:
             best = max(executors, key=lambda e: (-e.inflight, e.last_used))
         return best if best.inflight < PIPELINE_DEPTH else None
 
+    def _cuts(self, model: str, version: str) -> tuple[padding.Cut, ...]:
+        spec = self.config.models[model]
+        if not spec.padded:
+            return ()
+        return padding.cuts(spec, self.workers.signature(model, version) or ())
+
     def _stack(self, batch: Batch, worker: WorkerHandle) -> RunBatch:
         """Copy each input of every request, one after the other, into the slot."""
         spec = self.config.models[batch.model]
         buf = worker.arena.buf
         base, size = worker.slots.offset(batch.slot), worker.slots.slot_size
         samples = sum(r.samples for r in batch.requests)
-        # The batcher put together only requests whose samples are shaped alike: the first one's shapes.
-        shapes = [tuple(meta.shape[1:]) for meta in batch.requests[0].header.inputs]
-        offsets, end = place(base, [samples * protocol.tensor_bytes(s.dtype, shape)
-                                    for s, shape in zip(spec.inputs, shapes)])
+        shapes = padding.batch_shapes(spec, batch.requests)
+        sizes = [samples * protocol.tensor_bytes(s.dtype, shape) for s, shape in zip(spec.inputs, shapes)]
+        offsets, end = place(base, sizes)
         if end > base + size:
             raise SlotOverflow
         refs = []
-        for index, (input_spec, shape, start) in enumerate(zip(spec.inputs, shapes, offsets)):
+        for index, (input_spec, shape, start, nbytes) in enumerate(zip(spec.inputs, shapes, offsets, sizes)):
             refs.append(TensorRef(input_spec.dtype, (samples, *shape), start))
+            if input_spec.pad_value is not None and any(tuple(r.header.inputs[index].shape[1:]) != shape
+                                                        for r in batch.requests):
+                padding.stack_padded(buf[start:start + nbytes], input_spec.dtype, shape, input_spec.pad_value,
+                                     batch.requests, index, UnreadableInput)
+                continue
             offset = start
             for request in batch.requests:
                 value = request.buffers[index]

@@ -71,8 +71,10 @@ def receive_limits(config: Config) -> tuple[int, int]:
 
 
 def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig) -> tuple[int, Shapes]:
-    """Check a request's inputs against what the model takes; return its sample count and its samples'
-    shapes (() for a model of fixed shapes: every request batches with every other), or raise InvalidRequest."""
+    """Check a request's inputs against what the model takes; return its sample count and what it batches by:
+    its samples' shapes, or where they are padded to buckets their buckets (() for a model of fixed shapes, or
+    one padded to each batch's longest request: every request batches with every other); or raise
+    InvalidRequest."""
     rid = header.id
     if len(header.inputs) != len(model.inputs):
         raise InvalidRequest(f"{name} takes {len(model.inputs)} input(s), the request has {len(header.inputs)}", rid)
@@ -93,8 +95,12 @@ def check_against_model(header: protocol.RequestHeader, name: str, model: ModelC
         raise InvalidRequest(
             f"the request carries {samples} samples, over max_batch_size {model.max_batch_size} of {name}", rid
         )
-    if not any(spec.variable for spec in model.inputs):
+    if not any(spec.variable for spec in model.inputs) or (model.padded and not model.shape_buckets):
         return samples, ()
+    if model.padded:  # a request batches with those of its bucket
+        return samples, tuple(tuple(model.bucket(size, most) if dim == -1 else size
+                                    for size, dim, most in zip(meta.shape[1:], spec.shape, spec.bound))
+                              for meta, spec in zip(header.inputs, model.inputs))
     return samples, tuple(meta.shape[1:] for meta in header.inputs)
 
 

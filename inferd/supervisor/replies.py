@@ -24,6 +24,7 @@ from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone
 from inferd.ipc.sockets import send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader, TensorMeta, Timing
+from inferd.supervisor import padding
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.regions import Region
@@ -147,6 +148,13 @@ class Replies:
                 buf[ref.offset + row * size : ref.offset + (row + samples) * size]
                 for ref, size in zip(done.outputs, sizes)
             ]
+            if batch.cuts:  # its inputs were padded: the outputs that follow them are cut back to its own size
+                own = list(outputs)
+                for cut in batch.cuts:
+                    ref = done.outputs[cut.output]
+                    own[cut.output], frames[cut.output] = padding.cut_rows(
+                        frames[cut.output], ref.dtype, (samples, *ref.shape[1:]), cut, request)
+                outputs = tuple(own)
             if request.places:
                 try:
                     outputs, frames = _write_placed(request.places, outputs, frames)

@@ -33,6 +33,7 @@ from inferd.ipc.messages import LoadedModel
 from inferd.ipc.slots import SlotPool, slot_shortfall
 from inferd.ipc.sockets import send_parts
 from inferd.paths import RuntimeFiles
+from inferd.supervisor import padding
 from inferd.supervisor.children import CRASH_WINDOW_S, FORKED, ChildProcess
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.state import StartupError
@@ -413,7 +414,8 @@ class WorkerTable:
         """Record that `worker` has `loaded` of `model` warm, if a full batch of it fits an arena slot;
         otherwise return why not (and record nothing)."""
         spec = self.config.models[model]
-        problem = slot_shortfall(model, spec, loaded.outputs, worker.slots.slot_size)
+        problem = slot_shortfall(model, spec, loaded.outputs, worker.slots.slot_size) or \
+            padding.unpad_problem(model, spec, loaded.outputs)
         if problem is None and len(spec.outputs) > len(loaded.outputs):
             problem = (f"models.{model}.outputs names {len(spec.outputs)} outputs, but {model} {loaded.version} "
                        f"returns {len(loaded.outputs)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -106,6 +107,15 @@ def _check_batch_dim(program: Any, path: Path, config: ModelConfig) -> None:
                 f"of up to {config.max_batch_size} come; export it with a dynamic batch dim: "
                 "torch.export.export(model, example, dynamic_shapes=({0: torch.export.Dim(\"batch\")},)), "
                 "one dict per input")
+
+
+def warmup_shapes(config: ModelConfig) -> list[tuple[tuple[int, ...], ...]]:
+    """The per-sample input shapes a version is warmed up at: each shape bucket a padded batch may have, and
+    max_shape (for fixed shapes, theirs). The largest comes last: the signature is taken there."""
+    bounds = tuple(spec.bound for spec in config.inputs)
+    buckets = [tuple(tuple(min(bucket, most) if dim == -1 else dim for dim, most in zip(spec.shape, spec.bound))
+                     for spec in config.inputs) for bucket in config.shape_buckets]
+    return [*dict.fromkeys(shape for shape in buckets if shape != bounds), bounds]
 
 
 def warmup_sizes(config: ModelConfig) -> list[int]:
@@ -283,10 +293,10 @@ class ModelRunner:
         outputs: tuple[TensorSpec, ...] = ()
         for stream in streams:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for batch in warmup_sizes(config):
+                for batch, shapes in itertools.product(warmup_sizes(config), warmup_shapes(config)):
                     inputs = [
-                        torch.zeros((batch, *spec.bound), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-                        for spec in config.inputs
+                        torch.zeros((batch, *shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                        for spec, shape in zip(config.inputs, shapes)
                     ]
                     try:
                         outputs = self.signature(model(inputs))

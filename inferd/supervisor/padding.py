@@ -1,0 +1,112 @@
+"""Padding: requests whose inputs differ in their -1 dims stacked as one batch, and each one's outputs cut back.
+
+Where a model's inputs have a pad_value, the batcher puts together requests of one shape bucket (and of
+smaller ones riding along). Their batch is padded to the bucket (without shape_buckets, to its longest
+request): each request's samples are copied into the top corner of a block filled with the pad value. An
+output whose size follows an input's (`unpad` in the config; its varying dims as the worker found them at
+warm-up) comes back at the padded size and is cut back to each request's own before it is sent, so the
+padding never reaches a reply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from inferd.config.schema import ModelConfig
+from inferd.errors import InvalidRequest
+from inferd.ipc.messages import TensorSpec
+from inferd.protocol import DTYPES, Buffer, TensorMeta
+from inferd.supervisor.queue import QueuedRequest
+from inferd.supervisor.regions import RegionSlice
+
+
+@dataclass(frozen=True)
+class Cut:
+    """An output cut back to each request's size: its per-sample dims `dims` follow the per-sample dims
+    `source_dims` of input `source`."""
+
+    output: int
+    dims: tuple[int, ...]
+    source: int
+    source_dims: tuple[int, ...]
+
+
+def batch_shapes(model: ModelConfig, requests: Sequence[QueuedRequest]) -> list[tuple[int, ...]]:
+    """Each input's per-sample shape in a batch of `requests`: the requests' own, or where they are padded the
+    bucket of the largest (the batcher took only requests of one shape where nothing is padded)."""
+    first = [tuple(meta.shape[1:]) for meta in requests[0].header.inputs]
+    if not model.padded:
+        return first
+    shapes = []
+    for index, (spec, shape) in enumerate(zip(model.inputs, first)):
+        largest = [max(r.header.inputs[index].shape[1 + dim] for r in requests) if size == -1 else shape[dim]
+                   for dim, size in enumerate(spec.shape)]
+        shapes.append(tuple(model.bucket(size, most) if dim == -1 else size
+                            for size, dim, most in zip(largest, spec.shape, spec.bound)))
+    return shapes
+
+
+def stack_padded(target: memoryview, dtype: str, shape: tuple[int, ...], pad_value: float,
+                 requests: Sequence[QueuedRequest], index: int, read: type[Exception]) -> None:
+    """Fill `target` with input `index` of `requests`, one after the other, each sample padded to `shape`
+    with `pad_value`. A request whose input lies in a region it can no longer read raises `read(request,
+    error)`."""
+    block = np.ndarray((sum(r.samples for r in requests), *shape), dtype=DTYPES[dtype], buffer=target)
+    block.fill(pad_value)
+    row = 0
+    for request in requests:
+        meta = request.header.inputs[index]
+        value = request.buffers[index]
+        if isinstance(value, RegionSlice):
+            copy = bytearray(len(value))
+            try:
+                value.read_into(memoryview(copy))
+            except InvalidRequest as exc:
+                raise read(request, exc) from None
+            value = copy
+        given = np.frombuffer(value, dtype=DTYPES[dtype]).reshape(meta.shape)
+        block[(slice(row, row + request.samples), *(slice(0, size) for size in meta.shape[1:]))] = given
+        row += request.samples
+
+
+def cuts(model: ModelConfig, outputs: Sequence[TensorSpec]) -> tuple[Cut, ...]:
+    """How each output of a padded model is cut back (none for those of fixed size)."""
+    names = model.input_names()
+    found = []
+    for index, (output, spec) in enumerate(zip(model.outputs, outputs)):
+        follows = output.follows(model.inputs, names)
+        if follows is not None and spec.varies:
+            found.append(Cut(index, spec.varies, *follows))
+    return tuple(found)
+
+
+def unpad_problem(name: str, model: ModelConfig, outputs: Sequence[TensorSpec]) -> str | None:
+    """Why a version's outputs cannot be cut back to each request's size; None when they can."""
+    if not model.padded:
+        return None
+    names = model.input_names()
+    for index, spec in enumerate(outputs):
+        output = model.outputs[index] if index < len(model.outputs) else None
+        follows = output.follows(model.inputs, names) if output is not None else None
+        if spec.varies and follows is None:
+            return (f"output {index} of {name} has dims {list(spec.varies)} whose size follows the inputs', and its "
+                    f"padding would reach the replies: say which input dims they follow with unpad in "
+                    f"models.{name}.outputs (e.g. unpad = \"{names[0]}\")")
+        if follows is not None and len(follows[1]) != len(spec.varies):
+            return (f"output {index} of {name} varies in {len(spec.varies)} dim(s) {list(spec.varies)}, but its unpad "
+                    f"names {len(follows[1])} input dim(s)")
+    return None
+
+
+def cut_rows(rows: Buffer, dtype: str, shape: tuple[int, ...], cut: Cut,
+             request: QueuedRequest) -> tuple[TensorMeta, memoryview]:
+    """A request's rows of a padded output (`shape`, batch dim first) cut back to its own size."""
+    inputs = request.header.inputs[cut.source].shape
+    sizes = dict(zip(cut.dims, (inputs[1 + dim] for dim in cut.source_dims)))
+    padded = np.ndarray(shape, dtype=DTYPES[dtype], buffer=rows)
+    own = np.ascontiguousarray(padded[(slice(None), *(slice(0, sizes.get(dim, size))
+                                                      for dim, size in enumerate(shape[1:])))])
+    return TensorMeta(dtype, own.shape), own.reshape(-1).view(np.uint8).data
