@@ -5,6 +5,7 @@ own shape; shapes past the bound or off the fixed dims refused with a sentence."
 from __future__ import annotations
 
 import threading
+import urllib.request
 from collections.abc import Iterator
 
 import models
@@ -33,7 +34,8 @@ def daemon(repo) -> Iterator[Daemon]:
     ragged = str(repo / "ragged")
     with module_daemon(repo, {"ragged": RAGGED, "padded": {**PADDED, "repository": ragged},
                               "bucketed": {**BUCKETED, "repository": ragged}}, workers={"streams": 1},
-                       server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"}) as started:
+                       server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+                               "metrics": f"127.0.0.1:{free_port()}"}) as started:
         yield started
 
 
@@ -43,6 +45,11 @@ def sample(length: int, seed: int, samples: int = 1) -> np.ndarray:
 
 def batches(daemon: Daemon) -> int:
     return daemon.call("stats")["workers"][0]["batches"]
+
+
+def shape_counts(daemon: Daemon, model: str, shape: str) -> tuple[int, int, int]:
+    counts = daemon.call("stats")["models"][model]["shapes"].get(shape, {})
+    return counts.get("batches", 0), counts.get("elements", 0), counts.get("padding_elements", 0)
 
 
 def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alone(daemon, repo):
@@ -106,6 +113,33 @@ def test_requests_batch_by_shape_or_bucket_and_each_is_answered_as_alone(daemon,
             np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
     assert batches(daemon) - before == 1 + expected_batches
+
+
+def test_stats_count_each_shapes_batches_and_the_padding_computed(daemon, gates):
+    lengths = [5, 7, 40, 1, 64, 12]
+    before = shape_counts(daemon, "padded", f"2x{models.RAGGED_MAX}")
+    gate = gates()
+    held = np.zeros((1, 2, 2), dtype=np.float32)
+    held[0, 0, 0] = -gate.number
+    with daemon.client() as client:
+        blocker = client.submit("padded", held)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+        futures = [client.submit("padded", sample(length, seed)) for seed, length in enumerate(lengths)]
+        wait_for(lambda: daemon.status()["models"]["padded"]["queue_depth"] == len(lengths), what="all queued")
+        gate.open()
+        blocker.result()
+        for future in futures:
+            future.result()
+    after = shape_counts(daemon, "padded", f"2x{models.RAGGED_MAX}")
+    real = 2 * sum(lengths)
+    assert [b - a for a, b in zip(before, after)] == [1, real, 2 * models.RAGGED_MAX * len(lengths) - real]
+    shapes = daemon.call("stats")["models"]["padded"]["shapes"]
+    assert shapes[f"2x{models.RAGGED_MAX}"]["padding_share"] > 0
+    with urllib.request.urlopen(f"http://{daemon.config['server']['metrics']}/metrics", timeout=10) as page:
+        scraped = page.read().decode()
+    labels = f'{{model="padded",shape="2x{models.RAGGED_MAX}"}}'
+    for name, value in zip(("batches_by_shape", "input_elements", "padding_elements"), after):
+        assert f"inferd_{name}_total{labels} {float(value)}" in scraped, scraped
 
 
 @pytest.mark.parametrize("shape, sentence", [

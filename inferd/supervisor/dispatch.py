@@ -215,6 +215,8 @@ class Dispatcher:
             self.replies.failed(batch, f"worker{worker.index} cannot be reached")
             return
         batch.inputs = message.inputs
+        if any(spec.variable for spec in self.config.models[model].inputs):
+            self._count_shape(batch)
         batch.samples = samples = sum(r.samples for r in requests)
         batch.deadline = min(r.deadline for r in requests)
         self.workers.batch_sent(executor, len(requests), now, self.times.batch_s(model, samples) or 0.0)
@@ -518,6 +520,12 @@ class Dispatcher:
         else:
             best = max(executors, key=lambda e: (-e.inflight, e.last_used))
         return best if best.inflight < PIPELINE_DEPTH else None
+
+    def _count_shape(self, batch: Batch) -> None:
+        """Count the batch by its shape, with the elements its requests brought and the padding it computed."""
+        computed = sum(math.prod(ref.shape) for ref in batch.inputs)
+        real = sum(math.prod(meta.shape) for request in batch.requests for meta in request.header.inputs)
+        self.stats.shaped_batch(batch.model, "x".join(map(str, batch.inputs[0].shape[1:])), real, computed - real)
 
     def _cuts(self, model: str, version: str) -> tuple[padding.Cut, ...]:
         spec = self.config.models[model]

@@ -83,10 +83,26 @@ def build_families(daemon: DaemonView) -> list[Metric]:
             for status, count in sorted(statuses.items()):
                 by_protocol.add_metric([model, protocol, status], count)
     families.append(by_protocol)
+    families += _shape_families(daemon)
     undelivered = CounterMetricFamily("inferd_replies_undelivered", "Replies whose client had gone or stopped reading.")
     undelivered.add_metric([], daemon.stats.undelivered)
     families.append(undelivered)
     return families
+
+
+def _shape_families(daemon: DaemonView) -> list[Metric]:
+    """Batches of the models with inputs of any size, by shape, and the padding they computed."""
+    batches = CounterMetricFamily("inferd_batches_by_shape", "Batches of a model with inputs of any size, by the "
+                                  "per-sample shape of their first input.", labels=["model", "shape"])
+    real = CounterMetricFamily("inferd_input_elements", "Input elements the requests brought, by batch shape.",
+                               labels=["model", "shape"])
+    padding = CounterMetricFamily("inferd_padding_elements", "Input elements of padding the model computed on, by "
+                                  "batch shape (over inferd_input_elements: the padding share).",
+                                  labels=["model", "shape"])
+    for (model, shape), counts in sorted(daemon.stats.shapes.items()):
+        for family, count in zip((batches, real, padding), counts):
+            family.add_metric([model, shape], count)
+    return [batches, real, padding]
 
 
 def _scheduling_families(daemon: DaemonView, per_model: dict[str, Series]) -> list[Metric]:

@@ -206,6 +206,10 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
                 "refused_as_late": daemon.stats.deadline_refusals[name],
             },
             "versions": versions,
+            "shapes": {shape: {"batches": batches, "elements": real, "padding_elements": padding,
+                               "padding_share": round(padding / real, 4) if real else 0.0}
+                       for (model, shape), (batches, real, padding) in sorted(daemon.stats.shapes.items())
+                       if model == name},
             "candidate": candidate_report(daemon, name, now),
             "shadow": shadow_report(daemon, name),
         }

@@ -181,6 +181,9 @@ class Stats:
         self.levels: dict[tuple[str, int], LevelSeries] = {}  # (model, priority level) -> since start
         self.deadline_refusals: Counter[str] = Counter()  # model -> requests refused as sure to miss
         self.shadow: dict[tuple[str, str], ShadowSeries] = {}  # (model, candidate version) -> its trial
+        # (model, shape) -> [batches, elements the requests brought, elements of padding], since start: for a
+        # model with inputs of any size, by the per-sample shape of its batches' first input ("2x48").
+        self.shapes: dict[tuple[str, str], list[int]] = {}
         self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
 
     def _series(self, now: float, model: str, version: str) -> tuple[Series, Series]:
@@ -266,6 +269,13 @@ class Stats:
         """Count a batch of `samples` samples."""
         for series in self._series(now, model, version):
             series.batch_sizes[samples] += 1
+
+    def shaped_batch(self, model: str, shape: str, real: int, padding: int) -> None:
+        """Count a batch of a model with inputs of any size: its shape, and its elements real and padded."""
+        counts = self.shapes.setdefault((model, shape), [0, 0, 0])
+        counts[0] += 1
+        counts[1] += real
+        counts[2] += padding
 
     def queue_depth(self, now: float, model: str, version: str, depth: int) -> None:
         """Note a queue depth, for its peak."""
