@@ -43,21 +43,26 @@ def percentiles(latencies_s: list[float]) -> dict[str, float]:
 
 
 def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurrency: int, seconds: float,
-        warmup: float, samples: int = 1, timeout_ms: int = 10_000, trace: str | None = None) -> dict:
+        warmup: float, samples: int = 1, timeout_ms: int = 10_000, trace: str | None = None,
+        given: list[list[np.ndarray]] | None = None) -> dict:
     """Drive the endpoint and return the measurements of the timed part.
 
     With `trace`, also save every timed request (time.monotonic() at send,
     latency in seconds, ok or not) to that .npz file, for benchmarks that split
-    one run into phases.
+    one run into phases. With `given` (each request's inputs), the requests
+    cycle through those instead of random ones of `shape`.
     """
     rng = np.random.default_rng(0)
     payload = samples * int(np.prod(shape)) * np.dtype(dtype).itemsize
     variety = int(min(16, max(2, (64 << 20) // payload)))  # a few distinct inputs, at most ~64 MB of them
-    inputs = [rng.standard_normal((samples, *shape)).astype(dtype) for _ in range(variety)]
+    inputs = given or [[rng.standard_normal((samples, *shape)).astype(dtype)] for _ in range(variety)]
+    if given:
+        variety = len(given)
+        payload = sum(a.nbytes for request in given for a in request) // variety
     # Every request is encoded before the clock starts, and ids are reused once answered: the
     # generator shares the machine with what it measures, so it spends as little CPU as it can.
-    pool = 2 * concurrency
-    encoded = [protocol.encode_request(i, model, [inputs[i % variety]], timeout_ms=timeout_ms) for i in range(pool)]
+    pool = max(2 * concurrency, variety)
+    encoded = [protocol.encode_request(i, model, inputs[i % variety], timeout_ms=timeout_ms) for i in range(pool)]
     free = deque(range(pool))
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
