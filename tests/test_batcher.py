@@ -213,7 +213,7 @@ class Times:
     def __init__(self, seconds: float | None) -> None:
         self.seconds = seconds
 
-    def batch_s(self, model: str, samples: int) -> float | None:
+    def batch_s(self, model: str, samples: int, elements: int | None = None) -> float | None:
         return self.seconds
 
 

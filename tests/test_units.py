@@ -649,3 +649,16 @@ def test_corked_writes_send_a_turns_writes_together_in_order_and_a_large_one_at_
 
     _, sends = asyncio.run(exchange())
     assert sends == [10, 5, CORK_BYTES // 256 * 256 + 256, 4]
+
+
+def test_compute_times_are_learned_per_size_of_sample_where_inputs_vary():
+    times = ComputeTimes()
+    times.observe("m", "v1", 4, 0.001, elements=10)
+    times.observe("m", "v1", 4, 0.100, elements=500)
+    assert times.batch_s("m", 4, 10) == 0.001 and times.batch_s("m", 4, 500) == 0.100
+    assert times.batch_s("m", 4, 300) == 0.100, "a size not measured takes the nearest smaller one measured"
+    assert times.batch_s("m", 4, 100) == 0.001
+    assert times.batch_s("m", 4) == 0.001, "with no size given, the smallest measured: an estimate that errs short"
+    assert times.batch_s("m", 2, 500) is None, "no smaller batch measured"
+    times.observe("m", "v2", 4, 0.5)  # a new version starts afresh; a model of fixed shapes has one size
+    assert times.batch_s("m", 4, 500) == 0.5 and times.batch_s("m", 8) == 0.5

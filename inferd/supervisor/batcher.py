@@ -16,6 +16,7 @@ model's backlog.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,7 +52,7 @@ class Capacity(NamedTuple):
 class BatchTimes(Protocol):
     """Expected compute seconds of a batch of a model, by its samples (None: not yet measured)."""
 
-    def batch_s(self, model: str, samples: int) -> float | None: ...
+    def batch_s(self, model: str, samples: int, elements: int | None = None) -> float | None: ...
 
 
 @dataclass
@@ -81,7 +82,7 @@ def _within(shapes: Shapes, bucket: Shapes) -> bool:
 
 
 class _NoTimes:
-    def batch_s(self, model: str, samples: int) -> float | None:
+    def batch_s(self, model: str, samples: int, elements: int | None = None) -> float | None:
         return None
 
 
@@ -169,7 +170,9 @@ class Batcher:
             if not any(seen > now - URGENT_MEMORY_S for seen in waiting.seen[:least_urgent]):
                 return True
         go_at = room.free_at - AUTO_LEAD_S
-        compute = self._times.batch_s(name, min(waiting.samples, lane.policy.max_batch_size))
+        # Where requests batch by shape, the batch's own size (elements per sample) is known.
+        elements = sum(math.prod(shape) for shape in plan[0].shapes) or None
+        compute = self._times.batch_s(name, min(waiting.samples, lane.policy.max_batch_size), elements)
         if compute is not None:
             go_at = min(go_at, min(r.deadline for r in plan) - compute - AUTO_LEAD_S)
         lane.go_at = go_at

@@ -219,7 +219,8 @@ class Dispatcher:
             self._count_shape(batch)
         batch.samples = samples = sum(r.samples for r in requests)
         batch.deadline = min(r.deadline for r in requests)
-        self.workers.batch_sent(executor, len(requests), now, self.times.batch_s(model, samples) or 0.0)
+        self.workers.batch_sent(executor, len(requests), now,
+                                self.times.batch_s(model, samples, self._elements(model, requests)) or 0.0)
         self.inflight[batch.id] = batch
         self.stats.batch(now, model, version, samples)
 
@@ -227,7 +228,7 @@ class Dispatcher:
                  now: float) -> list[QueuedRequest]:
         """The requests that can finish before their deadline on `executor`, by the batch's known compute time;
         the others are answered `timeout` now, rather than computed for nobody."""
-        expected = self.times.batch_s(model, sum(r.samples for r in requests))
+        expected = self.times.batch_s(model, sum(r.samples for r in requests), self._elements(model, requests))
         if expected is None:
             return requests
         finish = max(now, executor.free_at()) + expected
@@ -337,7 +338,8 @@ class Dispatcher:
                 samples = batch.samples
                 if result.expired:
                     samples -= sum(batch.requests[index].samples for index in result.expired)
-                self.times.observe(batch.model, batch.version, samples, result.compute_us / 1e6)
+                self.times.observe(batch.model, batch.version, samples, result.compute_us / 1e6,
+                                   self._elements(batch.model, batch.requests))
             self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe)
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
@@ -520,6 +522,13 @@ class Dispatcher:
         else:
             best = max(executors, key=lambda e: (-e.inflight, e.last_used))
         return best if best.inflight < PIPELINE_DEPTH else None
+
+    def _elements(self, model: str, requests: list[QueuedRequest]) -> int | None:
+        """Input elements of each sample of a batch of `requests`, where the model takes inputs of any size."""
+        spec = self.config.models[model]
+        if not any(input_spec.variable for input_spec in spec.inputs):
+            return None
+        return sum(math.prod(shape) for shape in padding.batch_shapes(spec, requests))
 
     def _count_shape(self, batch: Batch) -> None:
         """Count the batch by its shape, with the elements its requests brought and the padding it computed."""

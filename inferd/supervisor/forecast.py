@@ -2,7 +2,8 @@
 would finish.
 
 Compute times are learned from the batches that ran (the dispatcher is their one
-writer), per model and per batch-size band; the batcher's "auto" window and
+writer), per model, per batch-size band and, for a model with inputs of any size,
+per band of its samples' size (elements); the batcher's "auto" window and
 deadline-aware admission read them. The finish estimate leans optimistic (what
 waits ahead is assumed to run in full batches spread over every executor, with
 nothing cancelled or expired ahead of it counted out), so that a request it
@@ -21,35 +22,38 @@ SMOOTHING = 0.2  # weight of the newest batch in a band's average: a few batches
 
 
 class ComputeTimes:
-    """Expected compute seconds of a batch, per model and per power-of-two band of its samples, for the
-    version that computed last (a new live version starts afresh: it computes at its own speed)."""
+    """Expected compute seconds of a batch, per model and per power-of-two band of its samples (and of the
+    elements of each of its samples, where they vary), for the version that computed last (a new live
+    version starts afresh: it computes at its own speed)."""
 
     def __init__(self) -> None:
-        self._bands: dict[str, dict[int, float]] = {}
+        self._bands: dict[str, dict[tuple[int, int], float]] = {}
         self._versions: dict[str, str] = {}
 
-    def observe(self, model: str, version: str, samples: int, seconds: float) -> None:
-        """A batch of `samples` samples of `version` of `model` computed in `seconds`."""
+    def observe(self, model: str, version: str, samples: int, seconds: float, elements: int | None = None) -> None:
+        """A batch of `samples` samples (of `elements` input elements each, where that varies) of `version` of
+        `model` computed in `seconds`."""
         if self._versions.get(model) != version:
             self._versions[model] = version
             self._bands[model] = {}
         bands = self._bands[model]
-        band = samples.bit_length()
+        band = (samples.bit_length(), (elements or 0).bit_length())
         known = bands.get(band)
         bands[band] = seconds if known is None else known + SMOOTHING * (seconds - known)
 
-    def batch_s(self, model: str, samples: int) -> float | None:
-        """Expected seconds for a batch of `samples` samples; a band not yet measured takes the nearest
-        smaller one measured (a batch computes no faster with more samples), else None."""
+    def batch_s(self, model: str, samples: int, elements: int | None = None) -> float | None:
+        """Expected seconds for a batch of `samples` samples of `elements` elements each (None: the smallest
+        measured); a band not yet measured takes the nearest smaller one measured (a batch computes no
+        faster with more or larger samples), else None."""
         bands = self._bands.get(model)
         if not bands:
             return None
-        band = samples.bit_length()
-        known = bands.get(band)
-        if known is not None:
-            return known
-        smaller = [b for b in bands if b < band]
-        return bands[max(smaller)] if smaller else None
+        size = (elements or 0).bit_length() if elements is not None else min(e for _, e in bands)
+        smaller = [(e, s) for s, e in bands if s <= samples.bit_length() and e <= size]
+        if not smaller:
+            return None
+        e, s = max(smaller)
+        return bands[(s, e)]
 
 
 class Forecast:
@@ -62,7 +66,7 @@ class Forecast:
         self._live = live
 
     def too_late(self, model: str, max_batch: int, priority: int, samples: int, timeout_s: float,
-                 now: float) -> float | None:
+                 now: float, elements: int | None = None) -> float | None:
         """The finish estimate of a new request (see finish_in) when it passes `timeout_s`; None when the
         request can make it, or nothing is known.
 
@@ -76,15 +80,17 @@ class Forecast:
         waiting = self._queue.samples_ahead(model, priority) + samples
         if timeout_s > (PIPELINE_DEPTH + 1 + waiting / max_batch) * full:
             return None
-        estimate = self.finish_in(model, max_batch, priority, samples, now)
+        estimate = self.finish_in(model, max_batch, priority, samples, now, elements)
         return estimate if estimate is not None and estimate > timeout_s else None
 
-    def finish_in(self, model: str, max_batch: int, priority: int, samples: int, now: float) -> float | None:
-        """Seconds from `now` until a new request of `samples` samples at `priority` would be answered, at
-        the soonest; None while its model's compute time is not known.
+    def finish_in(self, model: str, max_batch: int, priority: int, samples: int, now: float,
+                  elements: int | None = None) -> float | None:
+        """Seconds from `now` until a new request of `samples` samples (of `elements` elements each, where
+        that varies) at `priority` would be answered, at the soonest; None while its model's compute time
+        is not known.
 
-        The samples waiting at its level or a more urgent one go first, in full batches spread over the
-        model's executors, once the soonest of them is free.
+        The samples waiting at its level or a more urgent one go first, in full batches of the smallest
+        samples measured spread over the model's executors, once the soonest of them is free.
         """
         full = self.times.batch_s(model, max_batch)
         version = self._live.get(model)
@@ -96,6 +102,6 @@ class Forecast:
         ahead = self._queue.samples_ahead(model, priority) + samples
         batches = math.ceil(ahead / max_batch)
         waves = math.ceil(batches / len(executors))
-        last = self.times.batch_s(model, ahead - (batches - 1) * max_batch) or 0.0
+        last = self.times.batch_s(model, ahead - (batches - 1) * max_batch, elements) or 0.0
         free_in = max(0.0, min(e.free_at() for e in executors) - now)
         return free_in + (waves - 1) * full + last

@@ -14,6 +14,7 @@ shared-memory regions go to client_regions.py.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -70,11 +71,12 @@ def receive_limits(config: Config) -> tuple[int, int]:
     return largest, hwm
 
 
-def check_against_model(header: protocol.RequestHeader, name: str, model: ModelConfig) -> tuple[int, Shapes]:
-    """Check a request's inputs against what the model takes; return its sample count and what it batches by:
-    its samples' shapes, or where they are padded to buckets their buckets (() for a model of fixed shapes, or
-    one padded to each batch's longest request: every request batches with every other); or raise
-    InvalidRequest."""
+def check_against_model(header: protocol.RequestHeader, name: str,
+                        model: ModelConfig) -> tuple[int, Shapes, int | None]:
+    """Check a request's inputs against what the model takes; return its sample count, what it batches by
+    (its samples' shapes, or where they are padded to buckets their buckets; () for a model of fixed shapes,
+    or one padded to each batch's longest request: every request batches with every other) and, where the
+    model takes inputs of any size, the input elements of each of its samples; or raise InvalidRequest."""
     rid = header.id
     if len(header.inputs) != len(model.inputs):
         raise InvalidRequest(f"{name} takes {len(model.inputs)} input(s), the request has {len(header.inputs)}", rid)
@@ -95,13 +97,16 @@ def check_against_model(header: protocol.RequestHeader, name: str, model: ModelC
         raise InvalidRequest(
             f"the request carries {samples} samples, over max_batch_size {model.max_batch_size} of {name}", rid
         )
-    if not any(spec.variable for spec in model.inputs) or (model.padded and not model.shape_buckets):
-        return samples, ()
+    if not any(spec.variable for spec in model.inputs):
+        return samples, (), None
+    elements = sum(math.prod(meta.shape[1:]) for meta in header.inputs)
+    if model.padded and not model.shape_buckets:
+        return samples, (), elements
     if model.padded:  # a request batches with those of its bucket
         return samples, tuple(tuple(model.bucket(size, most) if dim == -1 else size
                                     for size, dim, most in zip(meta.shape[1:], spec.shape, spec.bound))
-                              for meta, spec in zip(header.inputs, model.inputs))
-    return samples, tuple(meta.shape[1:] for meta in header.inputs)
+                              for meta, spec in zip(header.inputs, model.inputs)), elements
+    return samples, tuple(meta.shape[1:] for meta in header.inputs), elements
 
 
 def _refusal_sentence(refusal: Refusal, queue: RequestQueue) -> str:
@@ -150,9 +155,9 @@ class Frontend:
         self.config = config
         self.max_message_bytes = int(config.server.max_message_mb * (1 << 20))
         self.default_timeout_s = config.queue.default_timeout_ms / 1000
-        # (model, inputs) -> samples, for signatures that passed check_against_model: clients
+        # (model, inputs) -> what check_against_model found, for signatures that passed it: clients
         # send the same few again and again, and the check is pure Python.
-        self._checked: dict[tuple[str, tuple[protocol.TensorMeta, ...]], tuple[int, Shapes]] = {}
+        self._checked: dict[tuple[str, tuple[protocol.TensorMeta, ...]], tuple[int, Shapes, int | None]] = {}
 
     def bind(self, internal: dict[str, str]) -> None:
         """Bind a ROUTER on every `server.listen` endpoint (tcp ones with CURVE when it is configured),
@@ -292,7 +297,7 @@ class Frontend:
                 if len(self._checked) >= SIGNATURES_KEPT:
                     self._checked.clear()
                 self._checked[signature] = checked
-            samples, shapes = checked
+            samples, shapes, elements = checked
             buffers: list[Buffer | RegionSlice] = request.buffers  # type: ignore[assignment] # None only with regions
             places: Places = ()
             if header.outputs or None in buffers:
@@ -315,7 +320,7 @@ class Frontend:
         client = reply_to.connection
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,
                                priority, places=places, shapes=shapes)
-        finish = self.forecast.too_late(name, model.max_batch_size, priority, samples, timeout, now)
+        finish = self.forecast.too_late(name, model.max_batch_size, priority, samples, timeout, now, elements)
         if finish is not None:
             self.stats.deadline_refusals[name] += 1
             self.replies.error(queued, protocol.OVERLOADED,
