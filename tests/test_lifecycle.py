@@ -208,15 +208,21 @@ def test_a_second_daemon_on_the_same_control_socket_is_refused(start_daemon, wor
     assert first.call("health")["healthy"]
 
 
-def test_a_killed_worker_is_replaced_and_its_batches_computed_again(start_daemon):
-    daemon = start_daemon({"slow": SLOW, "mlp": MLP}, workers={"streams": 1})
+def test_a_killed_worker_is_replaced_and_its_batches_computed_again(start_daemon, gates):
+    daemon = start_daemon({"variable": ONE_AT_A_TIME, "mlp": MLP}, workers={"streams": 1})
     old = daemon.status()["workers"][0]
+    gate = gates()
     with RawPeer(daemon.endpoint) as peer:
-        for i in range(100):  # ~2 ms a batch; what is queued waits out the restart (a long deadline)
-            peer.send(i, "slow", [np.ones((4, 64), dtype=np.float32)], timeout_ms=60_000)
-        replies = [peer.recv()[0]]  # the worker is busy with the rest now
+        # The worker dies with a batch held at a gate, one stacked behind it and the rest queued; what is queued
+        # waits out the restart (a long deadline), and the held batch, computed again, waits at the gate again.
+        peer.send(0, "variable", [gate.input], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+        for i in range(1, 100):
+            peer.send(i, "variable", [np.full((1, 2), 10, dtype=np.float32)], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] >= 98, what="the rest queued")
         os.kill(old["pid"], signal.SIGKILL)
-        replies += [peer.recv(timeout=60)[0] for _ in range(99)]
+        gate.open()
+        replies = [peer.recv(timeout=60)[0] for _ in range(100)]
         assert peer.nothing_more()
     assert sorted(r["id"] for r in replies) == list(range(100))
     assert {r["status"] for r in replies} == {"ok"}, [r for r in replies if r["status"] != "ok"]
