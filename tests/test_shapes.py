@@ -83,13 +83,15 @@ def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alo
 
 # How many batches the requests of each length make, behind one held at a gate, by how the model batches:
 # exact shapes apart; padded to the longest, all of them; to buckets, per bucket (5 and 7 in 8, 12 in 16,
-# 40 in 48), a smaller bucket riding along in a larger one's batch only while it could not fill its own.
+# 40 in 48), a smaller bucket riding along in a larger one's batch only if it is at least half as large and
+# while it could not fill its own.
 @pytest.mark.parametrize("model, lengths, expected_batches", [
     ("ragged", [5, 7, 5, 7, 5, 7], 2),
     ("padded", [5, 7, 40, 1, 64, 12], 1),
     ("bucketed", [5, 7, 5, 7, 5, 7], 1),
-    ("bucketed", [40, 5, 12, 12, 40, 7], 1),
-    ("bucketed", [40] + [5] * 8, 2),
+    ("bucketed", [12, 5, 7, 12], 1),
+    ("bucketed", [40, 5, 12, 12, 40, 7], 3),
+    ("bucketed", [12] + [5] * 8, 2),
 ])
 def test_requests_batch_by_shape_or_bucket_and_each_is_answered_as_alone(daemon, repo, gates, model, lengths,
                                                                        expected_batches):

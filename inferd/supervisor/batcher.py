@@ -76,9 +76,11 @@ def queue_settings(config: Config) -> tuple[Bounds, dict[str, ModelPolicy], Leve
     return bounds, policies, Levels(queue.priority_levels, queue.default_level, queue.priority_share)
 
 
-def _within(shapes: Shapes, bucket: Shapes) -> bool:
-    """Whether samples of bucket `shapes` fit, padded up, in bucket `bucket`: no dim of theirs is larger."""
-    return all(size <= most for shape, largest in zip(shapes, bucket) for size, most in zip(shape, largest))
+def _rides_along(shapes: Shapes, bucket: Shapes) -> bool:
+    """Whether samples of bucket `shapes` may be padded up to bucket `bucket`: no dim of theirs is larger, and
+    none less than half as large (padding a sample to more than twice its size costs more than it saves)."""
+    return all(size <= most <= size * 2
+               for shape, largest in zip(shapes, bucket) for size, most in zip(shape, largest))
 
 
 class _NoTimes:
@@ -197,10 +199,11 @@ class Batcher:
         """The requests the lane's next batch takes, in order: the oldest of the leading level, then of
         each other level, most urgent first, while their samples fit in max_batch_size. Where the model
         takes inputs of any size, only requests shaped like the first one (or of its shape bucket) join
-        it; where they are padded to buckets, requests of a smaller bucket also ride along, padded up,
-        when the samples of their own bucket that wait could not fill a batch: short requests are not
-        padded to long ones while enough of them wait to go on their own, and never wait for company
-        that is not coming. A longer bucket never joins."""
+        it; where they are padded to buckets, requests of a smaller bucket at least half as large also
+        ride along, padded up, when the samples of their own bucket that wait could not fill a batch:
+        short requests are not padded to long ones while enough of them wait to go on their own, nor
+        to more than twice their size, and do not wait for company that is not coming. A longer bucket
+        never joins."""
         limit = lane.policy.max_batch_size
         batch: list[QueuedRequest] = []
         samples = 0
@@ -213,7 +216,7 @@ class Batcher:
                 if batch and samples + request.samples > limit:
                     break
                 if batch and request.shapes != batch[0].shapes:
-                    if not lane.policy.pads or not _within(request.shapes, batch[0].shapes):
+                    if not lane.policy.pads or not _rides_along(request.shapes, batch[0].shapes):
                         continue
                     if by_bucket is None:
                         by_bucket = Counter()
