@@ -52,7 +52,8 @@ def shape_counts(daemon: Daemon, model: str, shape: str) -> tuple[int, int, int]
     return counts.get("batches", 0), counts.get("elements", 0), counts.get("padding_elements", 0)
 
 
-def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alone(daemon, repo):
+@pytest.mark.parametrize("model", ["ragged", "padded", "bucketed"])
+def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alone(daemon, repo, model):
     expected = reference(repo, "ragged", "v1")
     lengths = [1, 3, 3, 17, models.RAGGED_MAX, 5, 17, 3, 40, 1, 9, 64]
     answers: dict[int, tuple[np.ndarray, ...]] = {}
@@ -63,7 +64,7 @@ def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alo
             with daemon.client() as client:
                 for round_ in range(4):
                     x = sample(lengths[index], seed=index * 10 + round_, samples=1 + round_ % 2)
-                    answers[index * 10 + round_] = (x, *client.infer("ragged", x))
+                    answers[index * 10 + round_] = (x, *client.infer(model, x))
         except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
             failures.append(exc)
 
@@ -160,28 +161,29 @@ def test_a_shape_the_model_does_not_take_is_refused_with_a_sentence_and_the_daem
         assert peer.recv()[0]["status"] == "ok"
 
 
-def test_the_open_inference_protocol_reports_minus_one_and_takes_each_requests_shape(daemon, repo):
+@pytest.mark.parametrize("model", ["ragged", "bucketed"])
+def test_the_open_inference_protocol_reports_minus_one_and_takes_each_requests_shape(daemon, repo, model):
     expected = reference(repo, "ragged", "v1")
     server = daemon.config["server"]
     http, grpc = httpclient.InferenceServerClient(server["http"]), grpcclient.InferenceServerClient(server["grpc"])
-    metadata = http.get_model_metadata("ragged")
+    metadata = http.get_model_metadata(model)
     assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 2, -1]}]
     # The running sums are as long as the sample; the pooled rows are not.
     assert metadata["outputs"] == [{"name": "running", "datatype": "FP32", "shape": [-1, -1]},
                                    {"name": "pooled", "datatype": "FP32", "shape": [-1, 4]}]
-    assert http.get_model_config("ragged")["input"][0]["dims"] == [2, -1]
+    assert http.get_model_config(model)["input"][0]["dims"] == [2, -1]
     for length, (module, client) in zip([4, 11], [(httpclient, http), (grpcclient, grpc)]):
         x = sample(length, seed=length, samples=2)
         given = module.InferInput("x", list(x.shape), "FP32")
         given.set_data_from_numpy(x)
-        result = client.infer("ragged", [given])
+        result = client.infer(model, [given])
         want_running, want_pooled = expected(x)
         np.testing.assert_allclose(result.as_numpy("running"), want_running, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(result.as_numpy("pooled"), want_pooled, rtol=1e-5, atol=1e-5)
     too_long = httpclient.InferInput("x", [1, 2, models.RAGGED_MAX + 1], "FP32")
     too_long.set_data_from_numpy(sample(models.RAGGED_MAX + 1, 0))
     with pytest.raises(InferenceServerException) as refused:
-        http.infer("ragged", [too_long])
+        http.infer(model, [too_long])
     assert "max_shape" in str(refused.value)
 
 
