@@ -372,8 +372,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         tuple[Annotated[int, Meta(ge=1)], ...],
         _doc("Sizes a padded -1 dim (an input with pad_value) is padded to, ascending, e.g. [32, 64, 128, 256, 512]: "
              "a request batches with those of its own bucket (the smallest that holds it), and with those of a "
-             "bucket at least half as small only while theirs could not fill a batch; a size above the largest is its own bucket. Warm-up runs "
-             "each. Empty: a batch is padded to its longest request."),
+             "bucket at least half as large only while theirs could not fill a batch; a size above the largest is "
+             "its own bucket. Warm-up runs each. Empty: a batch is padded to its longest request."),
     ] = ()
     batch_buckets: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...],
