@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import models
 from gates import Gate
-from wire import ScriptedServer
+from wire import RawPeer, ScriptedServer
 
 from inferd import paths
 from inferd.arrays import from_numpy, to_numpy
@@ -212,6 +212,23 @@ def reload_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.C
 def references(reload_repo: Path):
     """Each good version's model, in this process, by version name."""
     return {v: torch.jit.load(str(reload_repo / "mlp" / v / "model.pt")) for v in ("v1", "v2", "v3")}
+
+
+def replies_across_a_worker_death(daemon: Daemon, gate: Gate, signum: int) -> list[dict[str, Any]]:
+    """The replies to 100 requests of `variable` (ONE_AT_A_TIME, one executor) across the death of the only
+    worker by `signum`: it dies with the first held at `gate`, one stacked behind it and the rest queued (a long
+    deadline); the held batch, computed again once the worker is back, waits at the gate until it opens."""
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(0, "variable", [gate.input], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+        for index in range(1, 100):
+            peer.send(index, "variable", [np.full((1, 2), 10, dtype=np.float32)], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] >= 98, what="the rest queued")
+        os.kill(daemon.status()["workers"][0]["pid"], signum)
+        gate.open()
+        replies = [peer.recv(timeout=60)[0] for _ in range(100)]
+        assert peer.nothing_more()
+    return replies
 
 
 def held_reload_repo(reload_repo: Path, folder: Path, *versions: str) -> tuple[Path, Path]:

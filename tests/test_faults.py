@@ -14,7 +14,7 @@ import models
 import msgspec
 import numpy as np
 import pytest
-from conftest import MLP, wait_for
+from conftest import MLP, ONE_AT_A_TIME, replies_across_a_worker_death, wait_for
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from wire import RawPeer
@@ -50,18 +50,9 @@ def test_a_hung_worker_is_aborted_replaced_and_its_requests_answered(start_daemo
     assert "is hung" in log and "Fatal Python error: Aborted" in log, "the hung worker's stacks were not logged"
 
 
-def test_a_segfaulting_worker_comes_back_and_what_it_ran_is_computed_again(start_daemon):
-    daemon = start_daemon({"slow": {**MLP, "inputs": [{"dtype": "float32", "shape": [64]}]}, "mlp": MLP},
-                          workers={"streams": 1})
-    pid = daemon.status()["workers"][0]["pid"]
-    with RawPeer(daemon.endpoint) as peer:
-        for i in range(100):  # milliseconds a batch; what is queued waits out the restart (a long deadline)
-            peer.send(i, "slow", [np.ones((16, 64), dtype=np.float32)], timeout_ms=60_000)
-        replies = [peer.recv()[0]]  # the worker is busy with the rest now
-        os.kill(pid, signal.SIGSEGV)
-        for _ in range(99):  # the rest, and the batches it was running, run once the worker is back
-            replies.append(peer.recv(timeout=60)[0])
-        assert peer.nothing_more()
+def test_a_segfaulting_worker_comes_back_and_what_it_ran_is_computed_again(start_daemon, gates):
+    daemon = start_daemon({"variable": ONE_AT_A_TIME, "mlp": MLP}, workers={"streams": 1})
+    replies = replies_across_a_worker_death(daemon, gates(), signal.SIGSEGV)
     assert sorted(r["id"] for r in replies) == list(range(100))
     assert {r["status"] for r in replies} == {"ok"}, [r for r in replies if r["status"] != "ok"]
     assert "killed by signal 11" in daemon.log() and "its requests are computed again" in daemon.log()

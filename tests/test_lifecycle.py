@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from pathlib import Path
@@ -11,7 +10,17 @@ import models
 import numpy as np
 import psutil
 import pytest
-from conftest import FAILING, MLP, ONE_AT_A_TIME, SLOW, exited, reference, requests_accounted, wait_for
+from conftest import (
+    FAILING,
+    MLP,
+    ONE_AT_A_TIME,
+    SLOW,
+    exited,
+    reference,
+    replies_across_a_worker_death,
+    requests_accounted,
+    wait_for,
+)
 from wire import RawPeer
 
 from inferd import Client, RetryPolicy
@@ -211,19 +220,7 @@ def test_a_second_daemon_on_the_same_control_socket_is_refused(start_daemon, wor
 def test_a_killed_worker_is_replaced_and_its_batches_computed_again(start_daemon, gates):
     daemon = start_daemon({"variable": ONE_AT_A_TIME, "mlp": MLP}, workers={"streams": 1})
     old = daemon.status()["workers"][0]
-    gate = gates()
-    with RawPeer(daemon.endpoint) as peer:
-        # The worker dies with a batch held at a gate, one stacked behind it and the rest queued; what is queued
-        # waits out the restart (a long deadline), and the held batch, computed again, waits at the gate again.
-        peer.send(0, "variable", [gate.input], timeout_ms=60_000)
-        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
-        for i in range(1, 100):
-            peer.send(i, "variable", [np.full((1, 2), 10, dtype=np.float32)], timeout_ms=60_000)
-        wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] >= 98, what="the rest queued")
-        os.kill(old["pid"], signal.SIGKILL)
-        gate.open()
-        replies = [peer.recv(timeout=60)[0] for _ in range(100)]
-        assert peer.nothing_more()
+    replies = replies_across_a_worker_death(daemon, gates(), signal.SIGKILL)
     assert sorted(r["id"] for r in replies) == list(range(100))
     assert {r["status"] for r in replies} == {"ok"}, [r for r in replies if r["status"] != "ok"]
     assert "died (killed by signal 9" in daemon.log() and "its requests are computed again" in daemon.log()
