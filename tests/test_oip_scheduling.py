@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -247,50 +248,46 @@ def test_the_gateway_absorbs_the_cancelled_reply_of_a_request_it_cancelled(tmp_p
 # -- priority ----------------------------------------------------------------------------------------
 
 
-def urgent_first(daemon: Daemon, peer: RawPeer, gate: Gate, send_default, send_urgent) -> list[str]:
+def urgent_first(daemon: Daemon, peer: RawPeer, gates: Callable[[], Gate], send_default, send_urgent) -> list[str]:
     """With the executor busy, a request at the default level, then one at the most urgent, each waiting in
-    the queue: the order they were answered in."""
-    done: list[str] = []
-    lock = threading.Lock()
-
-    def run(name: str, call) -> None:
-        call()
-        with lock:
-            done.append(name)
-
-    block(daemon, peer, gate)
+    the queue and then at a gate of its own (`send_*(x)` sends x): the order they were computed in."""
+    blocker, default, urgent = gates(), gates(), gates()
+    block(daemon, peer, blocker)
     threads = []
-    for depth, (name, call) in enumerate((("default", send_default), ("urgent", send_urgent)), 1):
-        threads.append(threading.Thread(target=run, args=(name, call)))
+    for depth, (call, gate) in enumerate(((send_default, default), (send_urgent, urgent)), 1):
+        threads.append(threading.Thread(target=call, args=(gate.input,)))
         threads[-1].start()
         queued(daemon, depth)
-    gate.open()
+    blocker.open()
     assert [peer.recv(timeout=30)[0]["status"] for _ in range(2)] == ["ok", "ok"]
+    # The one computed first waits at its gate, and the other behind it: were the default one first, the urgent
+    # one would never come to its gate while the default one's is closed.
+    try:
+        urgent.open()
+        order = ["urgent", "default"]
+    except AssertionError:
+        order = ["default", "urgent"]
+    default.open()
+    urgent.close()
     for thread in threads:
         thread.join(60)
-    return done
-
-
-# ~0.1 s of compute each: the second to be computed is answered that much after the first, so the order
-# their client threads see is the order they were computed in, however the threads are scheduled.
-STEPS = np.array([[60_000, 7]], dtype=np.float32)
+    return order
 
 
 def test_http_priority_reaches_the_queue_and_a_bad_one_is_refused(start_daemon, gates):
     daemon = daemon_with(start_daemon, "http")
 
     def infer(**kwargs):
-        def call() -> None:  # a client of its own: tritonclient.http's (gevent's) is for one thread only
+        def call(x: np.ndarray = FILLER) -> None:  # a client of its own: tritonclient.http's is for one thread only
             given = httpclient.InferInput("INPUT__0", [1, 2], "FP32")
-            given.set_data_from_numpy(STEPS)
+            given.set_data_from_numpy(x)
             with httpclient.InferenceServerClient(daemon.config["server"]["http"]) as client:
-                np.testing.assert_array_equal(client.infer("variable", [given], **kwargs).as_numpy("OUTPUT__0"),
-                                              STEPS)
+                np.testing.assert_array_equal(client.infer("variable", [given], **kwargs).as_numpy("OUTPUT__0"), x)
         return call
 
     with RawPeer(daemon.endpoint) as peer:
         # tritonclient's priority=1: Triton's most urgent level, inferd's 0.
-        assert urgent_first(daemon, peer, gates(), infer(), infer(priority=1)) == ["urgent", "default"]
+        assert urgent_first(daemon, peer, gates, infer(), infer(priority=1)) == ["urgent", "default"]
     levels = daemon.call("stats")["models"]["variable"]["priorities"]
     assert levels["0"]["requests"] == {"ok": 1} and levels["1"]["requests"] == {"ok": 3}, levels
     # Raw JSON: 2 is Triton's second level, inferd's 1 (the default); 0 and null are the default.
@@ -316,14 +313,14 @@ def test_grpc_priority_reaches_the_queue_and_the_config_tells_the_levels(start_d
     client = grpc_client(daemon)
 
     def infer(**kwargs):
-        return lambda: np.testing.assert_array_equal(
-            client.infer("variable", [grpc_input(STEPS)], **kwargs).as_numpy("OUTPUT__0"), STEPS)
+        return lambda x=FILLER: np.testing.assert_array_equal(
+            client.infer("variable", [grpc_input(x)], **kwargs).as_numpy("OUTPUT__0"), x)
 
-    def raw(**parameter):
+    def raw(x: np.ndarray = FILLER, **parameter):
         """A call whose priority parameter is as given (tritonclient sends a uint64_param)."""
         request = grpcclient.service_pb2.ModelInferRequest(model_name="variable")
         request.inputs.add(name="INPUT__0", datatype="FP32", shape=[1, 2])
-        request.raw_input_contents.append(STEPS.tobytes())
+        request.raw_input_contents.append(x.tobytes())
         for kind, value in parameter.items():
             setattr(request.parameters["priority"], kind, value)
         import grpc
@@ -337,10 +334,10 @@ def test_grpc_priority_reaches_the_queue_and_the_config_tells_the_levels(start_d
         return "OK", ""
 
     with RawPeer(daemon.endpoint) as peer:
-        assert urgent_first(daemon, peer, gates(), infer(), infer(priority=1)) == ["urgent", "default"]
+        assert urgent_first(daemon, peer, gates, infer(), infer(priority=1)) == ["urgent", "default"]
     with RawPeer(daemon.endpoint) as peer:
-        assert urgent_first(daemon, peer, gates(), lambda: raw(uint64_param=2), lambda: raw(int64_param=1)) == \
-            ["urgent", "default"]
+        assert urgent_first(daemon, peer, gates, lambda x: raw(x, uint64_param=2),
+                            lambda x: raw(x, int64_param=1)) == ["urgent", "default"]
     levels = daemon.call("stats")["models"]["variable"]["priorities"]
     assert levels["0"]["requests"] == {"ok": 2}, levels
     for parameter in ({"int64_param": -1}, {"string_param": "1"}, {"double_param": 1.0}, {"bool_param": True}):
