@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import urllib.request
+import uuid
 from collections.abc import Iterator
 
 import models
@@ -17,7 +18,10 @@ from conftest import Daemon, module_daemon, reference, wait_for
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
+from inferd import protocol
 from inferd.harness import free_port
+from inferd.protocol import TensorMeta
+from inferd.shm_names import SHM_DIR
 
 RAGGED = {"inputs": [{"dtype": "float32", "shape": [2, -1], "max_shape": [2, models.RAGGED_MAX], "name": "x"}],
           "outputs": [{"name": "running"}, {"name": "pooled"}], "max_batch_size": 8, "max_wait_ms": 50}
@@ -35,7 +39,8 @@ def daemon(repo) -> Iterator[Daemon]:
     with module_daemon(repo, {"ragged": RAGGED, "padded": {**PADDED, "repository": ragged},
                               "bucketed": {**BUCKETED, "repository": ragged}}, workers={"streams": 1},
                        server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
-                               "metrics": f"127.0.0.1:{free_port()}"}) as started:
+                               "metrics": f"127.0.0.1:{free_port()}", "allow_client_shm": True,
+                               "client_shm_prefix": "inferd-client-"}) as started:
         yield started
 
 
@@ -195,3 +200,30 @@ def test_a_padded_model_whose_output_follows_the_inputs_without_unpad_is_refused
     log = daemon.log()
     assert "output 0 of ragged has dims [0] whose size follows the inputs'" in log, log
     assert 'unpad = "x"' in log and "no worker could start" in log
+
+
+def test_padded_requests_whose_inputs_lie_in_a_clients_shared_memory_answer_as_alone(daemon, repo):
+    expected = reference(repo, "ragged", "v1")
+    inputs = [sample(length, seed) for seed, length in enumerate([3, 9, 14])]
+    path = SHM_DIR / f"inferd-client-{uuid.uuid4().hex[:12]}"
+    path.write_bytes(b"".join(x.tobytes() for x in inputs))
+    try:
+        with RawPeer(daemon.endpoint) as peer:
+            peer.send_frames([protocol.encode_op(protocol.RegisterRegion(id="reg", name="r", key=path.name,
+                                                                         byte_size=path.stat().st_size))])
+            assert peer.recv()[0]["status"] == "ok"
+            offset = 0
+            for index, x in enumerate(inputs):
+                peer.send_frames(protocol.encode_request(index, "bucketed", [TensorMeta("float32", x.shape, "r",
+                                                                                        offset)]))
+                offset += x.nbytes
+            replies = dict((header["id"], (header, outputs)) for header, outputs in
+                           (peer.recv() for _ in inputs))
+    finally:
+        path.unlink(missing_ok=True)
+    for index, x in enumerate(inputs):
+        header, (running, pooled) = replies[index]
+        assert header["status"] == "ok", header
+        want_running, want_pooled = expected(x)
+        np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
