@@ -24,7 +24,10 @@ from inferd.protocol import TensorMeta
 from inferd.shm_names import SHM_DIR
 
 RAGGED = {"inputs": [{"dtype": "float32", "shape": [2, -1], "max_shape": [2, models.RAGGED_MAX], "name": "x"}],
-          "outputs": [{"name": "running"}, {"name": "pooled"}], "max_batch_size": 8, "max_wait_ms": 50}
+          "outputs": [{"name": "running"}, {"name": "pooled"}], "max_batch_size": 8,
+          # Behind a batch held at a gate, a partial batch waits for company until the test opens the gate
+          # (with the executor idle, whatever waits goes at once).
+          "max_wait_ms": 60_000}
 # The same model with its samples padded with zeros (which change neither its running sums, cut back to each
 # request's length, nor its pooled sums): to each batch's longest, or to shape buckets.
 PADDED = {**RAGGED, "inputs": [{**RAGGED["inputs"][0], "pad_value": 0}],
