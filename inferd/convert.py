@@ -50,7 +50,7 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
     problem = version_problem(target)
     if problem is not None:
         raise ConvertError(f"--to {problem}")
-    if any(spec.variable for spec in model.inputs):
+    if model.variable:
         raise ConvertError(f"{name} takes inputs with a -1 dim, which convert does not export yet: export it with a "
                            "torch.export.Dim for each such dim and save it as VERSION/model.pt2")
     destination = repository / target

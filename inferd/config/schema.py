@@ -411,6 +411,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return [spec.name or f"INPUT__{index}" for index, spec in enumerate(self.inputs)]
 
     @property
+    def variable(self) -> bool:
+        """Whether it takes inputs of any size in some dim (a -1)."""
+        return any(spec.variable for spec in self.inputs)
+
+    @property
     def padded(self) -> bool:
         """Whether its -1 dims are padded, so that requests of other sizes batch together."""
         return any(spec.padded for spec in self.inputs)

@@ -68,6 +68,7 @@ class Batch:
     inputs: tuple[TensorRef, ...] = ()
     deadline: float = math.inf  # the soonest deadline of its requests not answered yet
     cuts: tuple[padding.Cut, ...] = ()  # its outputs cut back to each request's size (its inputs were padded)
+    elements: int | None = None  # input elements of each of its samples, where the model takes inputs of any size
     copy_for_shadow: bool = False  # a live batch the shadow candidate computes again once it is answered
     shadow_job: ShadowJob | None = None  # a shadow batch: that copy, computed again; nobody waits for it
 
@@ -215,12 +216,13 @@ class Dispatcher:
             self.replies.failed(batch, f"worker{worker.index} cannot be reached")
             return
         batch.inputs = message.inputs
-        if any(spec.variable for spec in self.config.models[model].inputs):
+        if self.config.models[model].variable:
             self._count_shape(batch)
+            batch.elements = sum(math.prod(ref.shape[1:]) for ref in batch.inputs)
         batch.samples = samples = sum(r.samples for r in requests)
         batch.deadline = min(r.deadline for r in requests)
         self.workers.batch_sent(executor, len(requests), now,
-                                self.times.batch_s(model, samples, self._elements(model, requests)) or 0.0)
+                                self.times.batch_s(model, samples, batch.elements) or 0.0)
         self.inflight[batch.id] = batch
         self.stats.batch(now, model, version, samples)
 
@@ -338,8 +340,7 @@ class Dispatcher:
                 samples = batch.samples
                 if result.expired:
                     samples -= sum(batch.requests[index].samples for index in result.expired)
-                self.times.observe(batch.model, batch.version, samples, result.compute_us / 1e6,
-                                   self._elements(batch.model, batch.requests))
+                self.times.observe(batch.model, batch.version, samples, result.compute_us / 1e6, batch.elements)
             self.workers.note_memory(worker, result.memory, result.reserved, result.growth, batch.describe)
             # One slot per worker at most waits on a slow reader; while it does, replies are copied,
             # so a client that does not read cannot take every slot of a worker.
@@ -526,9 +527,7 @@ class Dispatcher:
     def _elements(self, model: str, requests: list[QueuedRequest]) -> int | None:
         """Input elements of each sample of a batch of `requests`, where the model takes inputs of any size."""
         spec = self.config.models[model]
-        if not any(input_spec.variable for input_spec in spec.inputs):
-            return None
-        return sum(math.prod(shape) for shape in padding.batch_shapes(spec, requests))
+        return sum(math.prod(shape) for shape in padding.batch_shapes(spec, requests)) if spec.variable else None
 
     def _count_shape(self, batch: Batch) -> None:
         """Count the batch by its shape, with the elements its requests brought and the padding it computed."""

@@ -48,7 +48,7 @@ class ComputeTimes:
         bands = self._bands.get(model)
         if not bands:
             return None
-        size = (elements or 0).bit_length() if elements is not None else min(e for _, e in bands)
+        size = elements.bit_length() if elements is not None else min(e for _, e in bands)
         smaller = [(e, s) for s, e in bands if s <= samples.bit_length() and e <= size]
         if not smaller:
             return None

@@ -97,7 +97,7 @@ def check_against_model(header: protocol.RequestHeader, name: str,
         raise InvalidRequest(
             f"the request carries {samples} samples, over max_batch_size {model.max_batch_size} of {name}", rid
         )
-    if not any(spec.variable for spec in model.inputs):
+    if not model.variable:
         return samples, (), None
     elements = sum(math.prod(meta.shape[1:]) for meta in header.inputs)
     if model.padded and not model.shape_buckets:

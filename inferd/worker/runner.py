@@ -13,6 +13,7 @@ import gc
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -294,20 +295,11 @@ class ModelRunner:
         for stream in streams:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for batch, shapes in itertools.product(warmup_sizes(config), warmup_shapes(config)):
-                    inputs = [
-                        torch.zeros((batch, *shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-                        for spec, shape in zip(config.inputs, shapes)
-                    ]
-                    try:
-                        outputs = self.signature(model(inputs))
-                    except ModelError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001 - a model may raise anything
-                        raise ModelError(f"warm-up of {name} {version} at batch {batch} failed: "
-                                         f"{describe_error(exc)}") from None
+                    outputs = self._run_zeros(model, config, batch, shapes, f"warm-up of {name} {version} at "
+                                                                            f"batch {batch}")
             if stream is not None:
                 stream.synchronize()
-        if any(spec.variable for spec in config.inputs):
+        if config.variable:
             outputs = self._varying_dims(model, name, config, version, outputs)
         return outputs
 
@@ -315,20 +307,26 @@ class ModelRunner:
                       at_bound: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
         """The outputs' signature with the dims whose size follows the inputs' marked: those that differ
         between one sample at max_shape (the warm-up) and one with every -1 dim at 1."""
-        inputs = [torch.zeros((1, *(1 if dim == -1 else dim for dim in spec.shape)), dtype=TORCH_DTYPES[spec.dtype],
-                              device=self.device) for spec in config.inputs]
-        try:
-            smallest = self.signature(model(inputs))
-        except ModelError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a model may raise anything
-            raise ModelError(f"warm-up of {name} {version} with every -1 dim at 1 failed: "
-                             f"{describe_error(exc)}") from None
+        least = [tuple(1 if dim == -1 else dim for dim in spec.shape) for spec in config.inputs]
+        smallest = self._run_zeros(model, config, 1, least, f"warm-up of {name} {version} with every -1 dim at 1")
         if [len(s.shape) for s in smallest] != [len(s.shape) for s in at_bound]:
             raise ModelError(f"{name} {version} returns outputs of other ranks for inputs of other sizes")
         return tuple(TensorSpec(big.dtype, big.shape, tuple(dim for dim, (size, least) in
                                                             enumerate(zip(big.shape, small.shape)) if size != least))
                      for big, small in zip(at_bound, smallest))
+
+    def _run_zeros(self, model: Loaded, config: ModelConfig, batch: int, shapes: Sequence[tuple[int, ...]],
+                   what: str) -> tuple[TensorSpec, ...]:
+        """Run `model` on zeros of `batch` samples of `shapes` (one per input); the outputs' signature, or
+        ModelError saying `what` failed."""
+        inputs = [torch.zeros((batch, *shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                  for spec, shape in zip(config.inputs, shapes)]
+        try:
+            return self.signature(model(inputs))
+        except ModelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a model may raise anything
+            raise ModelError(f"{what} failed: {describe_error(exc)}") from None
 
     def _check_room(self, name: str, version: str, path: Path, factor: float) -> None:
         """The memory guard: refuse to load unless the device has `factor` x the file's size free."""
