@@ -49,7 +49,8 @@ def local_config(workdir: Path, models: dict[str, dict[str, Any]], **sections: d
 
 
 def to_toml(config: dict[str, Any]) -> str:
-    """A config dict as TOML: tables of scalars, lists and inline tables (what configs use)."""
+    """A config dict as TOML: keys, then tables of scalars, lists and inline tables (what configs and a
+    model folder's model.toml use)."""
 
     def value(v: Any) -> str:
         if isinstance(v, bool):
@@ -66,15 +67,14 @@ def to_toml(config: dict[str, Any]) -> str:
 
     lines: list[str] = []
 
-    def table(name: str, body: dict[str, Any]) -> None:
-        lines.append(f"[{name}]")
+    def table(prefix: str, body: dict[str, Any]) -> None:
         nested = {k: v for k, v in body.items() if isinstance(v, dict)}
         lines.extend(f"{k} = {value(v)}" for k, v in body.items() if k not in nested)
         for key, sub in nested.items():
-            table(f"{name}.{key}", sub)
+            lines.append(f"[{prefix}{key}]")
+            table(f"{prefix}{key}.", sub)
 
-    for name, body in config.items():
-        table(name, body)
+    table("", config)
     return "\n".join(lines) + "\n"
 
 

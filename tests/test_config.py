@@ -132,6 +132,48 @@ def test_load_reports_a_toml_syntax_error_and_a_missing_file(tmp_path: Path):
         config.load(tmp_path / "missing.toml")
 
 
+def model_folder(root: Path, name: str, text: str) -> Path:
+    """A folder of server.model_root: `name`/model.toml holding `text`."""
+    (root / name).mkdir(parents=True)
+    (root / name / "model.toml").write_text(text)
+    return root / name
+
+
+def test_model_root_folders_are_models_served_from_themselves(tmp_path: Path):
+    root = tmp_path / "models"
+    model_folder(root, "bert", 'inputs = [{ dtype = "int64", shape = [8] }]\nmax_batch_size = 4\n')
+    model_folder(root, "resnet", 'inputs = [{ dtype = "float32", shape = [3] }]\n')
+    (root / "notes").mkdir()  # no model.toml: not a model
+    (tmp_path / "inferd.toml").write_text('[server]\nmodel_root = "models"\n'
+                                          '[models.m]\ninputs = [{ dtype = "float32", shape = [4] }]\n')
+    c = config.load(tmp_path / "inferd.toml")
+    assert sorted(c.models) == ["bert", "m", "resnet"]
+    assert c.models["bert"].repository == str(root / "bert") and c.models["bert"].max_batch_size == 4
+    assert c.server.model_root == str(root)
+
+
+def test_model_root_problems_name_the_folder_or_file(tmp_path: Path):
+    root = tmp_path / "models"
+    model_folder(root, "broken", "inputs = [\n")
+    model_folder(root, "wrong", 'inputs = [{ dtype = "float64x", shape = [3] }]\n')
+    model_folder(root, "elsewhere", 'repository = "/srv/x"\ninputs = [{ dtype = "float32", shape = [3] }]\n')
+    model_folder(root, "m", 'inputs = [{ dtype = "float32", shape = [3] }]\n')
+    model_folder(root, "bad name", 'inputs = [{ dtype = "float32", shape = [3] }]\n')
+    problems = problems_of({**MINIMAL, "server": {"model_root": str(root)}})
+    assert any(p.startswith(f"{root}/broken/model.toml: not valid TOML") for p in problems), problems
+    assert any(p.startswith(f"{root}/wrong/model.toml: inputs: unknown dtype") for p in problems), problems
+    assert any(p.startswith(f"{root}/elsewhere/model.toml: repository:") for p in problems), problems
+    assert any(p.startswith("models.m: also a folder of server.model_root") for p in problems), problems
+    assert any("bad name is not a model name" in p for p in problems), problems
+    assert len(problems) == 5, problems
+    assert problems_of({"server": {"model_root": str(tmp_path / "none")}}) == [
+        f"server.model_root: {tmp_path / 'none'} is not a folder"]
+    (tmp_path / "empty").mkdir()
+    assert problems_of({"server": {"model_root": str(tmp_path / "empty")}}) == [
+        "models: no model is configured; add a [models.NAME] table, or a folder with a model.toml to "
+        "server.model_root"]
+
+
 def test_a_bfloat16_input_is_accepted_in_any_precision():
     for precision in ("fp32", "fp16", "bf16"):
         model = {"inputs": [{"dtype": "bfloat16", "shape": [4]}], "precision": precision}

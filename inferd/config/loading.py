@@ -15,7 +15,18 @@ from typing import Any
 import msgspec
 
 from inferd import paths
-from inferd.config.schema import CHECKS, MODEL_NAME, PATH_KEYS, SECTIONS, Config, ModelConfig, padding_problem
+from inferd.config.schema import (
+    CHECKS,
+    MODEL_NAME,
+    MODEL_TOML,
+    PATH_KEYS,
+    SECTIONS,
+    Config,
+    ModelConfig,
+    padding_problem,
+)
+
+NAME_RULE = "a model name is letters, digits, '_', '.' or '-' (at most 64)"
 
 
 class ConfigError(Exception):
@@ -81,10 +92,13 @@ def _build(cls: type[msgspec.Struct], table: Any, prefix: str, problems: list[st
     return cls(**values)
 
 
-def _build_model(name: str, table: Any, state_dir: str, problems: list[str], base: Path) -> ModelConfig | None:
-    prefix = f"models.{name}."
+def _build_model(name: str, table: Any, repository: str, problems: list[str], base: Path,
+                 prefix: str | None = None) -> ModelConfig | None:
+    """One model from its table; `repository` unless the table names one; problems named by `prefix`
+    (default `models.NAME.`)."""
+    prefix = prefix or f"models.{name}."
     if not MODEL_NAME.match(name):
-        problems.append(f"models.{name}: a model name is letters, digits, '_', '.' or '-' (at most 64)")
+        problems.append(f"models.{name}: {NAME_RULE}")
         return None
     model = _build(ModelConfig, table, prefix, problems, base)
     if model is None:
@@ -102,8 +116,40 @@ def _build_model(name: str, table: Any, state_dir: str, problems: list[str], bas
     if padding is not None:
         problems.append(f"{prefix}{padding[0]}: {padding[1]}")
         return None
-    repository = model.repository or str(Path(state_dir) / "models" / name)
-    return msgspec.structs.replace(model, warmup_batch_sizes=warmup, repository=repository)
+    return msgspec.structs.replace(model, warmup_batch_sizes=warmup, repository=model.repository or repository)
+
+
+def _model_folders(root: str, taken: dict[str, ModelConfig], problems: list[str]) -> dict[str, ModelConfig]:
+    """The models of `server.model_root`: each folder holding a `model.toml`, named after the folder and
+    served from it; a name also in `taken` (the config's own tables) is a problem."""
+    folder = Path(root)
+    if not folder.is_dir():
+        problems.append(f"server.model_root: {root} is not a folder")
+        return {}
+    models: dict[str, ModelConfig] = {}
+    for path in sorted(folder.glob(f"*/{MODEL_TOML}")):
+        name, where = path.parent.name, f"{path}: "
+        try:
+            table = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            problems.append(f"{where}cannot be read: {exc.strerror}")
+            continue
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            problems.append(f"{where}not valid TOML: {exc}")
+            continue
+        if not MODEL_NAME.match(name):
+            problems.append(f"server.model_root: the folder {path.parent} is not a model name: {NAME_RULE}")
+            continue
+        if "repository" in table:
+            problems.append(f"{where}repository: a model folder is its own repository; remove the key")
+            continue
+        if name in taken:
+            problems.append(f"models.{name}: also a folder of server.model_root ({path.parent}); keep one of them")
+            continue
+        model = _build_model(name, table, str(path.parent), problems, path.parent, where)
+        if model is not None:
+            models[name] = model
+    return models
 
 
 def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = None) -> Config:
@@ -119,13 +165,19 @@ def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = No
     state_dir = (server.state_dir if server else None) or str(paths.state_dir())
     models_table = raw.get("models", {})
     models: dict[str, ModelConfig] = {}
-    if not isinstance(models_table, dict) or not models_table:
-        problems.append("models: no model is configured; add a [models.NAME] table")
-    else:
-        for name, table in models_table.items():
-            model = _build_model(name, table, state_dir, problems, base)
-            if model is not None:
-                models[name] = model
+    if not isinstance(models_table, dict):
+        problems.append(f"models: expected a table of [models.NAME] tables, got {type(models_table).__name__}")
+        models_table = {}
+    for name, table in models_table.items():
+        model = _build_model(name, table, str(Path(state_dir) / "models" / name), problems, base)
+        if model is not None:
+            models[name] = model
+    if server is not None and server.model_root:
+        models.update(_model_folders(server.model_root, models, problems))
+    if not models and not problems:
+        problems.append("models: no model is configured; add a [models.NAME] table"
+                        + (f", or a folder with a {MODEL_TOML} to server.model_root" if server and
+                           server.model_root else ""))
     if server is not None:
         if bool(server.curve_secret_key) != bool(server.curve_authorized_keys):
             problems.append("server.curve_secret_key and server.curve_authorized_keys go together: set both or "

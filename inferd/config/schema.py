@@ -18,6 +18,7 @@ from msgspec import Meta
 from inferd.protocol import DEFAULT_MAX_MESSAGE_MB, DTYPES
 from inferd.shm_names import ARENA_PREFIX, CLIENT_PREFIX
 
+MODEL_TOML = "model.toml"  # what makes a folder of server.model_root a model
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
 DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
@@ -104,6 +105,13 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
             "/var/lib/inferd (a user who cannot write it: ~/.local/state/inferd)",
         ),
     ] = None
+    model_root: Annotated[
+        str,
+        _doc("A folder of model folders: each folder in it that holds a `model.toml` is a model named after the "
+             "folder, its repository that folder, its keys those of a [models.NAME] table (without "
+             "`repository`). They serve beside the config's own [models.*]; a SIGHUP reads the folder again. "
+             '"" turns it off.', live=True),
+    ] = ""
     curve_secret_key: Annotated[
         str,
         _doc('CURVE for tcp endpoints: the server\'s secret key file (made by `inferctl keygen`); "" turns CURVE off.'),
@@ -580,7 +588,8 @@ def client_shm_protocols(server: ServerConfig) -> frozenset[str]:
 # working folder (which under systemd is /).
 PATH_KEYS: frozenset[tuple[type, str]] = frozenset({
     (ServerConfig, "state_dir"), (ServerConfig, "tls_cert"), (ServerConfig, "tls_key"),
-    (ServerConfig, "curve_secret_key"), (ServerConfig, "curve_authorized_keys"), (ModelConfig, "repository"),
+    (ServerConfig, "curve_secret_key"), (ServerConfig, "curve_authorized_keys"), (ServerConfig, "model_root"),
+    (ModelConfig, "repository"),
 })
 
 CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
