@@ -12,7 +12,8 @@ from typing import Any
 import models
 import numpy as np
 import tritonclient.http as httpclient
-from conftest import MLP, PAIR, Daemon, base_config, reference, wait_for
+from conftest import MLP, ONE_AT_A_TIME, PAIR, Daemon, base_config, reference, wait_for
+from wire import RawPeer
 
 from inferd.harness import free_port, to_toml
 
@@ -79,3 +80,83 @@ def test_check_config_names_a_broken_model_toml(workdir, repo):
     result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0 and "ok (1 model(s))" in result.stdout, result.stderr
+
+
+def inferctl(daemon: Daemon, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "inferctl"), "--control", daemon.control, *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def loaded(daemon: Daemon) -> list[str]:
+    """What every worker has loaded, as status lists it."""
+    return sorted(entry for worker in daemon.status()["workers"] for entry in worker["loaded"])
+
+
+def test_an_on_demand_model_loads_for_the_requests_that_need_it_and_unloads_when_asked_and_idle(start_daemon, repo,
+                                                                                               gates):
+    daemon = start_daemon({"mlp": {**MLP, "version": "v1"},
+                           "lazy": {**MLP, "repository": str(repo / "mlp"), "version": "v2", "load": "on_demand"},
+                           "variable": {**ONE_AT_A_TIME, "load": "on_demand"}})
+    assert loaded(daemon) == ["mlp v1"], "an on-demand model is loaded at start"
+    assert daemon.call("health")["healthy"]
+    x = np.random.default_rng(36).standard_normal((8, 2, models.MLP_IN), dtype=np.float32)
+    expected = reference(repo, "mlp", "v2")
+    with daemon.client() as client:
+        futures = [client.submit("lazy", sample, timeout=60) for sample in x]  # all wait for the one load
+        for future, sample in zip(futures, x, strict=True):
+            np.testing.assert_allclose(future.result(), expected(sample), rtol=1e-5, atol=1e-6)
+    assert loaded(daemon) == ["lazy v2", "mlp v1"]
+    assert daemon.log().count("loading lazy v2 on worker0 (on demand)") == 1
+
+    refused = inferctl(daemon, "unload", "--model", "mlp")
+    assert refused.returncode == 1 and 'loaded on every worker (load = "always")' in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    unloaded = inferctl(daemon, "unload", "--model", "lazy")
+    assert unloaded.returncode == 0 and "lazy unloaded from worker0" in unloaded.stdout, unloaded.stderr
+    wait_for(lambda: loaded(daemon) == ["mlp v1"], what="lazy unloaded from the worker")
+
+    load = inferctl(daemon, "load", "--model", "lazy")
+    assert load.returncode == 0 and "lazy v2 loaded on worker0 in" in load.stdout, load.stderr
+    assert loaded(daemon) == ["lazy v2", "mlp v1"]
+    again = inferctl(daemon, "load", "--model", "lazy")
+    assert again.returncode == 0 and "lazy v2 was loaded already, on worker0" in again.stdout, again.stderr
+    with daemon.client() as client:
+        np.testing.assert_allclose(client.infer("lazy", x[0]), expected(x[0]), rtol=1e-5, atol=1e-6)
+
+    gate = gates()
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "variable", [gate.input])  # loads it, then its batch waits at the gate
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the held batch running")
+        busy = inferctl(daemon, "unload", "--model", "variable")
+        assert busy.returncode == 1 and "variable has 1 batch(es) running and 0 request(s) waiting" in busy.stderr
+        assert "variable v1" in loaded(daemon)
+        gate.open()
+        assert peer.recv()[0]["status"] == "ok"
+    unloaded = inferctl(daemon, "unload", "--model", "variable")
+    assert unloaded.returncode == 0, unloaded.stderr
+    wait_for(lambda: "variable v1" not in loaded(daemon), what="variable unloaded")
+
+
+def test_an_on_demand_model_that_cannot_load_is_refused_with_the_reason_and_not_tried_per_request(start_daemon,
+                                                                                                workdir, repo):
+    shutil.copytree(repo / "mlp", workdir / "broken")
+    daemon = start_daemon({"mlp": MLP, "broken": {**MLP, "repository": str(workdir / "broken"), "version": "v1",
+                                                  "load": "on_demand"}})
+    (workdir / "broken" / "v1" / "model.pt").write_bytes(b"not a model")  # replaced by a bad file after the start
+    x = np.ones((1, models.MLP_IN), dtype=np.float32)
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "broken", [x])
+        header, _ = peer.recv()
+        assert header["status"] == "unavailable"
+        assert header["error"].startswith("broken v1 could not be loaded (") and "tried again in 1.0 s" in \
+            header["error"], header["error"]
+        peer.send(2, "broken", [x])  # within the backoff: refused at once, nothing loaded
+        header, _ = peer.recv()
+        assert header["status"] == "unavailable" and "could not be loaded" in header["error"]
+        peer.send(3, "mlp", [x])
+        assert peer.recv()[0]["status"] == "ok"
+    assert daemon.log().count("loading broken v1 on worker0 (on demand)") == 1
+    assert loaded(daemon) == ["mlp v2"] and daemon.status()["workers"][0]["state"] == "ready"
+    shutil.copy(repo / "mlp" / "v1" / "model.pt", workdir / "broken" / "v1" / "model.pt")  # mended
+    load = inferctl(daemon, "load", "--model", "broken")
+    assert load.returncode == 0 and "broken v1 loaded on worker0" in load.stdout, load.stderr

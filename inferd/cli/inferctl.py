@@ -232,6 +232,25 @@ def rollback(ctx: click.Context, model: str | None, yes: bool) -> None:
 
 
 @inferctl.command()
+@click.option("--model", required=True, help="The model to load (an unknown one is looked for in the config again).")
+@click.option("--version", help="Make this version live first (blue-green where the model is loaded).")
+@click.pass_context
+def load(ctx: click.Context, model: str, version: str | None) -> None:
+    """Load a model on a worker if none has it; exit 0 once one serves it."""
+    _switch(ctx, "load", model=model, version=version)
+
+
+@inferctl.command()
+@click.option("--model", required=True, help="The on-demand model to unload.")
+@click.pass_context
+def unload(ctx: click.Context, model: str) -> None:
+    """Unload an on-demand model from every worker; refused while requests of it wait or run."""
+    result = _call(ctx, "unload", model=model)
+    where = ", ".join(f"worker{index}" for index in result["workers"]) or "no worker (it was not loaded)"
+    click.echo(f"{result['model']} unloaded from {where}")
+
+
+@inferctl.command()
 @click.pass_context
 def trim(ctx: click.Context) -> None:
     """Every ready worker returns its GPU allocator's unused cached memory to the device now."""

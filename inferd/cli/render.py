@@ -147,6 +147,11 @@ def switch_outcome(result: dict[str, Any]) -> str:
     name = result["model"]
     if result.get("already_live"):
         return f"{name} {result['version']} is already live; nothing to do"
+    if "loaded" in result:
+        where = ", ".join(f"worker{index}" for index in result["workers"])
+        if result["loaded"]:
+            return f"{name} {result['version']} loaded on {where} in {result['load_s']:.2f} s"
+        return f"{name} {result['version']} was loaded already, on {where}"
     if "ended" in result:
         return f"the {result['ended']} of {name} ended; {result['version']} serves everything"
     if "was" in result:

@@ -369,6 +369,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         tuple[Annotated[int, Meta(ge=1)], ...] | None,
         _doc("Batch sizes run once before a worker reports ready.", "[1, max_batch_size]", live=True),
     ] = None
+    load: Annotated[
+        Literal["always", "on_demand"],
+        _doc('"always": every worker loads it at start and keeps it. "on_demand": no worker loads it until a '
+             "request for it comes; that request waits (within its deadline) while one worker loads and warms it; "
+             "`inferctl unload` takes it off again. A load that fails is not tried again for a backoff (1 s, "
+             "doubling to 60 s), during which its requests are refused with the reason."),
+    ] = "always"
     compile: Annotated[
         Literal["none", "inductor"],
         _doc('"inductor": a torch.export version is compiled with torch.compile while it loads and warms up, so no '
@@ -417,6 +424,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def input_names(self) -> list[str]:
         """Each input's protocol name: its configured name, else INPUT__<i>."""
         return [spec.name or f"INPUT__{index}" for index, spec in enumerate(self.inputs)]
+
+    @property
+    def on_demand(self) -> bool:
+        """Whether workers load it only when a request needs it."""
+        return self.load == "on_demand"
 
     @property
     def variable(self) -> bool:

@@ -19,7 +19,7 @@ import msgspec
 from inferd import __version__
 from inferd.repository import MODEL_FILES, RepositoryError, describe_versions, folders_without_model
 from inferd.supervisor.candidates import Mode
-from inferd.supervisor.control_server import ControlReply, deferred
+from inferd.supervisor.control_server import ControlReply, Then, deferred
 from inferd.supervisor.report import candidate_status, stats_report, worker_summary
 from inferd.supervisor.state import DaemonState
 
@@ -47,10 +47,13 @@ class Commands:
         self.daemon = daemon
 
     def command_health(self) -> dict[str, Any]:
-        """Ready to serve: accepting requests, and every model live on a ready worker."""
+        """Ready to serve: accepting requests, and every model live on a ready worker (an on-demand one
+        loads when a request comes)."""
         if self.daemon.state != DaemonState.SERVING:
             return {"healthy": False, "reason": f"the daemon is {self.daemon.state}"}
         for name, version in self.daemon.live.items():
+            if self.daemon.config.models[name].on_demand:
+                continue
             if not any(w.serves(name, version) for w in self.daemon.workers.workers):
                 return {"healthy": False, "reason": f"no ready worker serves {name} {version}"}
         return {"healthy": True, "reason": "serving"}
@@ -233,6 +236,22 @@ class Commands:
                        f"back to {previous} (blue-green): run it again with --yes to do that")
             return
         self.daemon.reloads.start(name, previous, True, reply)
+
+    @deferred
+    def command_load(self, reply: ControlReply, model: str, version: str | None = None) -> None:
+        """Load `model` on a worker if none has it (an unknown name reads the config and server.model_root
+        again first); with `version`, make that version live first (blue-green where it is loaded)."""
+        if model not in self.daemon.live:
+            self.daemon.reconfigurer.reconfigure(self.daemon.config)
+        name = self._model(model)
+        if version is None or version == self.daemon.live[name]:
+            self.daemon.placement.load(name, reply)
+            return
+        self.daemon.reloads.start(name, version, False, Then(reply, lambda: self.daemon.placement.load(name, reply)))
+
+    def command_unload(self, model: str) -> dict[str, Any]:
+        """Take on-demand `model` off every worker that has it, if no request of it waits or runs."""
+        return self.daemon.placement.unload(self._model(model))
 
     def command_gateway_listening(self, name: str, pid: int) -> None:
         """A gateway process (`name`, `pid`) says it takes connections: the daemon is ready once all do."""

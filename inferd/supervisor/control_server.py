@@ -106,6 +106,27 @@ class ControlReply:
             self._server.answer(self._envelope, answer)
 
 
+class Then:
+    """A step of a longer command: its progress and failure go to `reply`, and its success, instead of
+    answering, runs `then` (the next step, which answers `reply` in the end)."""
+
+    def __init__(self, reply: Reply, then: Callable[[], None]) -> None:
+        self.reply = reply
+        self.then = then
+
+    def progress(self, text: str, wait_s: float | None = None) -> None:
+        """Pass the step's progress on."""
+        self.reply.progress(text, wait_s)
+
+    def finish(self, result: Any) -> None:
+        """The step succeeded: go on with the next."""
+        self.then()
+
+    def fail(self, error: str) -> None:
+        """The step failed, and so does the command."""
+        self.reply.fail(error)
+
+
 class LoggedReply:
     """A reply nobody waits for (a reload a config change started): its lines go to the log."""
 

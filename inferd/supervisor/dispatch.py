@@ -224,6 +224,7 @@ class Dispatcher:
         self.workers.batch_sent(executor, len(requests), now,
                                 self.times.batch_s(model, samples, batch.elements) or 0.0)
         self.inflight[batch.id] = batch
+        self.workers.model_used(worker, model, now)
         self.stats.batch(now, model, version, samples)
 
     def _in_time(self, model: str, requests: list[QueuedRequest], executor: ExecutorHandle,
@@ -486,6 +487,10 @@ class Dispatcher:
     def oldest(self) -> Batch | None:
         """The batch that has been running longest, if any runs."""
         return min(self.inflight.values(), key=lambda b: b.started, default=None)
+
+    def running(self, worker: WorkerHandle, model: str) -> int:
+        """Batches of any version of `model` running on `worker`."""
+        return sum(b.executor.worker is worker and b.model == model for b in self.inflight.values())
 
     def has_inflight(self, worker: WorkerHandle, model: str, version: str) -> bool:
         """True while a batch of `version` of `model` runs on `worker`."""

@@ -139,6 +139,7 @@ class Frontend:
         self._internal_paths: list[Path] = []  # their ipc socket files, removed at close
         self.refusal: str | None = "the daemon is starting"
         self.unserved: set[str] = set()  # models no ready worker has loaded yet
+        self.unloadable: dict[str, str] = {}  # on-demand models refused while their load's backoff runs: why
         # While they are unserved, when a worker is expected to be ready again (None: none can come), and why.
         self.back_at: float | None = None
         self.back_why = ""
@@ -213,25 +214,29 @@ class Frontend:
             path.unlink(missing_ok=True)
         self.sockets, self._internal_paths = [], []
 
-    def admit(self, state: DaemonState, workers: WorkerTable) -> None:
+    def admit(self, state: DaemonState, workers: WorkerTable, unloadable: dict[str, str]) -> None:
         """Decide what is admitted from now on: nothing while the daemon starts or stops. A model whose
         live version no ready worker has (they are restarting) takes requests that can wait for the first
-        worker expected back: a restart's backoff, then as long as that worker's last start took."""
+        worker expected back: a restart's backoff, then as long as that worker's last start took. An
+        on-demand model takes requests while any worker is ready (they wait for its load), except those of
+        `unloadable`, whose last load failed: model -> why."""
         if state == DaemonState.STARTING:
             self.refusal = "the daemon is starting"
         elif state in (DaemonState.DRAINING, DaemonState.STOPPING):
             self.refusal = "the daemon is shutting down"
         else:
             self.refusal = None
+        self.any_ready = any(w.state == WorkerState.READY for w in workers.workers)
         self.unserved = {
             name for name, version in self.live.items()
             if not any(w.serves(name, version) for w in workers.workers)
+            and not (self.any_ready and self.config.models[name].on_demand)
         }
+        self.unloadable = unloadable
         now = time.monotonic()
         coming = [(back, w) for w in workers.workers if w.state != WorkerState.READY
                   and (back := w.expected_back(now)) is not None]
         self.back_at, self.back_why = None, ""
-        self.any_ready = any(w.state == WorkerState.READY for w in workers.workers)
         if coming:
             self.back_at, worker = min(coming, key=lambda c: c[0])
             self.back_why = (f"worker{worker.index} is expected back in {max(0.0, self.back_at - now):.1f} s "
@@ -308,9 +313,9 @@ class Frontend:
             self.replies.refuse(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
-        if self.refusal is not None or (name in self.unserved and (self.back_at is None
-                                                                   or now + timeout < self.back_at)):
-            refusal = self.refusal or (
+        if self.refusal is not None or name in self.unloadable or (
+                name in self.unserved and (self.back_at is None or now + timeout < self.back_at)):
+            refusal = self.refusal or self.unloadable.get(name) or (
                 f"no worker serves {name} {self.live.get(name)} now, and none will before the request's deadline: "
                 f"{self.back_why}" if self.back_at is not None else
                 f"no worker has {name} {self.live.get(name)} loaded yet" if self.any_ready else

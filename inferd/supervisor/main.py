@@ -142,7 +142,7 @@ class Supervisor(Parts):
                 except Exception:  # noqa: BLE001 - the last guard: the loop serves on
                     failure("a socket event")
             if readmit:
-                self.frontend.admit(self.state, self.workers)
+                self._admit()
             self.frontend.note_queue_depths()
             now = time.monotonic()
             for request in self.queue.expire(now):
@@ -208,6 +208,8 @@ class Supervisor(Parts):
             if left:  # that executor's answer wakes the loop; the other models go on meanwhile
                 self.queue.put_back(left)
                 blocked.add(batch[0])
+        if len(self.queue):
+            self.placement.place_waiting(now)
         # Shadow work only on executor time no request wants.
         if self.dispatcher.shadow_jobs and not len(self.queue) and self.state == DaemonState.SERVING:
             self.dispatcher.run_shadow_jobs(now)
@@ -238,8 +240,11 @@ class Supervisor(Parts):
         if self.state == DaemonState.SERVING and (request := self.trim_requests.due()) is not None:
             self.workers.trim_memory(f"the pod annotation {TRIM_ANNOTATION}={request}")
         self._check_stopped()
-        self.frontend.admit(self.state, self.workers)
+        self._admit()
         heap.give_back()  # what requests' buffers took, once they are gone
+
+    def _admit(self) -> None:
+        self.frontend.admit(self.state, self.workers, self.placement.refusals(time.monotonic()))
 
     def _check_stopped(self) -> None:
         if (self.state == DaemonState.STOPPING and all(w.process is None for w in self.workers.workers)
@@ -290,6 +295,7 @@ class Supervisor(Parts):
                     self.replies.error(request, protocol.UNAVAILABLE, "every worker was given up; nothing can "
                                        "compute the request (see inferctl status)")
             self.reloads.on_worker_exit(child)
+            self.placement.on_worker_exit(child)
             self._maybe_started()
         self._check_stopped()
 

@@ -39,6 +39,7 @@ from inferd.supervisor.gateway_processes import configured_gateways
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.liveness import Liveness
 from inferd.supervisor.metrics import MetricsServer
+from inferd.supervisor.placement import Placement
 from inferd.supervisor.probes import Probes
 from inferd.supervisor.queue import RequestQueue
 from inferd.supervisor.reaper import Reaper
@@ -114,6 +115,8 @@ class Parts:
         self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
                                       self.stats)
         self.canaries.restore(saved_candidates)
+        self.placement = Placement(config, self.workers, self.reloads, self.dispatcher, self.queue, self.replies,
+                                   self.live)
         self.liveness = Liveness(self.workers, self.dispatcher, self.reloads)
         self.trim_requests = TrimRequests()
         self.trim_requests.configure(config.workers.trim_request_file)
@@ -144,6 +147,7 @@ class Parts:
         self.workers.configure(config)
         self.reloads.configure(config)
         self.canaries.configure(config)
+        self.placement.configure(config)
         self.trim_requests.configure(config.workers.trim_request_file)
         set_level(config.server.log_level)
         for worker in self.workers.workers:

@@ -28,7 +28,8 @@ from inferd.supervisor.regions import Region, RegionSlice
 # Each input's per-sample shape, for a request of a model that takes inputs of any size in some dim.
 Shapes = tuple[tuple[int, ...], ...]
 
-# A request's life in the queue; a request leaves exactly once (REMOVED: displaced or cancelled).
+# A request's life in the queue; a request leaves exactly once (REMOVED: displaced, cancelled, or its model
+# could not be loaded).
 WAITING, TAKEN, EXPIRED, REMOVED = range(4)
 
 
@@ -295,6 +296,14 @@ class RequestQueue:
     def next_deadline(self) -> float | None:
         """The soonest deadline of a waiting request (monotonic), if any waits."""
         return self._deadlines[0][0] if self._deadlines else None
+
+    def remove_model(self, model: str) -> list[QueuedRequest]:
+        """Remove and return every request waiting for `model` (nothing can compute them)."""
+        removed = [r for level in self.lanes[model].levels for r in level]
+        for request in removed:
+            self._remove(request, REMOVED)
+        self._drop_settled_deadlines()
+        return removed
 
     def drain(self) -> list[QueuedRequest]:
         """Remove and return every waiting request (for a forced stop)."""

@@ -78,6 +78,8 @@ class ReloadManager:
         self.candidates = candidates
         # Told when a worker cannot load a candidate it was catching up to (the canary manager ends the trial).
         self.on_candidate_failed: Callable[[str, str, str], None] = lambda model, version, why: None
+        # Told when a worker's catch-up to a live version ended: (worker, model, None) loaded, or the error.
+        self.on_caught_up: Callable[[WorkerHandle, str, str | None], None] = lambda worker, model, error: None
         # fsync takes milliseconds, sometimes tens: never on the loop that serves requests.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="state-writer")
         self._call_soon_threadsafe = call_soon_threadsafe
@@ -143,6 +145,15 @@ class ReloadManager:
             return
         targets = {w for w in self.workers.workers if w.serves(model, live)}
         now = time.monotonic()
+        if not targets and self.config.models[model].on_demand and \
+                not any(model in w.placed for w in self.workers.workers):
+            if on_loaded is not None:
+                reply.fail(f"{model} is loaded on no worker, so nothing would compare {version} with it; "
+                           f"`inferctl load --model {model}` first")
+                return
+            # Loaded nowhere: the version becomes live now, and loads where the next request needs it.
+            self.flip(model, version, reply, now, "reload", {"loaded_on": 0})
+            return
         coming = sorted((back, w.index) for w in self.workers.workers
                         if w.state != WorkerState.READY and (back := w.expected_back(now)) is not None)
         if not targets and not coming:
@@ -244,7 +255,8 @@ class ReloadManager:
             self._settle(reload)  # loads it on every ready worker that serves the previous version
         wanted = [*self.live.items(), *((model, c.version) for model, c in self.candidates.items())]
         for model, version in wanted:
-            if (model, version) in worker.loaded or (worker, model, version) in self.catching_up:
+            if (model, version) in worker.loaded or (worker, model, version) in self.catching_up or \
+                    not self._holds(worker, model):
                 continue
             if model in self.active and worker in self.active[model].pending:
                 continue
@@ -271,13 +283,19 @@ class ReloadManager:
                 self.retiring.discard((worker, model, version))
                 self.workers.version_unloaded(worker, model, version)
 
+    def _holds(self, worker: WorkerHandle, model: str) -> bool:
+        """Whether `model` belongs on `worker` (an on-demand model only where it is placed)."""
+        config = self.config.models.get(model)
+        return config is not None and worker.holds(model, config.on_demand)
+
     def _wanted(self, worker: WorkerHandle, model: str, version: str) -> bool:
-        """True for a live version and a candidate, and for one a reload or catch-up is loading on `worker`."""
+        """True for a live version and a candidate where the model belongs, and for one a reload or catch-up
+        is loading on `worker`."""
         reload = self.active.get(model)
         candidate = self.candidates.get(model)
         return (
-            self.live.get(model) == version
-            or (candidate is not None and candidate.version == version)
+            (self._holds(worker, model) and (self.live.get(model) == version
+                                              or (candidate is not None and candidate.version == version)))
             or (reload is not None and reload.version == version)
             or (worker, model, version) in self.catching_up
         )
@@ -367,6 +385,7 @@ class ReloadManager:
             log.error("worker%d cannot load the live %s %s: %s; it will not serve %s",
                       worker.index, message.model, message.version, message.error, message.model)
             self.workers.note_error(worker, message.error)
+            self.on_caught_up(worker, message.model, message.error)
             return
         model, version = message.model, message.loaded.version
         problem = self.workers.version_loaded(worker, model, message.loaded)
@@ -378,10 +397,19 @@ class ReloadManager:
                 return
             log.error("%s; it will not serve %s", problem, model)
             self.workers.note_error(worker, problem)
+            self.on_caught_up(worker, model, problem)
             return
         for _, other in [k for k in worker.loaded if k[0] == model]:
             if not self._wanted(worker, model, other):
                 self._retire(worker, model, other)
+        if self.live.get(model) == version:
+            self.on_caught_up(worker, model, None)
+
+    def retire_from(self, worker: WorkerHandle, model: str) -> None:
+        """Unload every version of `model` from `worker` (taken off it) once nothing runs on them."""
+        for loaded_model, version in list(worker.loaded):
+            if loaded_model == model:
+                self._retire(worker, model, version)
 
     def retire_everywhere(self, model: str, version: str) -> None:
         """Unload `version` of `model` from every worker once nothing runs on it and nothing wants it."""

@@ -17,8 +17,10 @@ from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.gateway_processes import Gateway
 from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.placement import Placement
 from inferd.supervisor.probes import Probes
 from inferd.supervisor.queue import RequestQueue
+from inferd.supervisor.reconfigure import Reconfigurer
 from inferd.supervisor.regions import Regions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.state import DaemonState
@@ -76,6 +78,14 @@ class DaemonView(Protocol):
     @property
     def reloads(self) -> ReloadManager:
         """Reloads running, and the way to start one."""
+
+    @property
+    def placement(self) -> Placement:
+        """Where on-demand models are loaded, and the way to load or unload one."""
+
+    @property
+    def reconfigurer(self) -> Reconfigurer:
+        """The way to read the config again (a SIGHUP)."""
 
     @property
     def candidates(self) -> Candidates:

@@ -91,6 +91,8 @@ class WorkerHandle(ChildProcess):
     executors: list[ExecutorHandle] = field(default_factory=list)
     loaded: dict[tuple[str, str], LoadedModel] = field(default_factory=dict)  # (model, version) -> signature
     loading: dict[tuple[str, str], float] = field(default_factory=dict)  # (model, version) -> when it was asked
+    # The on-demand models placed here (placement.py), each with when a batch of it was last sent here.
+    placed: dict[str, float] = field(default_factory=dict)
     started: float = 0.0
     batches: int = 0
     last_error: str = ""
@@ -121,6 +123,11 @@ class WorkerHandle(ChildProcess):
     def requests_in_flight(self) -> int:
         """Requests in the batches its executors hold."""
         return sum(e.requests for e in self.executors)
+
+    def holds(self, model: str, on_demand: bool) -> bool:
+        """Whether `model`'s versions belong here: every worker holds an "always" model, and an on-demand
+        one where it was placed."""
+        return not on_demand or model in self.placed
 
     def serves(self, model: str, version: str) -> bool:
         """True when this worker is ready and has `version` of `model` loaded and warmed."""
@@ -200,7 +207,8 @@ class WorkerTable:
             backend=self.endpoint,
             arena=worker.arena.name,
             config=loading.encode(self.config),
-            versions=dict(self.live),
+            versions={model: version for model, version in self.live.items()
+                      if not self.config.models[model].on_demand},
             stacks=str(worker.stacks_path),
         )
         pid = worker.spawn(worker_main, msgspec.msgpack.encode(spec), f"inferd-worker{worker.index}")
@@ -209,6 +217,7 @@ class WorkerTable:
         worker.control = None
         worker.loaded = {}
         worker.loading = {}
+        worker.placed = {}
         worker.memory_baseline = None
         worker.leak_warned = False
         worker.ping_sent, worker.pinged_at, worker.ping_ms = None, 0.0, None
@@ -237,6 +246,7 @@ class WorkerTable:
         worker.control = None
         worker.executors = []
         worker.loading = {}
+        worker.placed = {}  # its on-demand models are placed again, where requests need them
         hung, worker.hung = worker.hung, None
         reason = describe_exit(code)
         if was == WorkerState.STOPPING and not worker.give_up:
@@ -405,6 +415,20 @@ class WorkerTable:
             return False
         worker.loading[(model, version)] = now
         return True
+
+    def place(self, worker: WorkerHandle, model: str, now: float) -> None:
+        """Put on-demand `model` on `worker`: its live version is to be loaded there (the reload manager's
+        catch-up loads it)."""
+        worker.placed[model] = now
+
+    def unplace(self, worker: WorkerHandle, model: str) -> None:
+        """On-demand `model` no longer belongs on `worker`; its versions there are to be unloaded."""
+        worker.placed.pop(model, None)
+
+    def model_used(self, worker: WorkerHandle, model: str, now: float) -> None:
+        """A batch of `model` was sent to `worker` (an on-demand model's last use, for the LRU)."""
+        if model in worker.placed:
+            worker.placed[model] = now
 
     def load_answered(self, worker: WorkerHandle, model: str, version: str) -> None:
         """The worker answered a load (loaded or refused)."""

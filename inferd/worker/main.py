@@ -43,7 +43,7 @@ class WorkerSpec(msgspec.Struct, frozen=True):
     backend: str
     arena: str
     config: bytes
-    versions: dict[str, str]
+    versions: dict[str, str]  # the live version of each model loaded at boot
     stacks: str  # file the worker's thread stacks are written to on SIGUSR1 (inferctl stacks)
 
 
@@ -136,7 +136,7 @@ def worker_main(encoded_spec: bytes) -> None:
 
 
 def _boot(spec: WorkerSpec, config: Config, context: zmq.Context, stop_fd: int):
-    """Attach the arena, load and warm every model, create the executors (not yet started)."""
+    """Attach the arena, load and warm the models of `spec.versions`, create the executors (not yet started)."""
     import torch
 
     from inferd.ipc.arena import Arena
@@ -157,9 +157,9 @@ def _boot(spec: WorkerSpec, config: Config, context: zmq.Context, stop_fd: int):
     ]
     streams = [e.stream for e in executors if e.stream is not None]
     try:
-        loaded = {
-            name: runner.load(name, config.models[name], spec.versions[name], streams=streams)[0]
-            for name in config.models
+        loaded = {  # the models every worker holds; on-demand ones come when a request needs them
+            name: runner.load(name, config.models[name], version, streams=streams)[0]
+            for name, version in spec.versions.items()
         }
     except BaseException:
         for executor in executors:  # never started: their sockets would keep the context from closing
