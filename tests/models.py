@@ -198,6 +198,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["bigtemp/v1"] = save_script(BigTemporary, root, "bigtemp", "v1", 12)
     files["bf16/v1"] = save_script(lambda: Bfloat16Mix(1_000), root, "bf16", "v1", 15)  # ~5 ms a batch
     files["sum/v1"] = save_script(Sum, root, "sum", "v1", 16)
+    files["big/v1"] = save_script(lambda: Wide(4096), root, "big", "v1", 17)  # 344 KiB of weights: 90 mlps
     files["seesbatch/v1"] = save_script(SeesBatch, root, "seesbatch", "v1", 17)
     files["ragged/v1"] = save_script(lambda: Ragged(str(root / GATES)), root, "ragged", "v1", 18)
     return files
@@ -219,6 +220,17 @@ class MlpFailingOnSome(Mlp):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if bool((x[:, 0] > 1.0).any()):
             raise RuntimeError("this version fails on inputs whose first value is above 1")
+        return self.net(x)
+
+
+class Wide(torch.nn.Module):
+    """The Mlp's contract (float32 [16] -> [4]) with a hidden layer of `width`: a model of some size."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(MLP_IN, width), torch.nn.ReLU(), torch.nn.Linear(width, MLP_OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 

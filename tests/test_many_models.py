@@ -11,8 +11,11 @@ from typing import Any
 
 import models
 import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import MLP, ONE_AT_A_TIME, PAIR, Daemon, base_config, reference, wait_for
+from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
 from inferd.harness import free_port, to_toml
@@ -160,3 +163,81 @@ def test_an_on_demand_model_that_cannot_load_is_refused_with_the_reason_and_not_
     shutil.copy(repo / "mlp" / "v1" / "model.pt", workdir / "broken" / "v1" / "model.pt")  # mended
     load = inferctl(daemon, "load", "--model", "broken")
     assert load.returncode == 0 and "broken v1 loaded on worker0" in load.stdout, load.stderr
+
+
+def test_more_on_demand_models_than_the_budget_holds_rotate_within_it_and_one_too_big_is_refused(start_daemon,
+                                                                                                repo):
+    names = [f"m{i}" for i in range(4)]
+    served = {name: {**MLP, "repository": str(repo / "mlp"), "version": "v1", "load": "on_demand"} for name in names}
+    daemon = start_daemon({**served, "big": {**MLP, "load": "on_demand"}})
+    x = np.random.default_rng(37).standard_normal((2, models.MLP_IN), dtype=np.float32)
+    expected = reference(repo, "mlp", "v1")(x)
+    with daemon.client() as client:
+        np.testing.assert_allclose(client.infer("m0", x), expected, rtol=1e-5, atol=1e-6)
+    size = daemon.status()["workers"][0]["model_memory_bytes"]
+    assert 2704 <= size < 11233, size  # its weights (676 float32), and less than its file
+    budget = int(size * 2.5)  # two of them fit, not three
+    config = daemon.config
+    config["workers"]["model_memory_mb"] = budget / 2**20
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "workers.model_memory_mb 0 ->" in daemon.log(), what="the budget applied")
+    with daemon.client() as client:
+        for _ in range(3):
+            for name in names:
+                np.testing.assert_allclose(client.infer(name, x), expected, rtol=1e-5, atol=1e-6)
+                [worker] = daemon.call("stats")["workers"]
+                assert worker["model_memory_bytes"] <= budget and len(worker["models"]) <= 2, worker
+    loading = {name: daemon.call("stats")["models"][name]["loading"] for name in names}
+    assert all(entry["loads"] >= 3 and entry["unloads"] >= 2 for entry in loading.values()), loading
+    assert all(entry["load_ms"]["count"] == entry["loads"] for entry in loading.values())
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "big", [x])
+        header, _ = peer.recv()
+    assert header["status"] == "unavailable"
+    assert header["error"].startswith("big v1 could not be loaded (it holds 0.3") and \
+        "more than workers.model_memory_mb" in header["error"], header["error"]
+    assert daemon.call("stats")["workers"][0]["models"] != ["big"]
+
+
+def test_the_model_repository_extension_over_http_and_grpc_with_tritonclient(start_daemon, repo):
+    lazy = {**MLP, "repository": str(repo / "mlp"), "load": "on_demand"}
+    daemon = start_daemon({"mlp": MLP, "lazy": lazy, "fresh": lazy},
+                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
+    http = httpclient.InferenceServerClient(daemon.config["server"]["http"])
+    grpc = grpcclient.InferenceServerClient(daemon.config["server"]["grpc"])
+    assert sorted((m["name"], m["state"]) for m in http.get_model_repository_index()) == [
+        ("fresh", "UNAVAILABLE"), ("lazy", "UNAVAILABLE"), ("mlp", "READY")]
+    [lazy] = [m for m in http.get_model_repository_index() if m["name"] == "lazy"]
+    assert lazy == {"name": "lazy", "version": "2", "state": "UNAVAILABLE", "reason": "not loaded on any worker"}
+    assert not http.is_model_ready("lazy") and not grpc.is_model_ready("lazy")
+    http.load_model("lazy")
+    assert http.is_model_ready("lazy") and "lazy v2" in daemon.status()["workers"][0]["loaded"]
+    # The other front end, a process of its own, reads the models again once its word is a second old.
+    wait_for(lambda: grpc.is_model_ready("lazy"), what="the gRPC front end seeing lazy loaded")
+    grpc.unload_model("lazy")
+    assert not grpc.is_model_ready("lazy") and "lazy v2" not in daemon.status()["workers"][0]["loaded"]
+    wait_for(lambda: not http.is_model_ready("lazy"), what="the HTTP front end seeing lazy unloaded")
+    ready_only = grpc.get_model_repository_index(as_json=True)
+    assert [m["name"] for m in ready_only["models"] if m.get("state") == "READY"] == ["mlp"]
+    grpc.load_model("lazy")
+    assert grpc.is_model_ready("lazy")
+    assert {m["name"]: m["state"] for m in grpc.get_model_repository_index(as_json=True)["models"]} == {
+        "fresh": "UNAVAILABLE", "lazy": "READY", "mlp": "READY"}
+    for client in (http, grpc):
+        with pytest.raises(InferenceServerException, match="unknown model 'nosuch'"):
+            client.load_model("nosuch")
+        with pytest.raises(InferenceServerException, match='mlp is loaded on every worker'):
+            client.unload_model("mlp")
+    x = np.ones((1, models.MLP_IN), dtype=np.float32)
+    expected = reference(repo, "mlp", "v2")(x)
+    request = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+    request.set_data_from_numpy(x)
+    grpc_request = grpcclient.InferInput("INPUT__0", list(x.shape), "FP32")
+    grpc_request.set_data_from_numpy(x)
+    # Never loaded, its outputs unknown to the front ends until it is: each has it loaded first.
+    np.testing.assert_allclose(grpc.infer("fresh", [grpc_request]).as_numpy("OUTPUT__0"), expected, rtol=1e-5,
+                               atol=1e-6)
+    grpc.unload_model("fresh")
+    np.testing.assert_allclose(http.infer("fresh", [request]).as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(http.infer("lazy", [request]).as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)

@@ -189,7 +189,7 @@ def test_typed_contents_are_taken_and_bytes_that_are_not_a_message_are_invalid(o
     garbage = call_raw(oip, "ModelInfer", b"\xff\xff\xff\xff")
     assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a inference.ModelInferRequest message" in garbage.details()
-    unimplemented = call_raw(oip, "RepositoryIndex", b"")
+    unimplemented = call_raw(oip, "TraceSetting", b"")
     assert unimplemented.code() == grpc.StatusCode.UNIMPLEMENTED
 
 

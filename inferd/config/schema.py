@@ -155,6 +155,15 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, Meta(ge=1, le=65536), _doc("Shared-memory arena per worker, in MiB; it holds every batch in flight.")
     ] = 256
     cpu_threads: Annotated[int, Meta(ge=1, le=1024), _doc("torch intra-op threads in a CPU worker.")] = 1
+    model_memory_mb: Annotated[
+        float, Meta(ge=0),
+        _doc("What the models on one worker may hold, in MiB (0: no budget): device memory on a GPU, measured "
+             "after warm-up (its peak included); on the CPU, parameters and buffers and the largest warm-up "
+             "batch's inputs and outputs. To load an on-demand model, the least recently used idle on-demand "
+             "models of a worker are unloaded first; a model that cannot fit beside the \"always\" models is "
+             "refused with a sentence. Before its first load a model is taken to need its file's size.",
+             live=True),
+    ] = 0
     reload_memory_factor: Annotated[
         float,
         Meta(ge=0),
@@ -373,8 +382,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         Literal["always", "on_demand"],
         _doc('"always": every worker loads it at start and keeps it. "on_demand": no worker loads it until a '
              "request for it comes; that request waits (within its deadline) while one worker loads and warms it; "
-             "`inferctl unload` takes it off again. A load that fails is not tried again for a backoff (1 s, "
-             "doubling to 60 s), during which its requests are refused with the reason."),
+             "`inferctl unload` takes it off again, and workers.model_memory_mb bounds what they hold. A load "
+             "that fails is not tried again for a backoff (1 s, doubling to 60 s), during which its requests are "
+             "refused with the reason."),
     ] = "always"
     compile: Annotated[
         Literal["none", "inductor"],

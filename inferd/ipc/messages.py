@@ -33,10 +33,12 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LoadedModel(msgspec.Struct, frozen=True, array_like=True):
-    """A model version a worker has loaded and warmed, with its output signature."""
+    """A model version a worker has loaded and warmed, with its output signature and the memory it holds
+    (runner.model_memory)."""
 
     version: str
     outputs: tuple[TensorSpec, ...]
+    memory: int = 0
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True, array_like=True):

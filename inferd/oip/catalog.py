@@ -20,7 +20,7 @@ from inferd.oip.upstream import Control
 from inferd.protocol import Buffer
 
 # What server metadata says is served, in both protocols (client shared memory where it is on).
-EXTENSIONS = ("binary_tensor_data", "model_configuration", "statistics", "parameters")
+EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics", "parameters")
 # What either protocol answers when the gateway itself raised.
 GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
 FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
@@ -35,7 +35,8 @@ class NotFound(Exception):
     """No such model, or not that version of it; the message says which."""
 
 
-
+class Refused(Exception):
+    """The daemon refused a model repository command (load, unload); the message says why."""
 
 
 def output_name(model: ModelConfig, index: int) -> str:
@@ -256,6 +257,45 @@ class Catalog:
             raise NotFound(f"Request for unknown model: {name!r} version {version!r} is not found; the live "
                            f"version is {view.version!r} (number {view.number(view.version)})")
         return view
+
+    async def for_infer(self, name: str, version: str | None) -> ModelView:
+        """`model`, for an inference request: an on-demand model never loaded yet is loaded first, so that its
+        outputs are known (Refused says why it could not be)."""
+        view = await self.model(name, version)
+        if view.outputs or not view.config.on_demand:
+            return view
+        await self.load(name)
+        return await self.model(name, version)
+
+    async def index(self, ready_only: bool) -> list[dict[str, str]]:
+        """The model repository extension's index: each model (only those ready, with `ready_only`), its live
+        version's number, and Triton's state for it: READY, LOADING, or UNAVAILABLE with the reason."""
+        models = await self._control.call("models")
+        entries = []
+        for name in sorted(models):
+            state = models[name]
+            live = state["live_version"]
+            if state["ready"]:
+                status, reason = "READY", ""
+            elif state["loading"]:
+                status, reason = "LOADING", ""
+            else:
+                status, reason = "UNAVAILABLE", state["load_error"] or "not loaded on any worker"
+            if status == "READY" or not ready_only:
+                entries.append({"name": name, "version": str(state["version_numbers"].get(live, live)),
+                                "state": status, "reason": reason})
+        return entries
+
+    async def load(self, name: str) -> None:
+        """Have a worker load `name` (the daemon reads its config again for a name it does not know); Refused
+        says why it was not."""
+        await self._control.call_long("load", Refused, model=name)
+        self._read_at = -math.inf  # its readiness changed: the next question reads it again
+
+    async def unload(self, name: str) -> None:
+        """Unload on-demand `name` from every worker; Refused says why it was not."""
+        await self._control.call_long("unload", Refused, model=name)
+        self._read_at = -math.inf
 
     async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         """The statistics extension's answer for model `name` (every model if None), at `version` (a name

@@ -5,6 +5,7 @@
     POST /v2/models/{m}[/versions/{v}]/infer
     GET  /v2/systemsharedmemory[/region/{r}]/status
     POST /v2/systemsharedmemory/region/{r}/register | /v2/systemsharedmemory[/region/{r}]/unregister
+    POST /v2/repository/index | /v2/repository/models/{m}/load | /v2/repository/models/{m}/unload
 
 An inference request is JSON, or JSON followed by raw tensor bytes (Triton's
 binary tensor extension: the JSON's length in `Inference-Header-Content-Length`,
@@ -38,6 +39,7 @@ from inferd.oip.catalog import (
     GivenInput,
     ModelView,
     NotFound,
+    Refused,
     Requested,
     server_extensions,
 )
@@ -61,6 +63,7 @@ HTTP_STATUS = {
 }
 MAX_HEADER_JSON = 1 << 20  # the JSON part of a binary request: names, shapes and parameters, never data
 _ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$")
+_REPOSITORY_ROUTE = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 _SHM_ROUTE = re.compile(r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$")
 T = TypeVar("T")
 _json = msgspec.json.Decoder()
@@ -175,6 +178,8 @@ class RestApp:
                                  "extensions": server_extensions(self.shared_memory.enabled)}), []
         if path == "/v2/models/stats" and method == "GET":
             return 200, _encode(await self.catalog.statistics(None, None)), []
+        if path == "/v2/repository/index" or _REPOSITORY_ROUTE.match(path):
+            return await self._repository(scope, receive, _REPOSITORY_ROUTE.match(path))
         shm = _SHM_ROUTE.match(path)
         if shm is not None:
             kind, region, action = shm.groups()
@@ -186,9 +191,11 @@ class RestApp:
             raise HttpError(404, f"no such endpoint: {method} {path}")
         name, version, action = match.groups()
         try:
-            model = await self.catalog.model(name, version)
+            model = await (self.catalog.for_infer if action == "infer" else self.catalog.model)(name, version)
         except NotFound as exc:
             raise HttpError(404, str(exc)) from None
+        except Refused as exc:
+            raise HttpError(503, str(exc)) from None
         if action == "infer":
             if method != "POST":
                 raise HttpError(405, "infer takes POST")
@@ -203,6 +210,27 @@ class RestApp:
         if action == "config":
             return 200, _encode(model.triton_config()), []
         return 200, _encode(await self.catalog.statistics(name, version)), []
+
+    async def _repository(self, scope: Scope, receive: Receive, action: re.Match[str] | None) -> Answer:
+        """The model repository extension: the index of the models, and loading or unloading one."""
+        if scope["method"] != "POST":
+            raise HttpError(405, f"{scope['path']} takes POST")
+        if action is None:
+            raw = await _read_body(receive, MAX_HEADER_JSON)
+            try:
+                body = _json_object(raw) if raw.strip() else {}  # tritonclient sends none
+            except InvalidRequest as exc:
+                raise HttpError(400, exc.message) from None
+            ready = body.get("ready", False)
+            if not isinstance(ready, bool):
+                raise HttpError(400, f"'ready' must be true or false, not {ready!r}")
+            return 200, _encode(await self.catalog.index(ready)), []
+        name, verb = action.groups()
+        try:
+            await (self.catalog.load(name) if verb == "load" else self.catalog.unload(name))
+        except Refused as exc:
+            raise HttpError(400, str(exc)) from None
+        return 200, _encode({}), []
 
     async def _shared_memory(self, scope: Scope, receive: Receive, region: str | None, action: str) -> Answer:
         """The system shared-memory extension: a region's (or every region's) status, register, unregister."""

@@ -25,7 +25,7 @@ from inferd.config.schema import ServerConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
-from inferd.oip.catalog import GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, server_extensions
+from inferd.oip.catalog import GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, Refused, server_extensions
 from inferd.oip.shm import CUDA_REFUSED, SharedMemory, cuda_region_missing, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
 
@@ -154,8 +154,31 @@ class InferenceService:
         statistics = await self.catalog.statistics(request.name or None, request.version or None)
         return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
 
+    async def repository_index(self, request: pb.RepositoryIndexRequest, call: Call) -> pb.RepositoryIndexResponse:
+        entries = await self.catalog.index(request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(**e) for e in entries])
+
+    async def repository_model_load(self, request: pb.RepositoryModelLoadRequest,
+                                    call: Call) -> pb.RepositoryModelLoadResponse:
+        try:
+            await self.catalog.load(request.model_name)
+        except Refused as exc:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(self, request: pb.RepositoryModelUnloadRequest,
+                                      call: Call) -> pb.RepositoryModelUnloadResponse:
+        try:
+            await self.catalog.unload(request.model_name)
+        except Refused as exc:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        return pb.RepositoryModelUnloadResponse()
+
     async def model_infer(self, request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
-        model = await self._model(request.model_name, request.model_version)
+        try:
+            model = await self._model(request.model_name, request.model_version, for_infer=True)
+        except Refused as exc:
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         version = model.named(request.model_version or None)
         timeout, priority = (request.parameters.get(key) for key in ("timeout", "priority"))
         requested = model.request(_given(request), None if timeout is None else _parameter(timeout),
@@ -224,11 +247,11 @@ class InferenceService:
                                             call: Call) -> pb.CudaSharedMemoryUnregisterResponse:
         return pb.CudaSharedMemoryUnregisterResponse()  # none is registered
 
-    async def _model(self, name: str, version: str) -> ModelView:
+    async def _model(self, name: str, version: str, for_infer: bool = False) -> ModelView:
         if not name:
             raise InvalidRequest("the request names no model")
         try:
-            return await self.catalog.model(name, version or None)
+            return await (self.catalog.for_infer if for_infer else self.catalog.model)(name, version or None)
         except NotFound as exc:
             raise RpcError(grpc.StatusCode.NOT_FOUND, str(exc)) from None
 
@@ -243,6 +266,9 @@ class InferenceService:
             "ModelConfig": (self.model_config, pb.ModelConfigRequest),
             "ModelStatistics": (self.model_statistics, pb.ModelStatisticsRequest),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
+            "RepositoryIndex": (self.repository_index, pb.RepositoryIndexRequest),
+            "RepositoryModelLoad": (self.repository_model_load, pb.RepositoryModelLoadRequest),
+            "RepositoryModelUnload": (self.repository_model_unload, pb.RepositoryModelUnloadRequest),
             "SystemSharedMemoryStatus": (self.system_shared_memory_status, pb.SystemSharedMemoryStatusRequest),
             "SystemSharedMemoryRegister": (self.system_shared_memory_register, pb.SystemSharedMemoryRegisterRequest),
             "SystemSharedMemoryUnregister": (self.system_shared_memory_unregister,

@@ -143,24 +143,47 @@ class Control:
         self._socket: zmq.asyncio.Socket | None = None
 
     async def call(self, command: str, **args: Any) -> Any:
-        """The command's result; ConnectionError with a sentence when the supervisor does not answer."""
+        """The command's result; ConnectionError with a sentence when the supervisor does not answer (or
+        refuses)."""
         async with self._lock:
-            socket = self._socket
-            if socket is None:
-                socket = self._socket = self._context.socket(zmq.DEALER)
-                socket.linger = 0
-                socket.connect(self._endpoint)
-            await socket.send(encode_command(command, **args))
-            while True:
-                if not await socket.poll(int(self._timeout_s * 1000)):
-                    # The answer may still come: a new socket, so it is not taken for the next one's.
-                    socket.close()
-                    self._socket = None
-                    raise ConnectionError(f"the daemon did not answer {command} within {self._timeout_s:g} s")
-                answer = decode_answer(await socket.recv())
-                if answer.progress is None:
-                    break
+            if self._socket is None:
+                self._socket = self._connect()
+            try:
+                answer = await self._exchange(self._socket, command, args)
+            except ConnectionError:
+                # The answer may still come: a new socket, so it is not taken for the next one's.
+                self._socket.close()
+                self._socket = None
+                raise
         return answer_result(command, answer, ConnectionError)
+
+    async def call_long(self, command: str, refused: type[Exception], **args: Any) -> Any:
+        """`call` for a command that may take long (load): on a socket of its own, so the quick commands of
+        other requests do not wait behind it, and waited for as long as its progress answers say."""
+        socket = self._connect()
+        try:
+            answer = await self._exchange(socket, command, args)
+        finally:
+            socket.close()
+        return answer_result(command, answer, refused)
+
+    def _connect(self) -> zmq.asyncio.Socket:
+        socket = self._context.socket(zmq.DEALER)
+        socket.linger = 0
+        socket.connect(self._endpoint)
+        return socket
+
+    async def _exchange(self, socket: zmq.asyncio.Socket, command: str, args: dict[str, Any]) -> Any:
+        """Send `command` and return its final answer, read past its progress answers."""
+        await socket.send(encode_command(command, **args))
+        wait_s = self._timeout_s
+        while True:
+            if not await socket.poll(int(wait_s * 1000)):
+                raise ConnectionError(f"the daemon did not answer {command} within {wait_s:g} s")
+            answer = decode_answer(await socket.recv())
+            if answer.progress is None:
+                return answer
+            wait_s = self._timeout_s + (answer.wait_s or 0.0)
 
     def close(self) -> None:
         """Close the socket."""

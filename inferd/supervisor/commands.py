@@ -96,6 +96,7 @@ class Commands:
         and times the Open Inference Protocol's statistics report (what the gateway asks). With
         `on_disk` (`inferctl models`), also every folder in its repository and whether it can be served."""
         since_epoch = time.time() - time.monotonic()
+        load_errors = self.daemon.placement.refusals(time.monotonic())
         result = {}
         for name, live in self.daemon.live.items():
             versions = {}
@@ -124,6 +125,8 @@ class Commands:
                 "live_from": self.daemon.live.origin(name),
                 "canary_version": canary,
                 "ready": any(w.serves(name, live) for w in self.daemon.workers.workers),
+                "loading": self.daemon.placement.loading(name),
+                "load_error": load_errors.get(name),
                 "ready_versions": [v for v in (live, canary)
                                    if v is not None and any(w.serves(name, v) for w in self.daemon.workers.workers)],
                 "version_numbers": numbers,

@@ -84,10 +84,37 @@ def build_families(daemon: DaemonView) -> list[Metric]:
                 by_protocol.add_metric([model, protocol, status], count)
     families.append(by_protocol)
     families += _shape_families(daemon)
+    families += _loading_families(daemon)
     undelivered = CounterMetricFamily("inferd_replies_undelivered", "Replies whose client had gone or stopped reading.")
     undelivered.add_metric([], daemon.stats.undelivered)
     families.append(undelivered)
     return families
+
+
+def _loading_families(daemon: DaemonView) -> list[Metric]:
+    """The on-demand models' loads and unloads, and what the models of each worker hold."""
+    loads = CounterMetricFamily("inferd_model_loads", "Loads of an on-demand model, by outcome.",
+                                labels=["model", "outcome"])
+    unloads = CounterMetricFamily("inferd_model_unloads", "Unloads of an on-demand model.", labels=["model"])
+    load_time = HistogramMetricFamily("inferd_model_load_seconds", "Time from asking a worker to load an on-demand "
+                                      "model to its answer.", labels=["model"])
+    waited = HistogramMetricFamily("inferd_load_wait_seconds", "How long each request that waited for its "
+                                   "on-demand model to load had waited.", labels=["model"])
+    for model, series in sorted(daemon.stats.loading.items()):
+        loads.add_metric([model, "loaded"], series.loads)
+        loads.add_metric([model, "failed"], series.failed)
+        unloads.add_metric([model], series.unloads)
+        _histogram(load_time, [model], series.load_time)
+        _histogram(waited, [model], series.waited)
+    memory = GaugeMetricFamily("inferd_worker_model_memory_bytes", "What the models loaded on a worker hold, as "
+                               "each measured after warm-up.", labels=["worker"])
+    held = GaugeMetricFamily("inferd_worker_model_loaded", "1 for each model a worker has loaded.",
+                             labels=["worker", "model"])
+    for worker in daemon.workers.workers:
+        memory.add_metric([str(worker.index)], worker.model_memory)
+        for model in sorted({model for model, _ in worker.loaded}):
+            held.add_metric([str(worker.index), model], 1)
+    return [loads, unloads, load_time, waited, memory, held]
 
 
 def _shape_families(daemon: DaemonView) -> list[Metric]:

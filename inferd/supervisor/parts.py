@@ -116,7 +116,7 @@ class Parts:
                                       self.stats)
         self.canaries.restore(saved_candidates)
         self.placement = Placement(config, self.workers, self.reloads, self.dispatcher, self.queue, self.replies,
-                                   self.live)
+                                   self.live, self.stats)
         self.liveness = Liveness(self.workers, self.dispatcher, self.reloads)
         self.trim_requests = TrimRequests()
         self.trim_requests.configure(config.workers.trim_request_file)

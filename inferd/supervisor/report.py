@@ -12,7 +12,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from inferd.supervisor.candidates import Candidate, Mode
-from inferd.supervisor.stats import Series
+from inferd.supervisor.stats import LoadSeries, Series
 from inferd.supervisor.workers import WorkerState
 
 if TYPE_CHECKING:
@@ -120,6 +120,14 @@ def shadow_report(daemon: DaemonView, model: str) -> dict[str, Any]:
     return report
 
 
+def loading_report(daemon: DaemonView, model: str) -> dict[str, Any]:
+    """How `model` loads: always, or on demand with its loads, unloads and the requests that waited."""
+    series = daemon.stats.loading.get(model, LoadSeries())
+    return {"load": daemon.config.models[model].load, "loads": series.loads, "failed_loads": series.failed,
+            "unloads": series.unloads, "load_ms": series.load_time.summary_ms(),
+            "waited_for_load_ms": series.waited.summary_ms()}
+
+
 def worker_summary(w: WorkerHandle) -> dict[str, Any]:
     """What `status` and `stats` both say of a worker: who it is, its state, its counters."""
     return {
@@ -134,6 +142,8 @@ def worker_summary(w: WorkerHandle) -> dict[str, Any]:
         "requests_in_flight": w.requests_in_flight,
         "batches": w.batches,
         "ping_ms": None if w.ping_ms is None else round(w.ping_ms, 3),
+        "models": sorted({model for model, _ in w.loaded}),
+        "model_memory_bytes": w.model_memory,
     }
 
 
@@ -212,6 +222,7 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
                        if model == name},
             "candidate": candidate_report(daemon, name, now),
             "shadow": shadow_report(daemon, name),
+            "loading": loading_report(daemon, name),
         }
     return {
         "uptime_s": round(now - daemon.started, 3),

@@ -167,6 +167,17 @@ class _Window:
     series: dict[tuple[str, str], Series] = field(default_factory=dict)
 
 
+@dataclass
+class LoadSeries:
+    """An on-demand model's loads and unloads since start, and the requests that waited for a load."""
+
+    loads: int = 0
+    failed: int = 0
+    unloads: int = 0
+    load_time: Histogram = field(default_factory=Histogram)  # asked to loaded, seconds
+    waited: Histogram = field(default_factory=Histogram)  # per request that waited for a load: how long
+
+
 class Stats:
     """Every measurement of the requests and batches, since start and over the last minute."""
 
@@ -184,6 +195,7 @@ class Stats:
         # (model, shape) -> [batches, elements the requests brought, elements of padding], since start: for a
         # model with inputs of any size, by the per-sample shape of its batches' first input ("2x48").
         self.shapes: dict[tuple[str, str], list[int]] = {}
+        self.loading: dict[str, LoadSeries] = {}  # on-demand model -> its loads
         self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
 
     def _series(self, now: float, model: str, version: str) -> tuple[Series, Series]:
@@ -205,6 +217,13 @@ class Stats:
         series = self.shadow.get((model, version))
         if series is None:
             series = self.shadow[(model, version)] = ShadowSeries()
+        return series
+
+    def load_series(self, model: str) -> LoadSeries:
+        """The load record of on-demand `model`."""
+        series = self.loading.get(model)
+        if series is None:
+            series = self.loading[model] = LoadSeries()
         return series
 
     def new_window(self, now: float) -> None:

@@ -115,6 +115,11 @@ class WorkerHandle(ChildProcess):
         return 0 if self.memory_baseline is None else max(0, self.memory - self.memory_baseline)
 
     @property
+    def model_memory(self) -> int:
+        """Bytes its loaded versions hold, as each measured itself after warm-up."""
+        return sum(loaded.memory for loaded in self.loaded.values())
+
+    @property
     def inflight(self) -> int:
         """Batches its executors hold."""
         return sum(e.inflight for e in self.executors)
@@ -162,6 +167,9 @@ class WorkerTable:
         self.backend.linger = 0
         self.workers: list[WorkerHandle] = []
         self._roles: dict[bytes, tuple[WorkerHandle, int, ExecutorHandle | None]] = {}
+        # The outputs of each version some worker has loaded, kept when none has it any more (an on-demand
+        # model unloaded still has them).
+        self._signatures: dict[tuple[str, str], tuple[messages.TensorSpec, ...]] = {}
         self._bound = False
 
     def configure(self, config: Config) -> None:
@@ -446,6 +454,7 @@ class WorkerTable:
         if problem is not None:
             return f"worker{worker.index}: {problem}"
         worker.loaded[(model, loaded.version)] = loaded
+        self._signatures[(model, loaded.version)] = loaded.outputs
         self._versions_changed(worker)
         return None
 
@@ -466,12 +475,8 @@ class WorkerTable:
         worker.last_error = error
 
     def signature(self, model: str, version: str) -> tuple[messages.TensorSpec, ...] | None:
-        """The outputs of `version` of `model`, as some worker loaded it."""
-        for worker in self.workers:
-            loaded = worker.loaded.get((model, version))
-            if loaded is not None:
-                return loaded.outputs
-        return None
+        """The outputs of `version` of `model`, as a worker loaded it (None before any has)."""
+        return self._signatures.get((model, version))
 
     def _versions_changed(self, worker: WorkerHandle) -> None:
         # Its memory level after warm-up is measured anew.

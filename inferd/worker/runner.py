@@ -25,7 +25,7 @@ from inferd import model_files
 from inferd.arrays import to_numpy
 from inferd.config.schema import ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
-from inferd.protocol import DTYPES
+from inferd.protocol import DTYPES, tensor_bytes
 from inferd.repository import CANARY_ATOL, CANARY_RTOL, model_file, writable_by_others
 
 log = logging.getLogger("inferd.worker.runner")
@@ -108,6 +108,15 @@ def _check_batch_dim(program: Any, path: Path, config: ModelConfig) -> None:
                 f"of up to {config.max_batch_size} come; export it with a dynamic batch dim: "
                 "torch.export.export(model, example, dynamic_shapes=({0: torch.export.Dim(\"batch\")},)), "
                 "one dict per input")
+
+
+def model_memory(module: Any, path: Path) -> int:
+    """The bytes a loaded module's weights hold on the CPU: its parameters and buffers; for an AOTInductor
+    package, whose weights the torch API does not show, its file's size."""
+    if not isinstance(module, torch.nn.Module):
+        return path.stat().st_size
+    tensors = {id(t): t for t in itertools.chain(module.parameters(), module.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def warmup_shapes(config: ModelConfig) -> list[tuple[tuple[int, ...], ...]]:
@@ -208,6 +217,10 @@ class ModelRunner:
             raise ModelError(refusal)
         if memory_factor is not None:
             self._check_room(name, version, path, memory_factor)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         module = load_module(path, self.device, config, self.executors)
         if precision != torch.float32:
             module = module.to(precision)
@@ -217,7 +230,7 @@ class ModelRunner:
             # Counting compilations imports torch._dynamo (0.9 s of CPU): only where inductor compiles.
             compiles = config.compile == "inductor" and model_files.inspect(path).format == model_files.EXPORTED
             compiled_before = _compile_counts() if compiles else (0, 0)
-            outputs = self._warm_up(model, name, config, version, streams or [None])
+            outputs, largest_io = self._warm_up(model, name, config, version, streams or [None])
             if compiles:
                 misses, hits = (now - before for now, before in zip(_compile_counts(), compiled_before))
                 log.info("compiled %s %s with inductor while it warmed up: %d graph(s) compiled, %d from the "
@@ -235,11 +248,15 @@ class ModelRunner:
             raise
         self._models[(name, version)] = model
         warmed = time.perf_counter()
+        if on_gpu:  # other executors' batches may run meanwhile: their peak counts too, erring on the large side
+            memory = torch.cuda.max_memory_allocated(self.device) - before
+        else:
+            memory = model_memory(module, path) + largest_io
         log.info(
-            "loaded %s %s from %s in %.2f s, warmed on batch sizes %s in %.2f s",
-            name, version, path, loaded - started, warmup_sizes(config), warmed - loaded,
+            "loaded %s %s from %s in %.2f s, warmed on batch sizes %s in %.2f s; it holds %.1f MiB",
+            name, version, path, loaded - started, warmup_sizes(config), warmed - loaded, memory / 2**20,
         )
-        return LoadedModel(version=version, outputs=outputs), loaded - started, warmed - loaded
+        return LoadedModel(version=version, outputs=outputs, memory=memory), loaded - started, warmed - loaded
 
     def unload(self, name: str, version: str) -> None:
         """Free a version, and on a GPU give its cached memory back to the device."""
@@ -290,18 +307,24 @@ class ModelRunner:
         return tuple(specs)
 
     def _warm_up(self, model: Loaded, name: str, config: ModelConfig, version: str,
-                 streams: list[Any]) -> tuple[TensorSpec, ...]:
+                 streams: list[Any]) -> tuple[tuple[TensorSpec, ...], int]:
+        """Run every warm-up batch on each stream; the outputs' signature, and the bytes of the largest
+        warm-up batch's inputs and outputs."""
         outputs: tuple[TensorSpec, ...] = ()
+        largest = 0
         for stream in streams:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for batch, shapes in itertools.product(warmup_sizes(config), warmup_shapes(config)):
                     outputs = self._run_zeros(model, config, batch, shapes, f"warm-up of {name} {version} at "
                                                                             f"batch {batch}")
+                    sizes = [*((spec.dtype, shape) for spec, shape in zip(config.inputs, shapes)),
+                             *((spec.dtype, spec.shape) for spec in outputs)]
+                    largest = max(largest, sum(tensor_bytes(dtype, (batch, *shape)) for dtype, shape in sizes))
             if stream is not None:
                 stream.synchronize()
         if config.variable:
             outputs = self._varying_dims(model, name, config, version, outputs)
-        return outputs
+        return outputs, largest
 
     def _varying_dims(self, model: Loaded, name: str, config: ModelConfig, version: str,
                       at_bound: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
