@@ -159,21 +159,31 @@ class VersionNumbers:
             for model, numbers in (data.items() if isinstance(data, dict) else ()) if isinstance(numbers, dict)
         }
 
-    def of(self, model: str, repository: str | Path) -> dict[str, int]:
-        """The number of each version in `model`'s repository now, giving the new ones theirs."""
-        found = versions(repository)
-        numbers = self._numbers.setdefault(model, {})
-        new = [version for version in found if version not in numbers]
-        for version in new:
-            taken = set(numbers.values())
-            numbers[version] = int(version) if version.isdigit() and 0 < int(version) not in taken \
-                else max(taken, default=0) + 1
-        if new:
+    def of_all(self, repositories: dict[str, str]) -> dict[str, dict[str, int]]:
+        """The number of each version in each model's repository now (model -> repository), giving the new
+        ones theirs, saved in one write; a model whose folder cannot be read has none."""
+        result: dict[str, dict[str, int]] = {}
+        changed = False
+        for model, repository in repositories.items():
+            try:
+                found = versions(repository)
+            except RepositoryError:  # the folder went away: the versions served keep what they had
+                result[model] = {}
+                continue
+            numbers = self._numbers.setdefault(model, {})
+            for version in found:
+                if version not in numbers:
+                    taken = set(numbers.values())
+                    numbers[version] = int(version) if version.isdigit() and 0 < int(version) not in taken \
+                        else max(taken, default=0) + 1
+                    changed = True
+            result[model] = {version: numbers[version] for version in found}
+        if changed:
             try:
                 write_atomically(self.path, self._numbers)
             except OSError as exc:  # the numbers hold for this run; the next may give new ones
                 log.warning("cannot save the version numbers in %s: %s", self.path, exc)
-        return {version: numbers[version] for version in found}
+        return result
 
 
 def write_atomically(path: Path, data: Any) -> None:

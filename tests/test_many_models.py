@@ -21,6 +21,7 @@ from wire import RawPeer
 from inferd.harness import free_port, to_toml
 
 BIN = Path(sys.executable).parent
+MANY = 1000  # on-demand models in one model_root
 
 
 def model_folder(root: Path, name: str, source: Path, model: dict[str, Any]) -> Path:
@@ -35,11 +36,17 @@ def test_each_folder_of_model_root_is_served_and_a_sighup_serves_a_folder_added(
     model_folder(root, "alpha", repo / "mlp", {**MLP, "version": "v1"})
     model_folder(root, "beta", repo / "pair", PAIR)
     (root / "scratch").mkdir()  # no model.toml: not a model
+    lazy = to_toml({**MLP, "version": "v1", "load": "on_demand"})
+    for index in range(MANY):  # loaded only when asked for, so they cost the start little
+        (root / f"lazy{index}").mkdir()
+        (root / f"lazy{index}" / "v1").symlink_to(repo / "mlp" / "v1")
+        (root / f"lazy{index}" / "model.toml").write_text(lazy)
     config = base_config(workdir, repo, {}, server={"model_root": str(root), "http": f"127.0.0.1:{free_port()}",
                                                     "grpc": ""})
     daemon = Daemon(workdir, config).start()
     try:
-        assert sorted(daemon.status()["models"]) == ["alpha", "beta"]
+        assert len(daemon.status()["models"]) == MANY + 2
+        assert daemon.status()["workers"][0]["loaded"] == ["alpha v1", "beta v1"]
         x = np.random.default_rng(35).standard_normal((3, models.MLP_IN), dtype=np.float32)
         a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
         b = np.array([[1, 2], [3, -4]], dtype=np.int64)
@@ -48,12 +55,21 @@ def test_each_folder_of_model_root_is_served_and_a_sighup_serves_a_folder_added(
                                        atol=1e-6)
             for got, want in zip(client.infer("beta", [a, b]), reference(repo, "pair", "v1")(a, b), strict=True):
                 np.testing.assert_array_equal(got, want)
+            np.testing.assert_allclose(client.infer(f"lazy{MANY - 1}", x), reference(repo, "mlp", "v1")(x),
+                                       rtol=1e-5, atol=1e-6)
         model_folder(root, "gamma", repo / "mlp", {**MLP, "version": "v2"})
         daemon.signal(signal.SIGHUP)
         wait_for(lambda: "gamma v2" in daemon.status()["workers"][0]["loaded"], timeout=60, what="gamma loaded")
         with daemon.client() as client:
             np.testing.assert_allclose(client.infer("gamma", x), reference(repo, "mlp", "v2")(x), rtol=1e-5,
                                        atol=1e-6)
+        model_folder(root, "delta", repo / "pair", PAIR)  # no SIGHUP: inferctl load reads the folder again
+        load = subprocess.run([str(BIN / "inferctl"), "--control", daemon.control, "load", "--model", "delta"],
+                              capture_output=True, text=True, timeout=120)
+        assert load.returncode == 0 and "delta v1 loaded on worker0" in load.stdout, load.stderr
+        with daemon.client() as client:
+            for got, want in zip(client.infer("delta", [a, b]), reference(repo, "pair", "v1")(a, b), strict=True):
+                np.testing.assert_array_equal(got, want)
         http = httpclient.InferenceServerClient(config["server"]["http"])
         wait_for(lambda: http.is_model_ready("gamma"), what="gamma ready over HTTP")
         request = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
@@ -138,6 +154,17 @@ def test_an_on_demand_model_loads_for_the_requests_that_need_it_and_unloads_when
     unloaded = inferctl(daemon, "unload", "--model", "variable")
     assert unloaded.returncode == 0, unloaded.stderr
     wait_for(lambda: "variable v1" not in loaded(daemon), what="variable unloaded")
+
+    # A reload of a model loaded nowhere switches at once; the version loads where a request needs it.
+    assert inferctl(daemon, "unload", "--model", "lazy").returncode == 0
+    wait_for(lambda: loaded(daemon) == ["mlp v1"], what="lazy unloaded")
+    reload = inferctl(daemon, "reload", "--model", "lazy", "--version", "v1")
+    assert reload.returncode == 0 and "lazy v1 is live (was v2)" in reload.stdout, reload.stderr
+    assert loaded(daemon) == ["mlp v1"]
+    with daemon.client() as client:
+        np.testing.assert_allclose(client.infer("lazy", x[0]), reference(repo, "mlp", "v1")(x[0]), rtol=1e-5,
+                                   atol=1e-6)
+    assert loaded(daemon) == ["lazy v1", "mlp v1"]
 
 
 def test_an_on_demand_model_that_cannot_load_is_refused_with_the_reason_and_not_tried_per_request(start_daemon,

@@ -599,20 +599,21 @@ def test_addresses_split_host_and_port_the_way_configs_write_them():
 
 
 def test_a_version_keeps_its_number_whatever_is_added_or_removed_later(tmp_path):
-    repository = tmp_path / "repo"
+    repository = str(tmp_path / "repo")
     for version in ("v10", "v2", "v1"):
-        (repository / version).mkdir(parents=True)
-        (repository / version / "model.pt").write_bytes(b"")
+        (tmp_path / "repo" / version).mkdir(parents=True)
+        (tmp_path / "repo" / version / "model.pt").write_bytes(b"")
     state = tmp_path / "state"
-    assert VersionNumbers(state).of("m", repository) == {"v1": 1, "v2": 2, "v10": 3}  # natural order
-    shutil.rmtree(repository / "v1")
+    assert VersionNumbers(state).of_all({"m": repository}) == {"m": {"v1": 1, "v2": 2, "v10": 3}}  # natural order
+    shutil.rmtree(tmp_path / "repo" / "v1")
     for version in ("v0", "7", "5"):
-        (repository / version).mkdir()
-        (repository / version / "model.pt").write_bytes(b"")
+        (tmp_path / "repo" / version).mkdir()
+        (tmp_path / "repo" / version / "model.pt").write_bytes(b"")
     # Read back from state_dir: v2 and v10 keep theirs; of the new ones, a whole number takes its own.
-    numbers = VersionNumbers(state).of("m", repository)
-    assert numbers == {"5": 5, "7": 7, "v0": 8, "v2": 2, "v10": 3}
-    assert VersionNumbers(state).of("other", repository) == {"5": 5, "7": 7, "v0": 8, "v2": 9, "v10": 10}
+    numbers = VersionNumbers(state).of_all({"m": repository, "gone": str(tmp_path / "gone")})
+    assert numbers == {"m": {"5": 5, "7": 7, "v0": 8, "v2": 2, "v10": 3}, "gone": {}}
+    assert VersionNumbers(state).of_all({"other": repository}) == {
+        "other": {"5": 5, "7": 7, "v0": 8, "v2": 9, "v10": 10}}
 
 
 def test_corked_writes_send_a_turns_writes_together_in_order_and_a_large_one_at_once():

@@ -97,27 +97,25 @@ class Commands:
         `on_disk` (`inferctl models`), also every folder in its repository and whether it can be served."""
         since_epoch = time.time() - time.monotonic()
         load_errors = self.daemon.placement.refusals(time.monotonic())
-        result = {}
-        for name, live in self.daemon.live.items():
-            versions = {}
-            for (model, version), series in self.daemon.stats.since_start.items():
-                if model != name:
-                    continue
-                versions[version] = {
+        configs = self.daemon.config.models
+        all_numbers = self.daemon.version_numbers.of_all({name: configs[name].repository or ""
+                                                          for name in self.daemon.live})
+        served: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in self.daemon.live}
+        for (model, version), series in self.daemon.stats.since_start.items():
+            if model in served:
+                served[model][version] = {
                     "requests": dict(series.replies), "samples": series.samples,
                     "total_s": series.total.sum, "queue_s": series.queue.sum,
                     "phases_s": series.phases,
                     "computed": {str(size): sums for size, sums in series.computed.items()},
                     "last_inference_s": since_epoch + series.last_answered if series.last_answered else 0.0,
                 }
+        result = {}
+        for name, live in self.daemon.live.items():
             outputs = self.daemon.workers.signature(name, live) or ()
             queue = self.daemon.config.queue
-            config = self.daemon.config.models[name]
+            config = configs[name]
             canary = self.daemon.candidates.canary_version(name)
-            try:
-                numbers = self.daemon.version_numbers.of(name, config.repository or "")
-            except RepositoryError:  # the folder went away: the versions served keep what they had
-                numbers = {}
             result[name] = {
                 "config": msgspec.to_builtins(config),
                 "priority_levels": queue.priority_levels, "default_level": queue.default_level,
@@ -129,9 +127,9 @@ class Commands:
                 "load_error": load_errors.get(name),
                 "ready_versions": [v for v in (live, canary)
                                    if v is not None and any(w.serves(name, v) for w in self.daemon.workers.workers)],
-                "version_numbers": numbers,
+                "version_numbers": all_numbers[name],
                 "outputs": [[spec.dtype, spec.public_shape()] for spec in outputs],
-                "versions": versions,
+                "versions": served[name],
             }
             if on_disk:
                 result[name]["on_disk"] = self._on_disk(config.repository or "")

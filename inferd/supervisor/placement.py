@@ -78,6 +78,8 @@ class Placement:
         self.pending: dict[tuple[str, int], PendingLoad] = {}  # (model, worker index) -> its load
         self.sizes: dict[str, int] = {}  # model -> bytes its live version held when it last loaded
         self._long_since: dict[str, float] = {}  # model -> since when its queue has been long
+        # `inferctl load` of an "always" model its workers are loading (one a rescan added): model -> replies.
+        self._awaiting: dict[str, list[tuple[Reply, float]]] = {}
         reloads.on_caught_up = self._caught_up
 
     def configure(self, config: Config) -> None:
@@ -242,6 +244,12 @@ class Placement:
 
     def _caught_up(self, worker: WorkerHandle, model: str, error: str | None) -> None:
         """The reload manager's word on a live version loaded on `worker` (error None) or refused."""
+        for reply, asked in self._awaiting.pop(model, []):
+            if error is None:
+                reply.finish({"model": model, "version": self.live[model], "workers": [worker.index],
+                              "loaded": True, "load_s": round(time.monotonic() - asked, 3)})
+            else:
+                reply.fail(f"worker{worker.index} cannot load {model} {self.live[model]}: {error}")
         pending = self.pending.pop((model, worker.index), None)
         if pending is None:
             return
@@ -297,7 +305,12 @@ class Placement:
         pending = next((p for (name, _), p in self.pending.items() if name == model), None)
         if pending is None:
             if not self._on_demand(model):
-                reply.fail(f"no ready worker has {model} {version}; see inferctl status")
+                if any((model, version) in w.loading for w in self.workers.workers):  # added by a rescan
+                    reply.progress(f"every worker is loading {model} {version}",
+                                   wait_s=self.config.workers.load_timeout_s)
+                    self._awaiting.setdefault(model, []).append((reply, time.monotonic()))
+                else:
+                    reply.fail(f"no ready worker has {model} {version}; see inferctl status")
                 return
             self.failures.pop(model, None)  # asked for by name: tried now, whatever the backoff says
             pending = self._place_somewhere(model, time.monotonic())
