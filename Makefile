@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-restart bench-soak sim clean
+.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-many bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-restart bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -62,6 +62,10 @@ bench-formats: $(STAMP)
 # Sequences of many lengths batched by exact shape, padded to max_shape, and padded to shape buckets.
 bench-shapes: $(STAMP)
 	$(PY) -m bench.shapes
+
+# 40 on-demand models of ~30 MB under a budget that holds 8, Zipf traffic, beside all 40 loaded (about 3 minutes).
+bench-many: $(STAMP)
+	$(PY) -m bench.many
 
 # max_wait_ms 0, 2, 5 and "auto", concurrency 1..128, per model (about 3 minutes each).
 bench-curve: $(STAMP)

@@ -110,8 +110,9 @@ class Placement:
     # -- placing ------------------------------------------------------------------
 
     def place_waiting(self, now: float) -> None:
-        """Place each on-demand model that has requests waiting and is on no worker, and give a model
-        whose queue stays long one more copy."""
+        """Place each on-demand model that has requests waiting and is on no worker, the one whose request
+        has waited longest first, and give a model whose queue stays long one more copy."""
+        unplaced = []
         for model, lane in self.queue.lanes.items():
             if not lane.samples or not self._on_demand(model):
                 continue
@@ -119,9 +120,11 @@ class Placement:
             if not holders:
                 failure = self.failures.get(model)
                 if failure is None or now >= failure.until:
-                    self._place_somewhere(model, now)
+                    unplaced.append((lane.oldest().received, model))
             elif self._stays_long(model, lane.samples, holders, now):
                 self._place_somewhere(model, now, evict=False)
+        for _, model in sorted(unplaced):
+            self._place_somewhere(model, now)
 
     def _stays_long(self, model: str, samples: int, holders: list[WorkerHandle], now: float) -> bool:
         """Whether `model`'s queue has been long for LONG_FOR_S with every executor that serves it busy."""
@@ -138,16 +141,19 @@ class Placement:
         return True
 
     def _place_somewhere(self, model: str, now: float, evict: bool = True) -> PendingLoad | None:
-        """Place `model` on the ready worker where it fits with the fewest unloads (none unless `evict`);
-        refuse it where it fits on none even alone. None when no worker has room now."""
+        """Place `model` on a ready worker loading nothing else, where it fits with the fewest unloads (none
+        unless `evict`); refuse it where it fits on none even alone. None when no worker can take it now."""
         need = self._need(model)
         too_big = self._too_big(need) if model in self.sizes else None
         if too_big is not None:
             self._refuse(model, too_big, None)
             return None
         options = []
+        loading = {index for _, index in self.pending}
         for worker in self.workers.workers:
-            if worker.state != WorkerState.READY or model in worker.placed:
+            # One load at a time per worker: loads queued behind one another would each have taken their room
+            # at once, from models used a moment ago, for models whose turn is seconds away.
+            if worker.state != WorkerState.READY or model in worker.placed or worker.index in loading:
                 continue
             # An estimate that fits nowhere may be wrong: the model is loaded where it has the most room.
             unload = self._room(worker, model, min(need, self.budget - self._always_held(worker)))
