@@ -268,3 +268,30 @@ def test_the_model_repository_extension_over_http_and_grpc_with_tritonclient(sta
     grpc.unload_model("fresh")
     np.testing.assert_allclose(http.infer("fresh", [request]).as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(http.infer("lazy", [request]).as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_on_demand_model_whose_queue_stays_long_gets_a_copy_on_another_worker(start_daemon, gates):
+    daemon = start_daemon({"variable": {**ONE_AT_A_TIME, "load": "on_demand"}},
+                          workers={"devices": ["cpu", "cpu"], "streams": 1})
+    held = [gates(), gates()]
+    x = np.array([[1.0, 2.0]], dtype=np.float32)
+    with RawPeer(daemon.endpoint) as peer:
+        for index, gate in enumerate(held):  # the one executor of the worker that loads it: one running, one next
+            peer.send(100 + index, "variable", [gate.input])
+        wait_for(lambda: sum(w["batches_in_flight"] for w in daemon.status()["workers"]) == 2,
+                 what="both held batches sent")
+        [holder] = [w["worker"] for w in daemon.status()["workers"] if w["batches_in_flight"]]
+        for index in range(3):  # more than two full batches wait, with every executor of the model busy
+            peer.send(index, "variable", [x])
+        replies = {}
+        while len(replies) < 3:  # answered by the copy while the first worker's batches are held
+            header, outputs = peer.recv(timeout=60)
+            replies[header["id"]] = (header["status"], outputs)
+        assert sorted(replies) == [0, 1, 2] and all(status == "ok" for status, _ in replies.values())
+        assert all(np.array_equal(outputs[0], x) for _, outputs in replies.values())
+        workers = daemon.status()["workers"]
+        assert all("variable v1" in w["loaded"] for w in workers), workers
+        assert f"loading variable v1 on worker{1 - holder} (on demand)" in daemon.log()
+        for gate in held:
+            gate.open()
+        assert {peer.recv()[0]["id"] for _ in held} == {100, 101}
