@@ -2,9 +2,11 @@
 
 TorchScript goes through PyTorch's converter (TS2EPConverter) to a torch.export
 program; a program is exported again with a dynamic batch dim up to the model's
-max_batch_size, and with the `aoti` format compiled by AOTInductor for the
+max_batch_size (and, for inputs of any size, a dynamic dim up to max_shape for
+each -1, one per position, shared by the inputs that have it there: they are
+padded alike), and with the `aoti` format compiled by AOTInductor for the
 device. The new version must give the old one's answers, on seeded inputs at
-several batch sizes and on the folder's example_input.npy; its folder gets an
+several batch sizes (and sizes of the -1 dims) and on the folder's example_input.npy; its folder gets an
 example input and the old version's output for it (expected_output.npy), which
 the reload guard checks again when it loads the version. Nothing is written to
 the repository unless every step passed: the version appears whole or not at
@@ -30,6 +32,7 @@ from inferd.repository import CANARY_ATOL, CANARY_RTOL, RepositoryError, model_f
 from inferd.worker.runner import TORCH_DTYPES, as_outputs, describe_error
 
 SEED = 0
+EXAMPLE_LENGTH = 5  # what a -1 dim is in the examples that trace the program (not 1: export specializes it)
 UNSUPPORTED_NODE = re.compile(r"^\s*\d+\.\s+(\S+)\s+\[", re.MULTILINE)  # a line of TS2EPConverter.explain()
 
 
@@ -50,9 +53,6 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
     problem = version_problem(target)
     if problem is not None:
         raise ConvertError(f"--to {problem}")
-    if model.variable:
-        raise ConvertError(f"{name} takes inputs with a -1 dim, which convert does not export yet: export it with a "
-                           "torch.export.Dim for each such dim and save it as VERSION/model.pt2")
     destination = repository / target
     if destination.exists():
         raise ConvertError(f"{destination} exists already; name another version with --to")
@@ -66,15 +66,16 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
     if found.format == model_files.AOTI:
         raise ConvertError(f"{path} is an AOTInductor package already; convert the version it was made from")
     target_device = torch.device(device)
-    examples = _seeded_inputs(model, 2, target_device)
+    examples = _seeded_inputs(model, 2, target_device, length=EXAMPLE_LENGTH)
     say(f"loading {name} {source} ({found.format}) from {path}")
     original = _load(path, found.format, target_device)
     module = original
     if found.format == model_files.TORCHSCRIPT:
         say("converting TorchScript to a torch.export program (PyTorch's TS2EPConverter)")
         module = _from_torchscript(name, source, original, examples)
-    say(f"exporting with a dynamic batch dim of 1 to {model.max_batch_size}")
-    program = _export(name, source, module, examples, model.max_batch_size)
+    varying = " and a dynamic dim for each -1 (up to max_shape)" if model.variable else ""
+    say(f"exporting with a dynamic batch dim of 1 to {model.max_batch_size}{varying}")
+    program = _export(name, source, module, examples, model)
     with tempfile.TemporaryDirectory(prefix=f".{target}-", dir=repository) as staging:
         folder = Path(staging) / target
         folder.mkdir()
@@ -87,8 +88,10 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
             torch.export.save(program, str(package))
             converted = torch.export.load(str(package)).module()
         sizes = sorted({1, 2, model.max_batch_size})
-        say(f"checking {target} against {source} at batch sizes {', '.join(map(str, sizes))}")
-        example = _check(original, converted, model, source, target, sizes, path.parent, target_device)
+        lengths = _lengths(model)
+        say(f"checking {target} against {source} at batch sizes {', '.join(map(str, sizes))}"
+            + (f" and -1 dims of {', '.join(map(str, lengths))}" if model.variable else ""))
+        example = _check(original, converted, model, source, target, sizes, lengths, path.parent, target_device)
         if example is not None:
             x, expected = example
             np.save(folder / "example_input.npy", x)
@@ -103,15 +106,17 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
     return destination
 
 
-def _seeded_inputs(model: ModelConfig, batch: int, device: torch.device, seed: int = SEED) -> tuple[torch.Tensor, ...]:
-    """Inputs of `batch` samples: floats drawn from `seed`, other dtypes zeros (ids must stay in range)."""
+def _seeded_inputs(model: ModelConfig, batch: int, device: torch.device, seed: int = SEED,
+                   length: int = 1) -> tuple[torch.Tensor, ...]:
+    """Inputs of `batch` samples, each -1 dim `length` long (at most its bound), drawn from `seed`: floats from
+    a normal law, other dtypes 0 or 1 (ids in range of any embedding, and masks that mask)."""
     generator = torch.Generator().manual_seed(seed)
     inputs = []
     for spec in model.inputs:
         dtype = TORCH_DTYPES[spec.dtype]
-        shape = (batch, *spec.shape)
+        shape = (batch, *(min(length, most) if dim == -1 else dim for dim, most in zip(spec.shape, spec.bound)))
         value = (torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
-                 else torch.zeros(shape, dtype=dtype))
+                 else torch.randint(0, 2, shape, generator=generator).to(dtype))
         inputs.append(value.to(device))
     return tuple(inputs)
 
@@ -142,13 +147,31 @@ def _from_torchscript(name: str, source: str, module: Any, examples: tuple[torch
                            "its Python source with torch.export.export instead") from None
 
 
-def _export(name: str, source: str, module: Any, examples: tuple[torch.Tensor, ...], max_batch: int) -> Any:
-    batch = torch.export.Dim("batch", min=1, max=max(2, max_batch))
+def _lengths(model: ModelConfig) -> list[int]:
+    """The sizes the -1 dims are checked at: 1, the example's and the longest bound ([1] without -1 dims)."""
+    if not model.variable:
+        return [1]
+    longest = max(most for spec in model.inputs for dim, most in zip(spec.shape, spec.bound) if dim == -1)
+    return sorted({1, min(EXAMPLE_LENGTH, longest), longest})
+
+
+def _export(name: str, source: str, module: Any, examples: tuple[torch.Tensor, ...], model: ModelConfig) -> Any:
+    batch = torch.export.Dim("batch", min=1, max=max(2, model.max_batch_size))
+    # One Dim per position of a -1, as long as the longest bound there, for every input with a -1 there.
+    longest: dict[int, int] = {}
+    for spec in model.inputs:
+        for position, (dim, most) in enumerate(zip(spec.shape, spec.bound), start=1):
+            if dim == -1:
+                longest[position] = max(longest.get(position, 0), most)
+    dims = {position: torch.export.Dim(f"dim{position}", min=1, max=most)
+            for position, most in longest.items() if most >= 2}
+    dynamic = tuple({0: batch, **{position: dims[position] for position, dim in enumerate(spec.shape, start=1)
+                                  if dim == -1 and position in dims}} for spec in model.inputs)
     try:
-        return torch.export.export(module, examples, dynamic_shapes=tuple({0: batch} for _ in examples))
+        return torch.export.export(module, examples, dynamic_shapes=dynamic)
     except Exception as exc:  # noqa: BLE001 - export's errors name the op or the guard that stopped it
-        raise ConvertError(f"{name} {source} cannot be exported with a dynamic batch dim: "
-                           f"{describe_error(exc)}") from None
+        what = "a dynamic batch dim and dynamic -1 dims" if dims else "a dynamic batch dim"
+        raise ConvertError(f"{name} {source} cannot be exported with {what}: {describe_error(exc)}") from None
 
 
 def _compile(program: Any, package: Path, device: torch.device) -> Any:
@@ -168,10 +191,12 @@ def _outputs(module: Any, inputs: Sequence[torch.Tensor]) -> tuple[np.ndarray, .
 
 
 def _check(original: Any, converted: Any, model: ModelConfig, source: str, target: str, sizes: list[int],
-           folder: Path, device: torch.device) -> tuple[np.ndarray, np.ndarray] | None:
-    """Compare `converted` with `original` on seeded inputs of each batch size and the folder's example input;
-    the example input and `original`'s output for it (the canary of the new version: one input models only)."""
-    cases = [(f"batch {size}", _seeded_inputs(model, size, device, SEED + size)) for size in sizes]
+           lengths: list[int], folder: Path, device: torch.device) -> tuple[np.ndarray, np.ndarray] | None:
+    """Compare `converted` with `original` on seeded inputs of each batch size (with each of `lengths` for the -1
+    dims) and the folder's example input; the example input and `original`'s output for it (the canary of the
+    new version: one input models only)."""
+    cases = [(f"batch {size}" + (f", -1 dims of {length}" if model.variable else ""),
+              _seeded_inputs(model, size, device, SEED + size, length)) for size in sizes for length in lengths]
     example = folder / "example_input.npy"
     if example.exists():
         cases.append((example.name, (torch.from_numpy(np.load(example, allow_pickle=False)).to(device),)))
@@ -185,7 +210,7 @@ def _check(original: Any, converted: Any, model: ModelConfig, source: str, targe
                                    f"by {by} (rtol {CANARY_RTOL:g}, atol {CANARY_ATOL:g})")
     if len(model.inputs) != 1:
         return None
-    inputs = cases[-1][1] if example.exists() else cases[1][1]
+    inputs = cases[-1][1] if example.exists() else cases[len(lengths)][1]
     return inputs[0].cpu().numpy(), _outputs(original, inputs)[0]
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,19 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import MLP, ONE_AT_A_TIME, PAIR, Daemon, base_config, reference, wait_for
+from conftest import (
+    MLP,
+    ONE_AT_A_TIME,
+    PAIR,
+    Daemon,
+    base_config,
+    gated_reload_repo,
+    module_daemon,
+    reference,
+    wait_for,
+)
+from gates import Gate
+from test_observability import scrape
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -106,25 +120,48 @@ def inferctl(daemon: Daemon, *argv: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def loaded(daemon: Daemon) -> list[str]:
-    """What every worker has loaded, as status lists it."""
-    return sorted(entry for worker in daemon.status()["workers"] for entry in worker["loaded"])
+def loaded(daemon: Daemon, *names: str) -> list[str]:
+    """What every worker has loaded (of the models `names`, if given), as status lists it."""
+    return sorted(entry for worker in daemon.status()["workers"] for entry in worker["loaded"]
+                  if not names or entry.split()[0] in names)
 
 
-def test_an_on_demand_model_loads_for_the_requests_that_need_it_and_unloads_when_asked_and_idle(start_daemon, repo,
+@pytest.fixture(scope="module")
+def on_demand(repo: Path, reload_repo: Path) -> Iterator[tuple[Daemon, Path, Gate]]:
+    """One daemon for the module's tests of on-demand models, each test on models of its own: mlp (always), lazy
+    (mlp v2), variable, broken (a copy of mlp, whose file its test breaks), slow (its load waits at the gate
+    returned), later and tried (mlp v1); and the folder of the copies."""
+    made: dict[str, Any] = {}
+
+    def copies(config: dict[str, Any], folder: Path) -> None:
+        shutil.copytree(repo / "mlp", folder / "broken")
+        gated, made["gate"] = gated_reload_repo(reload_repo, folder, "v1")
+        made["folder"] = folder
+        config["models"]["broken"]["repository"] = str(folder / "broken")
+        for name in ("slow", "later"):
+            config["models"][name]["repository"] = str(gated / "mlp")
+
+    lazy = {**MLP, "load": "on_demand"}
+    served = {"mlp": {**MLP, "version": "v1"}, "lazy": {**lazy, "repository": str(repo / "mlp"), "version": "v2"},
+              "variable": {**ONE_AT_A_TIME, "load": "on_demand"}, "broken": {**lazy, "version": "v1"},
+              "slow": {**lazy, "version": "gated"}, "later": {**lazy, "version": "v1"},
+              "tried": {**lazy, "repository": str(repo / "mlp"), "version": "v1"}}
+    with module_daemon(repo, served, copies) as daemon:
+        yield daemon, made["folder"], made["gate"]
+
+
+def test_an_on_demand_model_loads_for_the_requests_that_need_it_and_unloads_when_asked_and_idle(on_demand, repo,
                                                                                                gates):
-    daemon = start_daemon({"mlp": {**MLP, "version": "v1"},
-                           "lazy": {**MLP, "repository": str(repo / "mlp"), "version": "v2", "load": "on_demand"},
-                           "variable": {**ONE_AT_A_TIME, "load": "on_demand"}})
-    assert loaded(daemon) == ["mlp v1"], "an on-demand model is loaded at start"
-    assert daemon.call("health")["healthy"]
+    daemon, _, _ = on_demand
+    assert loaded(daemon, "lazy", "variable") == [], "an on-demand model is loaded at start"
+    assert "mlp v1" in loaded(daemon) and daemon.call("health")["healthy"]
     x = np.random.default_rng(36).standard_normal((8, 2, models.MLP_IN), dtype=np.float32)
     expected = reference(repo, "mlp", "v2")
     with daemon.client() as client:
         futures = [client.submit("lazy", sample, timeout=60) for sample in x]  # all wait for the one load
         for future, sample in zip(futures, x, strict=True):
             np.testing.assert_allclose(future.result(), expected(sample), rtol=1e-5, atol=1e-6)
-    assert loaded(daemon) == ["lazy v2", "mlp v1"]
+    assert loaded(daemon, "lazy") == ["lazy v2"]
     assert daemon.log().count("loading lazy v2 on worker0 (on demand)") == 1
 
     refused = inferctl(daemon, "unload", "--model", "mlp")
@@ -132,11 +169,11 @@ def test_an_on_demand_model_loads_for_the_requests_that_need_it_and_unloads_when
     assert len(refused.stderr.strip().splitlines()) == 1
     unloaded = inferctl(daemon, "unload", "--model", "lazy")
     assert unloaded.returncode == 0 and "lazy unloaded from worker0" in unloaded.stdout, unloaded.stderr
-    wait_for(lambda: loaded(daemon) == ["mlp v1"], what="lazy unloaded from the worker")
+    wait_for(lambda: loaded(daemon, "lazy") == [], what="lazy unloaded from the worker")
 
     load = inferctl(daemon, "load", "--model", "lazy")
     assert load.returncode == 0 and "lazy v2 loaded on worker0 in" in load.stdout, load.stderr
-    assert loaded(daemon) == ["lazy v2", "mlp v1"]
+    assert loaded(daemon, "lazy") == ["lazy v2"]
     again = inferctl(daemon, "load", "--model", "lazy")
     assert again.returncode == 0 and "lazy v2 was loaded already, on worker0" in again.stdout, again.stderr
     with daemon.client() as client:
@@ -148,31 +185,28 @@ def test_an_on_demand_model_loads_for_the_requests_that_need_it_and_unloads_when
         wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the held batch running")
         busy = inferctl(daemon, "unload", "--model", "variable")
         assert busy.returncode == 1 and "variable has 1 batch(es) running and 0 request(s) waiting" in busy.stderr
-        assert "variable v1" in loaded(daemon)
+        assert loaded(daemon, "variable") == ["variable v1"]
         gate.open()
         assert peer.recv()[0]["status"] == "ok"
     unloaded = inferctl(daemon, "unload", "--model", "variable")
     assert unloaded.returncode == 0, unloaded.stderr
-    wait_for(lambda: "variable v1" not in loaded(daemon), what="variable unloaded")
+    wait_for(lambda: loaded(daemon, "variable") == [], what="variable unloaded")
 
     # A reload of a model loaded nowhere switches at once; the version loads where a request needs it.
     assert inferctl(daemon, "unload", "--model", "lazy").returncode == 0
-    wait_for(lambda: loaded(daemon) == ["mlp v1"], what="lazy unloaded")
+    wait_for(lambda: loaded(daemon, "lazy") == [], what="lazy unloaded")
     reload = inferctl(daemon, "reload", "--model", "lazy", "--version", "v1")
     assert reload.returncode == 0 and "lazy v1 is live (was v2)" in reload.stdout, reload.stderr
-    assert loaded(daemon) == ["mlp v1"]
+    assert loaded(daemon, "lazy") == []
     with daemon.client() as client:
         np.testing.assert_allclose(client.infer("lazy", x[0]), reference(repo, "mlp", "v1")(x[0]), rtol=1e-5,
                                    atol=1e-6)
-    assert loaded(daemon) == ["lazy v1", "mlp v1"]
+    assert loaded(daemon, "lazy") == ["lazy v1"]
 
 
-def test_an_on_demand_model_that_cannot_load_is_refused_with_the_reason_and_not_tried_per_request(start_daemon,
-                                                                                                workdir, repo):
-    shutil.copytree(repo / "mlp", workdir / "broken")
-    daemon = start_daemon({"mlp": MLP, "broken": {**MLP, "repository": str(workdir / "broken"), "version": "v1",
-                                                  "load": "on_demand"}})
-    (workdir / "broken" / "v1" / "model.pt").write_bytes(b"not a model")  # replaced by a bad file after the start
+def test_an_on_demand_model_that_cannot_load_is_refused_with_the_reason_and_not_tried_per_request(on_demand, repo):
+    daemon, folder, _ = on_demand
+    (folder / "broken" / "v1" / "model.pt").write_bytes(b"not a model")  # replaced by a bad file after the start
     x = np.ones((1, models.MLP_IN), dtype=np.float32)
     with RawPeer(daemon.endpoint) as peer:
         peer.send(1, "broken", [x])
@@ -186,17 +220,64 @@ def test_an_on_demand_model_that_cannot_load_is_refused_with_the_reason_and_not_
         peer.send(3, "mlp", [x])
         assert peer.recv()[0]["status"] == "ok"
     assert daemon.log().count("loading broken v1 on worker0 (on demand)") == 1
-    assert loaded(daemon) == ["mlp v2"] and daemon.status()["workers"][0]["state"] == "ready"
-    shutil.copy(repo / "mlp" / "v1" / "model.pt", workdir / "broken" / "v1" / "model.pt")  # mended
+    assert loaded(daemon, "broken") == [] and daemon.status()["workers"][0]["state"] == "ready"
+    shutil.copy(repo / "mlp" / "v1" / "model.pt", folder / "broken" / "v1" / "model.pt")  # mended
     load = inferctl(daemon, "load", "--model", "broken")
     assert load.returncode == 0 and "broken v1 loaded on worker0" in load.stdout, load.stderr
+
+
+def test_inferctl_load_waits_while_the_worker_loads_another_model(on_demand):
+    daemon, _, gate = on_demand
+    x = np.ones((1, models.MLP_IN), dtype=np.float32)
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "slow", [x])  # its load waits at the gate: the worker loads nothing else meanwhile
+        wait_for(lambda: "loading slow gated on worker0" in daemon.log(), what="slow's load begun")
+        load = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "load", "--model", "later"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            assert load.stdout is not None
+            assert "waiting for a worker free to load later v1" in load.stdout.readline()
+            assert loaded(daemon, "later") == []
+            gate.open()
+            out, err = load.communicate(timeout=120)
+        finally:
+            load.kill()
+        assert load.returncode == 0 and "later v1 loaded on worker0" in out, err
+        assert peer.recv()[0]["status"] == "ok"
+    assert daemon.log().index("slow gated loaded on worker0") < daemon.log().index("loading later v1 on worker0")
+
+
+def test_a_canary_of_an_on_demand_model_loads_where_the_live_version_is_and_none_starts_where_it_is_not(on_demand,
+                                                                                                      repo):
+    daemon, _, _ = on_demand
+    refused = inferctl(daemon, "reload", "--model", "tried", "--version", "v2", "--canary", "50")
+    assert refused.returncode == 1 and "tried is loaded on no worker, so nothing would compare v2 with it; " \
+        "`inferctl load --model tried` first" in refused.stderr, refused.stderr
+    assert inferctl(daemon, "load", "--model", "tried").returncode == 0
+    canary = inferctl(daemon, "reload", "--model", "tried", "--version", "v2", "--canary", "50")
+    assert canary.returncode == 0, canary.stderr
+    assert loaded(daemon, "tried") == ["tried v1", "tried v2"]
+    x = np.random.default_rng(38).standard_normal((1, models.MLP_IN), dtype=np.float32)
+    answered = set()
+    with RawPeer(daemon.endpoint) as peer:
+        for index in range(40):
+            peer.send(index, "tried", [x])
+            header, outputs = peer.recv()
+            assert header["status"] == "ok"
+            np.testing.assert_allclose(outputs[0], reference(repo, "mlp", header["version"])(x), rtol=1e-5, atol=1e-6)
+            answered.add(header["version"])
+    assert answered == {"v1", "v2"}
+    assert inferctl(daemon, "promote", "--model", "tried").returncode == 0
+    wait_for(lambda: loaded(daemon, "tried") == ["tried v2"], what="v1 unloaded once v2 is live")
 
 
 def test_more_on_demand_models_than_the_budget_holds_rotate_within_it_and_one_too_big_is_refused(start_daemon,
                                                                                                 repo):
     names = [f"m{i}" for i in range(4)]
     served = {name: {**MLP, "repository": str(repo / "mlp"), "version": "v1", "load": "on_demand"} for name in names}
-    daemon = start_daemon({**served, "big": {**MLP, "load": "on_demand"}})
+    daemon = start_daemon({**served, "big": {**MLP, "load": "on_demand"}},
+                          server={"metrics": f"127.0.0.1:{free_port()}"})
     x = np.random.default_rng(37).standard_normal((2, models.MLP_IN), dtype=np.float32)
     expected = reference(repo, "mlp", "v1")(x)
     with daemon.client() as client:
@@ -218,6 +299,15 @@ def test_more_on_demand_models_than_the_budget_holds_rotate_within_it_and_one_to
     loading = {name: daemon.call("stats")["models"][name]["loading"] for name in names}
     assert all(entry["loads"] >= 3 and entry["unloads"] >= 2 for entry in loading.values()), loading
     assert all(entry["load_ms"]["count"] == entry["loads"] for entry in loading.values())
+    scraped = scrape(daemon)
+    for name in names:
+        assert scraped[("inferd_model_loads_total", (("model", name), ("outcome", "loaded")))] == loading[name]["loads"]
+        assert scraped[("inferd_model_unloads_total", (("model", name),))] == loading[name]["unloads"]
+        assert scraped[("inferd_model_load_seconds_count", (("model", name),))] == loading[name]["loads"]
+    assert scraped[("inferd_worker_model_memory_bytes", (("worker", "0"),))] <= budget
+    held = {dict(labels)["model"] for (metric, labels), value in scraped.items()
+            if metric == "inferd_worker_model_loaded" and value == 1}
+    assert held == set(daemon.call("stats")["workers"][0]["models"]) and len(held) == 2
     with RawPeer(daemon.endpoint) as peer:
         peer.send(1, "big", [x])
         header, _ = peer.recv()

@@ -12,9 +12,11 @@ from collections.abc import Iterator
 import models
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import Daemon, module_daemon, reference, wait_for
+from test_formats import config_file, convert
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -230,3 +232,42 @@ def test_padded_requests_whose_inputs_lie_in_a_clients_shared_memory_answer_as_a
         want_running, want_pooled = expected(x)
         np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
+
+
+class MaskedMean(torch.nn.Module):
+    """Token ids and their mask (int64 [L] each) -> float32 [8]: the mean of the ids' embeddings where the mask
+    is 1 (an answer the padding does not change)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.unsqueeze(-1).to(torch.float32)
+        return (self.embed(ids) * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+
+
+def test_convert_exports_a_model_of_any_length_with_a_dim_for_its_minus_ones(workdir):
+    torch.manual_seed(34)
+    (workdir / "masked" / "v1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(MaskedMean().eval()), str(workdir / "masked" / "v1" / "model.pt"))
+    token = {"dtype": "int64", "shape": [-1], "max_shape": [16], "pad_value": 0}
+    config = config_file(workdir, {"masked": {"repository": str(workdir / "masked"), "max_batch_size": 8,
+                                              "inputs": [{**token, "name": "ids"}, {**token, "name": "mask"}],
+                                              "shape_buckets": [4, 16]}})
+    result = convert(config, "--model", "masked", "--from", "v1", "--to", "v2", "--format", "exported")
+    assert result.returncode == 0, result.stderr
+    assert any("checking v2 against v1 at batch sizes 1, 2, 8 and -1 dims of 1, 5, 16" in line
+               for line in result.stdout.splitlines()), result.stdout
+    exported = torch.export.load(str(workdir / "masked" / "v2" / "model.pt2")).module()
+    scripted = torch.jit.load(str(workdir / "masked" / "v1" / "model.pt"))
+    rng = np.random.default_rng(34)
+    for batch, length in ((1, 3), (6, 11), (8, 16)):
+        ids = torch.from_numpy(rng.integers(0, 50, (batch, length)))
+        mask = torch.from_numpy((rng.random((batch, length)) < 0.7).astype(np.int64))
+        with torch.inference_mode():
+            np.testing.assert_allclose(exported(ids, mask).numpy(), scripted(ids, mask).numpy(), rtol=1e-5,
+                                       atol=1e-6)
+    too_long = torch.zeros((1, 17), dtype=torch.int64)
+    with pytest.raises(Exception, match="<= 16"):  # past max_shape: the program's own guard refuses it
+        exported(too_long, too_long)

@@ -5,12 +5,13 @@
 
 parts.py builds the parts; this module is the loop, the signals and the life
 cycle. Each decision lives in the part that owns it: admission in the frontend,
-batching in the batcher, placement in the dispatcher, replies in replies.py,
-versions in the reload manager, processes in the worker table, progress in
-liveness, SIGHUP in reconfigure. Signal handlers only queue the signal; the loop
-wakes on a self-pipe and calls `handle_<signal>`. It blocks on one poller whose
-timeout is the nearest batching, deadline or liveness event, or the
-housekeeping tick: an idle daemon sleeps.
+batching in the batcher, routing in the dispatcher, replies in replies.py,
+versions in the reload manager, where on-demand models live in placement,
+processes in the worker table, progress in liveness, SIGHUP in reconfigure.
+Signal handlers only queue the signal; the loop wakes on a self-pipe and calls
+`handle_<signal>`. It blocks on one poller whose timeout is the nearest
+batching, deadline or liveness event, or the housekeeping tick: an idle daemon
+sleeps.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ class Supervisor(Parts):
                 except Exception:  # noqa: BLE001 - the last guard: the loop serves on
                     failure("a socket event")
             if readmit:
-                self._admit()
+                self.frontend.admit(self.state, self.workers, self.placement.refusals(time.monotonic()))
             self.frontend.note_queue_depths()
             now = time.monotonic()
             for request in self.queue.expire(now):
@@ -200,16 +201,12 @@ class Supervisor(Parts):
         def capacity(model: str) -> Capacity:
             return NO_ROOM if model in blocked else self.dispatcher.capacity(model)
 
-        while True:
-            batch = self.batcher.take(capacity, now)
-            if batch is None:
-                break
+        while (batch := self.batcher.take(capacity, now)) is not None:
             left = self.dispatcher.dispatch(*batch)
             if left:  # that executor's answer wakes the loop; the other models go on meanwhile
                 self.queue.put_back(left)
                 blocked.add(batch[0])
-        if len(self.queue):
-            self.placement.place_waiting(now)
+        self.placement.place_waiting(now)
         # Shadow work only on executor time no request wants.
         if self.dispatcher.shadow_jobs and not len(self.queue) and self.state == DaemonState.SERVING:
             self.dispatcher.run_shadow_jobs(now)
@@ -240,11 +237,8 @@ class Supervisor(Parts):
         if self.state == DaemonState.SERVING and (request := self.trim_requests.due()) is not None:
             self.workers.trim_memory(f"the pod annotation {TRIM_ANNOTATION}={request}")
         self._check_stopped()
-        self._admit()
+        self.frontend.admit(self.state, self.workers, self.placement.refusals(now))
         heap.give_back()  # what requests' buffers took, once they are gone
-
-    def _admit(self) -> None:
-        self.frontend.admit(self.state, self.workers, self.placement.refusals(time.monotonic()))
 
     def _check_stopped(self) -> None:
         if (self.state == DaemonState.STOPPING and all(w.process is None for w in self.workers.workers)

@@ -80,6 +80,8 @@ class Placement:
         self._long_since: dict[str, float] = {}  # model -> since when its queue has been long
         # `inferctl load` of an "always" model its workers are loading (one a rescan added): model -> replies.
         self._awaiting: dict[str, list[tuple[Reply, float]]] = {}
+        # `inferctl load` of an on-demand model that waits for a worker to finish its load: model -> replies.
+        self._asked: dict[str, list[tuple[Reply, float]]] = {}
         reloads.on_caught_up = self._caught_up
 
     def configure(self, config: Config) -> None:
@@ -110,9 +112,14 @@ class Placement:
     # -- placing ------------------------------------------------------------------
 
     def place_waiting(self, now: float) -> None:
-        """Place each on-demand model that has requests waiting and is on no worker, the one whose request
-        has waited longest first, and give a model whose queue stays long one more copy."""
-        unplaced = []
+        """Place each on-demand model that has requests (or an `inferctl load`) waiting and is on no worker,
+        the one that has waited longest first, and give a model whose queue stays long one more copy."""
+        if not len(self.queue) and not self._asked:
+            return
+        loading = {index for _, index in self.pending}
+        if all(w.state != WorkerState.READY or w.index in loading for w in self.workers.workers):
+            return  # no worker can start a load now: the loop turns of a busy daemon stay cheap
+        unplaced = [(replies[0][1], model) for model, replies in self._asked.items()]
         for model, lane in self.queue.lanes.items():
             if not lane.samples or not self._on_demand(model):
                 continue
@@ -143,18 +150,20 @@ class Placement:
     def _place_somewhere(self, model: str, now: float, evict: bool = True) -> PendingLoad | None:
         """Place `model` on a ready worker loading nothing else, where it fits with the fewest unloads (none
         unless `evict`); refuse it where it fits on none even alone. None when no worker can take it now."""
+        loading = {index for _, index in self.pending}
+        # One load at a time per worker: loads queued behind one another would each have taken their room
+        # at once, from models used a moment ago, for models whose turn is seconds away.
+        candidates = [w for w in self.workers.workers
+                      if w.state == WorkerState.READY and model not in w.placed and w.index not in loading]
+        if not candidates:
+            return None
         need = self._need(model)
         too_big = self._too_big(need) if model in self.sizes else None
         if too_big is not None:
-            self._refuse(model, too_big, None)
+            self._refuse(model, too_big, [reply for reply, _ in self._asked.pop(model, [])])
             return None
         options = []
-        loading = {index for _, index in self.pending}
-        for worker in self.workers.workers:
-            # One load at a time per worker: loads queued behind one another would each have taken their room
-            # at once, from models used a moment ago, for models whose turn is seconds away.
-            if worker.state != WorkerState.READY or model in worker.placed or worker.index in loading:
-                continue
+        for worker in candidates:
             # An estimate that fits nowhere may be wrong: the model is loaded where it has the most room.
             unload = self._room(worker, model, min(need, self.budget - self._always_held(worker)))
             if unload is not None and (evict or not unload):
@@ -222,6 +231,7 @@ class Placement:
     def _place(self, worker: WorkerHandle, model: str, now: float) -> PendingLoad:
         self.workers.place(worker, model, now)
         pending = self.pending[(model, worker.index)] = PendingLoad(worker, now)
+        pending.replies += [reply for reply, _ in self._asked.pop(model, [])]
         log.info("loading %s %s on worker%d (on demand)", model, self.live[model], worker.index)
         self.reloads.catch_up(worker)
         return pending
@@ -322,9 +332,12 @@ class Placement:
             pending = self._place_somewhere(model, time.monotonic())
             if pending is None:
                 failure = self.failures.get(model)
-                reply.fail(self._sentence(model, failure.error, failure.backoff_s) if failure is not None else
-                           f"no ready worker has room for {model} now: every one is busy with the models it "
-                           "holds, or none is ready; see inferctl status")
+                if failure is not None:
+                    reply.fail(self._sentence(model, failure.error, failure.backoff_s))
+                else:  # every worker is loading another model, or has no idle one to unload: its turn comes
+                    reply.progress(f"waiting for a worker free to load {model} {version} (each loads one model "
+                                   "at a time, and unloads only idle ones)", wait_s=self.config.workers.load_timeout_s)
+                    self._asked.setdefault(model, []).append((reply, time.monotonic()))
                 return
         reply.progress(f"loading {model} {version} on worker{pending.worker.index}",
                        wait_s=self.config.workers.load_timeout_s)
