@@ -16,11 +16,11 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import Daemon, module_daemon, reference, wait_for
-from test_formats import config_file, convert
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
-from inferd import protocol
+from inferd import config, model_files, protocol
+from inferd.convert import convert
 from inferd.harness import free_port
 from inferd.protocol import TensorMeta
 from inferd.shm_names import SHM_DIR
@@ -252,13 +252,12 @@ def test_convert_exports_a_model_of_any_length_with_a_dim_for_its_minus_ones(wor
     (workdir / "masked" / "v1").mkdir(parents=True)
     torch.jit.save(torch.jit.script(MaskedMean().eval()), str(workdir / "masked" / "v1" / "model.pt"))
     token = {"dtype": "int64", "shape": [-1], "max_shape": [16], "pad_value": 0}
-    config = config_file(workdir, {"masked": {"repository": str(workdir / "masked"), "max_batch_size": 8,
-                                              "inputs": [{**token, "name": "ids"}, {**token, "name": "mask"}],
-                                              "shape_buckets": [4, 16]}})
-    result = convert(config, "--model", "masked", "--from", "v1", "--to", "v2", "--format", "exported")
-    assert result.returncode == 0, result.stderr
-    assert any("checking v2 against v1 at batch sizes 1, 2, 8 and -1 dims of 1, 5, 16" in line
-               for line in result.stdout.splitlines()), result.stdout
+    model = config.parse({"models": {"masked": {"repository": str(workdir / "masked"), "max_batch_size": 8,
+                                                "inputs": [{**token, "name": "ids"}, {**token, "name": "mask"}],
+                                                "shape_buckets": [4, 16]}}}).models["masked"]
+    said: list[str] = []  # in this process: test_formats runs the command itself
+    convert("masked", model, "v1", "v2", model_files.EXPORTED, "cpu", said.append)
+    assert "checking v2 against v1 at batch sizes 1, 2, 8 and -1 dims of 1, 5, 16" in said, said
     exported = torch.export.load(str(workdir / "masked" / "v2" / "model.pt2")).module()
     scripted = torch.jit.load(str(workdir / "masked" / "v1" / "model.pt"))
     rng = np.random.default_rng(34)
