@@ -28,6 +28,7 @@ class ComputeTimes:
 
     def __init__(self) -> None:
         self._bands: dict[str, dict[tuple[int, int], float]] = {}
+        self._least: dict[str, int] = {}  # model -> the smallest elements band measured
         self._versions: dict[str, str] = {}
 
     def observe(self, model: str, version: str, samples: int, seconds: float, elements: int | None = None) -> None:
@@ -36,8 +37,10 @@ class ComputeTimes:
         if self._versions.get(model) != version:
             self._versions[model] = version
             self._bands[model] = {}
+            self._least.pop(model, None)
         bands = self._bands[model]
         band = (samples.bit_length(), (elements or 0).bit_length())
+        self._least[model] = min(band[1], self._least.get(model, band[1]))
         known = bands.get(band)
         bands[band] = seconds if known is None else known + SMOOTHING * (seconds - known)
 
@@ -48,8 +51,12 @@ class ComputeTimes:
         bands = self._bands.get(model)
         if not bands:
             return None
-        size = elements.bit_length() if elements is not None else min(e for _, e in bands)
-        smaller = [(e, s) for s, e in bands if s <= samples.bit_length() and e <= size]
+        band = samples.bit_length()
+        size = elements.bit_length() if elements is not None else self._least[model]
+        known = bands.get((band, size))
+        if known is not None:  # the common case, for every request's admission: no scan
+            return known
+        smaller = [(e, s) for s, e in bands if s <= band and e <= size]
         if not smaller:
             return None
         e, s = max(smaller)

@@ -66,7 +66,7 @@ class Placement:
 
     def __init__(self, config: Config, workers: WorkerTable, reloads: ReloadManager, dispatcher: Dispatcher,
                  queue: RequestQueue, replies: Replies, live: LiveVersions, stats: Stats) -> None:
-        self.config = config
+        self.configure(config)
         self.workers = workers
         self.reloads = reloads
         self.dispatcher = dispatcher
@@ -87,6 +87,7 @@ class Placement:
     def configure(self, config: Config) -> None:
         """Take a new config (a SIGHUP): the models, which of them load on demand, the budget."""
         self.config = config
+        self._on_demand_models = frozenset(name for name, model in config.models.items() if model.on_demand)
 
     @property
     def budget(self) -> int:
@@ -94,8 +95,7 @@ class Placement:
         return int(self.config.workers.model_memory_mb * 2**20)
 
     def _on_demand(self, model: str) -> bool:
-        config = self.config.models.get(model)
-        return config is not None and config.on_demand
+        return model in self._on_demand_models
 
     def refusals(self, now: float) -> dict[str, str]:
         """The on-demand models whose last load failed and whose backoff has not passed: why, as a sentence."""
@@ -114,8 +114,8 @@ class Placement:
     def place_waiting(self, now: float) -> None:
         """Place each on-demand model that has requests (or an `inferctl load`) waiting and is on no worker,
         the one that has waited longest first, and give a model whose queue stays long one more copy."""
-        if not len(self.queue) and not self._asked:
-            return
+        if not self._on_demand_models or (not len(self.queue) and not self._asked):
+            return  # the loop calls this every turn: a daemon without on-demand models pays one test
         loading = {index for _, index in self.pending}
         if all(w.state != WorkerState.READY or w.index in loading for w in self.workers.workers):
             return  # no worker can start a load now: the loop turns of a busy daemon stay cheap
