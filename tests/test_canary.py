@@ -305,7 +305,10 @@ def test_systemd_status_names_the_trial(workdir, reload_repo):
 
 
 def test_the_guard_promotes_a_clean_canary_after_its_time(reload_daemon):
-    daemon = reload_daemon(model={**RELOAD_MLP, "canary_guard": {"window_s": 10, "min_requests": 10}})
+    # v2 computes as fast as v1, but beside a busy machine's noise one p99 can be 50 % and 5 ms over the other's:
+    # this test is of the promotion, so only failures would make the window unclean.
+    guard = {"window_s": 10, "min_requests": 10, "max_p99_increase": 100, "min_p99_increase_ms": 10_000}
+    daemon = reload_daemon(model={**RELOAD_MLP, "canary_guard": guard})
     result = inferctl(daemon, "reload", "--version", "v2", "--canary", "50", "--promote-after", "2s")
     assert result.returncode == 0, result.stderr
     stop = threading.Event()
