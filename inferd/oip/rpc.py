@@ -160,18 +160,12 @@ class InferenceService:
 
     async def repository_model_load(self, request: pb.RepositoryModelLoadRequest,
                                     call: Call) -> pb.RepositoryModelLoadResponse:
-        try:
-            await self.catalog.load(request.model_name)
-        except Refused as exc:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        await _unless_refused(self.catalog.load(request.model_name))
         return pb.RepositoryModelLoadResponse()
 
     async def repository_model_unload(self, request: pb.RepositoryModelUnloadRequest,
                                       call: Call) -> pb.RepositoryModelUnloadResponse:
-        try:
-            await self.catalog.unload(request.model_name)
-        except Refused as exc:
-            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        await _unless_refused(self.catalog.unload(request.model_name))
         return pb.RepositoryModelUnloadResponse()
 
     async def model_infer(self, request: pb.ModelInferRequest, call: Call) -> pb.ModelInferResponse:
@@ -282,6 +276,14 @@ class InferenceService:
                                                       response_serializer=lambda message: message.SerializeToString())
             for name, (method, kind) in methods.items()
         })
+
+
+async def _unless_refused(command: Awaitable[None]) -> None:
+    """Run a model repository command; the daemon's refusal is FAILED_PRECONDITION with its sentence."""
+    try:
+        await command
+    except Refused as exc:
+        raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
 
 def _answering(name: str, method: Callable[[Any, Call], Awaitable[Message]],

@@ -119,7 +119,7 @@ class Placement:
         loading = {index for _, index in self.pending}
         if all(w.state != WorkerState.READY or w.index in loading for w in self.workers.workers):
             return  # no worker can start a load now: the loop turns of a busy daemon stay cheap
-        unplaced = [(replies[0][1], model) for model, replies in self._asked.items()]
+        unplaced = {model: replies[0][1] for model, replies in self._asked.items()}  # model -> waiting since
         for model, lane in self.queue.lanes.items():
             if not lane.samples or not self._on_demand(model):
                 continue
@@ -127,10 +127,11 @@ class Placement:
             if not holders:
                 failure = self.failures.get(model)
                 if failure is None or now >= failure.until:
-                    unplaced.append((lane.oldest().received, model))
+                    received = lane.oldest().received
+                    unplaced[model] = min(received, unplaced.get(model, received))
             elif self._stays_long(model, lane.samples, holders, now):
                 self._place_somewhere(model, now, evict=False)
-        for _, model in sorted(unplaced):
+        for model in sorted(unplaced, key=unplaced.__getitem__):
             self._place_somewhere(model, now)
 
     def _stays_long(self, model: str, samples: int, holders: list[WorkerHandle], now: float) -> bool:
