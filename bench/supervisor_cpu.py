@@ -1,10 +1,12 @@
 """The supervisor's own CPU per request, by thread: its loop and ZeroMQ's I/O threads.
 
-    python -m bench.supervisor_cpu [--runs 3] [--seconds 5]
+    python -m bench.supervisor_cpu [--runs 3] [--seconds 5] [--front-ends] [--idle-models N]
 
 One daemon (one CPU worker, 2 streams) serves the benchmark MLP; the load
 generator keeps 64 requests in flight on one connection (with --front-ends, the
-HTTP and gRPC gateways run beside it, idle). Each run prints the
+HTTP and gRPC gateways run beside it, idle; with --idle-models N, N more models
+loaded on demand are configured beside it and never asked for, as a daemon
+serving a model per customer has them). Each run prints the
 CPU time the supervisor's main thread (the loop) and its ZeroMQ I/O threads
 spent per request answered. Narrower than the matrix, and so steadier: it is the
 number to compare two versions of the supervisor by, run alternately on each.
@@ -40,11 +42,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--front-ends", action="store_true",
                         help="with the HTTP and gRPC front ends on (idle), as make bench runs the daemon")
+    parser.add_argument("--idle-models", type=int, default=0, metavar="N",
+                        help="N more on-demand models configured and never asked for")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="inferd-cpu-"))
     models.build(root / "repo")
     sections = {"server": {name: f"127.0.0.1:{free_port()}" for name in ("http", "grpc")}} if args.front_ends else {}
-    daemon = start_daemon(root / "daemon", {"mlp": model_configs(root / "repo")["mlp"]},
+    mlp = model_configs(root / "repo")["mlp"]
+    idle = {f"idle{index}": {**mlp, "load": "on_demand"} for index in range(args.idle_models)}
+    daemon = start_daemon(root / "daemon", {"mlp": mlp, **idle},
                           workers={"devices": ["cpu"], "streams": 2}, **sections)
     try:
         supervisor = psutil.Process(daemon.process.pid)

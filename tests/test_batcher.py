@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferd.protocol import RequestHeader, TensorMeta
 from inferd.supervisor.batcher import (
@@ -359,3 +361,51 @@ def test_put_back_returns_requests_to_the_head_of_their_level_as_if_never_taken(
     name, taken = b.take(cap(True, True), 0.0)
     q.put_back(taken)
     assert q.expire(1.0) == [late], "a request put back still expires at its deadline"
+
+
+OPERATIONS = st.lists(st.tuples(st.sampled_from(["put", "take", "cancel", "expire", "displace", "put_back",
+                                                 "remove", "drain"]),
+                                st.sampled_from("abcd"), st.integers(0, 1), st.integers(1, 3)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPERATIONS)
+def test_the_lanes_walked_are_those_holding_requests_and_each_gets_its_turn_in_the_round(operations):
+    """The batcher and placement walk only the queue's busy lanes (a daemon may configure a thousand models):
+    after any mix of what changes a lane, they are the lanes holding requests, and the round-robin over them
+    is the one over every model in config order, skipping the empty."""
+    policies = {name: ModelPolicy(max_batch_size=3, max_wait_s=0.0) for name in "abcd"}
+    q, b = made(bounds(max_size=6), policies, Levels(2, 1))
+    taken_last: str | None = None
+    for step, (operation, model, priority, samples) in enumerate(operations):
+        now = step * 0.1
+        if operation == "put":
+            q.put(request(model, samples, now, timeout=1.5, rid=step, client=model, priority=priority))
+        elif operation in ("take", "put_back"):
+            busy_before = [name for name in "abcd" if q.lanes[name].samples]
+            batch = b.take(cap(True, True), now)
+            if batch is None:
+                assert not busy_before
+                continue
+            after = "abcd".index(taken_last) + 1 if taken_last else 0
+            assert batch[0] == next(name for name in "abcd"[after:] + "abcd"[:after] if name in busy_before)
+            taken_last = batch[0]
+            if operation == "put_back":
+                q.put_back(batch[1])
+        elif operation == "cancel":
+            waiting = [r for level in q.lanes[model].levels for r in level]
+            if waiting:
+                assert q.cancel(waiting[-1].client, waiting[-1].header.id) is waiting[-1]
+        elif operation == "expire":
+            q.expire(now)
+        elif operation == "displace":
+            urgent = request(model, 1, now, rid=1000 + step, client=f"urgent{step}", priority=0)
+            if q.put(urgent) is not None and q.displace_for(urgent) is not None:
+                q.put(urgent)
+        elif operation == "remove":
+            q.remove_model(model)
+        else:
+            q.drain()
+        assert q.busy == {name: lane for name, lane in q.lanes.items() if lane.samples}
+        assert sum(len(lane) for lane in q.busy.values()) == len(q)
+        assert (b.next_wakeup(now) is None) == (len(q) == 0)

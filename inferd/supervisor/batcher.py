@@ -98,7 +98,7 @@ class Batcher:
         self.queue = queue
         self._times = times
         self._lanes: dict[str, _LanePolicy] = {}
-        self._order: list[str] = []
+        self._order: dict[str, int] = {}  # model -> its place in the round
         self._next_lane = 0
         self.configure(policies)
 
@@ -111,7 +111,7 @@ class Batcher:
                 self._lanes[name].policy = policy
             else:
                 self._lanes[name] = _LanePolicy(policy)
-                self._order.append(name)
+                self._order[name] = len(self._order)
             if len(self._lanes[name].passed) != count:
                 self._lanes[name].passed = [0] * count
 
@@ -122,15 +122,17 @@ class Batcher:
         are served round-robin, so a model with a long backlog cannot starve another
         model's requests.
         """
-        for step in range(len(self._order)):
-            name = self._order[(self._next_lane + step) % len(self._order)]
-            waiting = self.queue.lanes[name]
-            if not waiting.samples:
-                continue
+        busy = self.queue.busy
+        if not busy:
+            return None
+        order, count = self._order, len(self._order)
+        names = busy if len(busy) == 1 else sorted(busy, key=lambda n: (order[n] - self._next_lane) % count)
+        for name in names:
+            waiting = busy[name]
             room = capacity(name)
             lane = self._lanes[name]
             if room.idle or (room.spare and self._due(name, waiting, lane, room, now)):
-                self._next_lane = (self._next_lane + step + 1) % len(self._order)
+                self._next_lane = (order[name] + 1) % count
                 lane.go_at = None
                 return name, self._take(name, waiting, lane)
         return None
@@ -142,10 +144,10 @@ class Batcher:
         executor, whose answer wakes the loop anyway.
         """
         times = []
-        for name, lane in self._lanes.items():
-            waiting = self.queue.lanes[name]
+        for name, waiting in self.queue.busy.items():
+            lane = self._lanes[name]
             wait = lane.policy.max_wait_s
-            if not waiting.samples or (wait is not None and self._full(waiting, lane)):
+            if wait is not None and self._full(waiting, lane):
                 continue
             due = lane.go_at if wait is None else waiting.oldest().received + wait
             if due is not None and due > now:

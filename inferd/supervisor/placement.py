@@ -120,8 +120,8 @@ class Placement:
         if all(w.state != WorkerState.READY or w.index in loading for w in self.workers.workers):
             return  # no worker can start a load now: the loop turns of a busy daemon stay cheap
         unplaced = {model: replies[0][1] for model, replies in self._asked.items()}  # model -> waiting since
-        for model, lane in self.queue.lanes.items():
-            if not lane.samples or not self._on_demand(model):
+        for model, lane in list(self.queue.busy.items()):  # a refusal below empties its lane
+            if not self._on_demand(model):
                 continue
             holders = [w for w in self.workers.workers if model in w.placed]
             if not holders:

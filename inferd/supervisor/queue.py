@@ -117,6 +117,9 @@ class RequestQueue:
         self.bounds = bounds
         self.levels = levels
         self.lanes: dict[str, Lane] = {}
+        # The lanes that hold requests: what the batcher and placement walk each turn of the loop, so that
+        # a daemon configured with a thousand models pays for the few asked for, not for all of them.
+        self.busy: dict[str, Lane] = {}
         self._per_client: Counter[Hashable] = Counter()
         self._bytes_per_client: Counter[Hashable] = Counter()
         self._deadlines: list[tuple[float, int, QueuedRequest]] = []
@@ -176,8 +179,11 @@ class RequestQueue:
                 or (bounds.max_per_client and self._per_client[client] >= bounds.max_per_client)
                 or self._bytes_per_client[client] + nbytes > bounds.max_bytes_per_client):
             return self.refusal(client, nbytes)
-        lane = self.lanes[request.header.model]
+        model = request.header.model
+        lane = self.lanes[model]
         lane.levels[request.priority].append(request)
+        if not lane.samples:
+            self.busy[model] = lane
         lane.samples += request.samples
         lane.level_samples[request.priority] += request.samples
         lane.seen[request.priority] = request.received
@@ -202,8 +208,11 @@ class RequestQueue:
         (they name the version their batch did not go to, whose executors are all busy). They were admitted
         once; the bounds do not refuse them now."""
         for request in reversed(requests):
-            lane = self.lanes[request.header.model]
+            model = request.header.model
+            lane = self.lanes[model]
             lane.levels[request.priority].appendleft(request)
+            if not lane.samples:
+                self.busy[model] = lane
             lane.samples += request.samples
             lane.level_samples[request.priority] += request.samples
             self._size += 1
@@ -231,6 +240,8 @@ class RequestQueue:
         for index, samples in enumerate(taken):
             lane.level_samples[index] -= samples
             lane.samples -= samples
+        if not lane.samples:
+            del self.busy[model]
         self._drop_settled_deadlines()
         return taken
 
@@ -264,7 +275,7 @@ class RequestQueue:
     def _newest_below(self, priority: int) -> Iterator[QueuedRequest]:
         """Waiting requests less urgent than `priority`: the least urgent level first, newest first in each."""
         for index in range(self.levels.count - 1, priority, -1):
-            yield from heapq.merge(*(reversed(lane.levels[index]) for lane in self.lanes.values()),
+            yield from heapq.merge(*(reversed(lane.levels[index]) for lane in self.busy.values()),
                                    key=lambda r: -r.received)
 
     def cancel(self, client: Hashable, request_id: RequestId) -> QueuedRequest | None:
@@ -272,7 +283,7 @@ class RequestQueue:
 
         A scan: cancels are rare, and an index would cost every request.
         """
-        for lane in self.lanes.values():
+        for lane in self.busy.values():  # left at the first match: its removal cannot upset the walk
             for level in lane.levels:
                 for request in level:
                     if request.header.id == request_id and request.client == client:
@@ -313,6 +324,7 @@ class RequestQueue:
                 level.clear()
             lane.samples = 0
             lane.level_samples = [0] * len(lane.levels)
+        self.busy.clear()
         for request in drained:
             request.state = TAKEN
         self._per_client.clear()
@@ -327,7 +339,8 @@ class RequestQueue:
         return self._per_client[client]
 
     def _remove(self, request: QueuedRequest, state: int) -> None:
-        lane = self.lanes[request.header.model]
+        model = request.header.model
+        lane = self.lanes[model]
         level = lane.levels[request.priority]
         if level[-1] is request:  # a displaced request is the newest: no scan
             level.pop()
@@ -335,6 +348,8 @@ class RequestQueue:
             level.remove(request)
         lane.samples -= request.samples
         lane.level_samples[request.priority] -= request.samples
+        if not lane.samples:
+            del self.busy[model]
         self._left(request)
         request.state = state
 
