@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import models
@@ -16,7 +15,6 @@ from conftest import (
     ONE_AT_A_TIME,
     SLOW,
     exited,
-    reference,
     replies_across_a_worker_death,
     requests_accounted,
     wait_for,
@@ -71,35 +69,26 @@ def test_client_retries_overloaded_until_it_gets_through(start_daemon):
     assert daemon.status()["replies"]["overloaded"] > 0, "the test never hit a full queue"
 
 
-def test_requests_whose_deadline_passes_in_the_queue_are_not_computed(start_daemon, repo):
-    daemon = start_daemon({"slow": ONE_SLOW}, workers={"streams": 1})
-    # A deadline that the first request of the burst makes and the last of 60 cannot (one at a time):
-    # three times what the model takes in this process now, more on a loaded machine than on a quiet
-    # one. (Timed here, not by the daemon: once it has timed a batch, it refuses at the door what
-    # cannot make its deadline, and none would wait in the queue.)
-    model = reference(repo, "slow", "v1")
-    model(X_SLOW)
-    started = time.perf_counter()
-    model(X_SLOW)
-    one_ms = (time.perf_counter() - started) * 1000
-    batches_before = daemon.status()["workers"][0]["batches"]
-    replies = burst(daemon.endpoint, "slow", X_SLOW, 60, timeout_ms=max(15, int(3 * one_ms)))
-    statuses = [r["status"] for r in replies]
-    assert "ok" in statuses and "timeout" in statuses, statuses
-    # Once a batch has been timed, a request read later may be refused at the door as one that cannot
-    # make its deadline (on a busy machine the daemon reads the burst that slowly): never computed either.
-    assert set(statuses) <= {"ok", "timeout", "overloaded"}, statuses
-    # Timed out in the queue, or when its turn came with too little time left for the batch: not computed;
-    # or its batch sent in time but not back by its deadline: answered then, and computed or (still waiting
-    # behind another in the executor's pipeline when its turn came) not.
-    not_computed = ("deadline passed before the request ran", "would finish after its deadline")
-    late = [r for r in replies if r["status"] == "timeout" and "before its batch finished" in r["error"]]
-    assert all(any(why in r["error"] for why in not_computed) for r in replies
-               if r["status"] == "timeout" and r not in late), replies
-    assert all("at the soonest" in r["error"] for r in replies if r["status"] == "overloaded")
-    batches = daemon.status()["workers"][0]["batches"] - batches_before
-    assert statuses.count("ok") <= batches <= statuses.count("ok") + len(late), \
-        "a request refused or timed out was computed"
+def test_requests_whose_deadline_passes_in_the_queue_are_not_computed(start_daemon, gates):
+    daemon = start_daemon({"variable": ONE_AT_A_TIME}, workers={"streams": 1})
+    before = daemon.status()["workers"][0]["batches"]
+    x = np.array([[1.0, 2.0]], dtype=np.float32)
+    with RawPeer(daemon.endpoint) as peer:
+        gate = gates()
+        peer.send("held", "variable", [gate.input], timeout_ms=60_000)
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the held batch running")
+        peer.send("behind", "variable", [x], timeout_ms=60_000)  # into the executor's pipeline, behind it
+        wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="the second batch sent")
+        for index in range(20):  # nowhere to go: they wait in the queue until their deadlines pass
+            peer.send(index, "variable", [x], timeout_ms=200)
+        expired = [peer.recv()[0] for _ in range(20)]
+        gate.open()
+        replies = {h["id"]: h for h, _ in (peer.recv(), peer.recv())}
+    assert sorted(r["id"] for r in expired) == list(range(20))
+    assert all(r["status"] == "timeout" and "the deadline passed before the request ran" in r["error"]
+               for r in expired), expired
+    assert replies["held"]["status"] == "ok" and replies["behind"]["status"] == "ok", replies
+    assert daemon.status()["workers"][0]["batches"] - before == 2, "a request that timed out was computed"
 
 
 def test_an_oversized_message_is_refused_and_the_daemon_keeps_serving(start_daemon):
