@@ -330,6 +330,18 @@ def test_fewer_levels_on_sighup_move_waiting_requests_to_the_least_urgent_left()
     assert q.samples_ahead("a", 1) == 1 and q.cancel("c", 1).priority == 1
 
 
+def test_a_batch_taken_before_a_sighup_removed_its_level_is_put_back_at_the_least_urgent_left():
+    """Its worker died after the SIGHUP: its requests are queued again, not lost to a level that is gone."""
+    q, b = levelled(count=3)
+    q.put(request(rid=1, priority=2))
+    _, taken = b.take(cap(True, True), 0.0)
+    policies = {"a": ModelPolicy(4, 0.0)}
+    q.configure(bounds(), policies, Levels(2, 1, 0.1))
+    b.configure(policies)
+    q.put_back(taken)
+    assert q.samples_ahead("a", 1) == 1 and b.take(cap(True, True), 0.0)[1] == taken
+
+
 def test_displacement_never_bypasses_the_requesters_own_share():
     q, b = made(Bounds(max_size=2, max_bytes=1 << 30, max_per_client=1, max_bytes_per_client=1 << 30),
                    {"a": ModelPolicy(4, 0.0)}, Levels(2, 1, 0.1))

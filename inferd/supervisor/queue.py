@@ -206,8 +206,10 @@ class RequestQueue:
     def put_back(self, requests: list[QueuedRequest]) -> None:
         """Return taken requests to the head of their levels, in order: the dispatcher could not send them
         (they name the version their batch did not go to, whose executors are all busy). They were admitted
-        once; the bounds do not refuse them now."""
+        once; the bounds do not refuse them now. A request of a level that a SIGHUP removed since it was
+        taken goes to the least urgent level left, as a waiting one did."""
         for request in reversed(requests):
+            request.priority = min(request.priority, self.levels.count - 1)
             model = request.header.model
             lane = self.lanes[model]
             lane.levels[request.priority].appendleft(request)
