@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -163,6 +164,9 @@ def test_an_on_demand_model_loads_for_the_requests_that_need_it_and_unloads_when
             np.testing.assert_allclose(future.result(), expected(sample), rtol=1e-5, atol=1e-6)
     assert loaded(daemon, "lazy") == ["lazy v2"]
     assert daemon.log().count("loading lazy v2 on worker0 (on demand)") == 1
+    [said] = re.findall(r"lazy v2 loaded on worker0 in [\d.]+ s \(on demand\); (\d+) request\(s\) waited", daemon.log())
+    waited = daemon.call("stats")["models"]["lazy"]["loading"]["waited_for_load_ms"]
+    assert 1 <= waited["count"] == int(said) <= len(x) and waited["max"] > 0, (waited, said)
 
     refused = inferctl(daemon, "unload", "--model", "mlp")
     assert refused.returncode == 1 and 'loaded on every worker (load = "always")' in refused.stderr
@@ -360,11 +364,20 @@ def test_the_model_repository_extension_over_http_and_grpc_with_tritonclient(sta
     np.testing.assert_allclose(http.infer("lazy", [request]).as_numpy("OUTPUT__0"), expected, rtol=1e-5, atol=1e-6)
 
 
-def test_an_on_demand_model_whose_queue_stays_long_gets_a_copy_on_another_worker(start_daemon, gates):
-    daemon = start_daemon({"variable": {**ONE_AT_A_TIME, "load": "on_demand"}},
+def test_a_model_whose_queue_stays_long_gets_a_copy_on_another_worker_and_that_copy_is_the_first_to_go(
+        start_daemon, repo, gates):
+    one = {**ONE_AT_A_TIME, "repository": str(repo / "variable"), "load": "on_demand"}
+    daemon = start_daemon({name: one for name in ("variable", "early", "other", "new")},
                           workers={"devices": ["cpu", "cpu"], "streams": 1})
-    held = [gates(), gates()]
     x = np.array([[1.0, 2.0]], dtype=np.float32)
+    with daemon.client() as client:
+        for name in ("early", "other", "new"):  # each to the worker holding fewer models, the first on a tie
+            np.testing.assert_array_equal(client.infer(name, x), x)
+    # `new` loaded once, so that placement knows its size (else it takes its file's, which is larger)
+    assert inferctl(daemon, "unload", "--model", "new").returncode == 0
+    wait_for(lambda: [w["models"] for w in daemon.call("stats")["workers"]] == [["early"], ["other"]],
+             what="one model on each worker")
+    held = [gates(), gates()]
     with RawPeer(daemon.endpoint) as peer:
         for index, gate in enumerate(held):  # the one executor of the worker that loads it: one running, one next
             peer.send(100 + index, "variable", [gate.input])
@@ -385,3 +398,18 @@ def test_an_on_demand_model_whose_queue_stays_long_gets_a_copy_on_another_worker
         for gate in held:
             gate.open()
         assert {peer.recv()[0]["id"] for _ in held} == {100, 101}
+
+    # Each worker now holds two of these (equal) models; a budget of two and a half makes a third need an
+    # unload. The worker that takes it unloads its idle copy of `variable`, used last but held elsewhere too,
+    # rather than its least recently used model, held nowhere else.
+    [size] = {w["model_memory_bytes"] / 2 for w in daemon.call("stats")["workers"]}
+    config = daemon.config
+    config["workers"]["model_memory_mb"] = 2.5 * size / 2**20
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "workers.model_memory_mb 0 ->" in daemon.log(), what="the budget applied")
+    with daemon.client() as client:
+        np.testing.assert_array_equal(client.infer("new", x), x)
+    assert "unloading variable from worker0 (to make room for new)" in daemon.log()
+    assert [sorted(w["models"]) for w in daemon.call("stats")["workers"]] == [["early", "new"],
+                                                                           ["other", "variable"]]
