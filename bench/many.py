@@ -14,12 +14,15 @@ of hits and of waits, loads per minute, the load time (the daemon's stats). Targ
 the same run:
   M1 hits' p99 <= 1.2 x the all-loaded run's p99
   M2 a load (asked to loaded) under 1 s, at its p50
+The runs' loads read the one file from the page cache; beside them, COLD loads (`inferctl load`) of models of
+their own files, each dropped from the page cache first, say what a load from the disk costs.
 JSON lines are appended to bench/results/many.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import tempfile
 import time
@@ -40,8 +43,13 @@ from inferd.ipc.sockets import recv_parts, send_parts
 
 WIDTH, HIDDEN = 512, 7168
 CONCURRENCY = 16
+COLD = 8
 ZIPF = 1.1
 EVENT = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) .*inferd\.placement: (?:(\S+) \S+ loaded on worker|unloading (\S+) from)")
+
+
+TOML = to_toml({"inputs": [{"dtype": "float32", "shape": [WIDTH]}], "max_batch_size": 16,
+                "warmup_batch_sizes": [1, 16], "load": "on_demand"})
 
 
 def build(root: Path, count: int) -> Path:
@@ -51,13 +59,26 @@ def build(root: Path, count: int) -> Path:
     weights = root.parent / "weights" / "v1"
     weights.mkdir(parents=True)
     torch.jit.save(torch.jit.script(module.eval()), str(weights / "model.pt"))
-    toml = to_toml({"inputs": [{"dtype": "float32", "shape": [WIDTH]}], "max_batch_size": 16,
-                    "warmup_batch_sizes": [1, 16], "load": "on_demand"})
     for index in range(count):
         folder = root / f"m{index:02d}"
         folder.mkdir(parents=True)
         (folder / "v1").symlink_to(weights)
-        (folder / "model.toml").write_text(toml)
+        (folder / "model.toml").write_text(TOML)
+    return root
+
+
+def build_cold(root: Path, weights: Path, count: int) -> Path:
+    """`count` model folders under `root`, each with its own copy of `weights`, written to the disk and
+    dropped from the page cache: a load reads it from the disk."""
+    for index in range(count):
+        version = root / f"c{index:02d}" / "v1"
+        version.mkdir(parents=True)
+        (version.parent / "model.toml").write_text(TOML)
+        with open(version / "model.pt", "wb") as out:
+            out.write(weights.read_bytes())
+            out.flush()
+            os.fsync(out.fileno())
+            os.posix_fadvise(out.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     return root
 
 
@@ -141,6 +162,19 @@ def run(root: Path, workdir: Path, models: list[str], seconds: float, budget_mb:
     return done, daemon, stats
 
 
+def cold_loads(root: Path, workdir: Path) -> list[float]:
+    """Each model of `root` loaded by `inferctl load`, one after another: the milliseconds each took."""
+    workdir.mkdir(parents=True)
+    config = local_config(workdir, {}, workers={"devices": ["cpu"], "streams": 2, "shm_mb": 64})
+    config["server"]["model_root"] = str(root)
+    daemon = DaemonProcess(workdir, config).start()
+    try:
+        return [daemon.call("load", timeout=120, model=folder.name)["load_s"] * 1000
+                for folder in sorted(root.iterdir())]
+    finally:
+        daemon.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=60.0, help="of each run")
@@ -158,6 +192,8 @@ def main() -> int:
     budget, daemon, budget_stats = run(root, workdir / "budget", models, args.seconds, budget_mb, [])
     spans = loaded_spans(daemon.log())
     everything, _, _ = run(root, workdir / "all", models, args.seconds, 0, names)
+    cold_root = build_cold(workdir / "cold", root.parent / "weights" / "v1" / "model.pt", COLD)
+    cold_ms = cold_loads(cold_root, workdir / "cold-daemon")
 
     def found_loaded(wall: float, model: str) -> bool:
         return any(start <= wall < end for start, end in spans.get(model, ()))
@@ -180,6 +216,8 @@ def main() -> int:
         {"run": "all", "models": args.models, "seconds": args.seconds,
          "samples_per_s": round(sum(1 for *_, s in everything if s == protocol.OK) / args.seconds, 1),
          "hits_ms": percentiles([latency for _, _, latency, status in everything if status == protocol.OK])},
+        {"run": "cold", "models": COLD, "load_ms_p50": round(float(np.median(cold_ms)), 1),
+         "load_ms_max": round(max(cold_ms), 1)},
     ]
     record("many", rows)
     print()
@@ -189,20 +227,22 @@ def main() -> int:
 
 def render(rows: list[dict[str, Any]]) -> str:
     """The table, and the targets as ratios measured in the same run."""
-    budget, everything = rows
+    budget, everything, cold = rows
     lines = [
         [f"budget (holds {budget['hold']} of {budget['models']})", budget["samples_per_s"],
          budget["hit_rate"], budget["hits_ms"]["p50"], budget["hits_ms"]["p99"], budget["waits_ms"]["p50"],
          budget["waits_ms"]["p99"], budget["loads_per_minute"], budget["load_ms_p50"]],
         [f"all {everything['models']} loaded", everything["samples_per_s"], 1.0, everything["hits_ms"]["p50"],
          everything["hits_ms"]["p99"], "-", "-", 0, "-"],
+        [f"cold: {cold['models']} loads from the disk", "-", "-", "-", "-", "-", "-", "-", cold["load_ms_p50"]],
     ]
     m1 = budget["hits_ms"]["p99"] / everything["hits_ms"]["p99"]
     return table(["run", "samples/s", "hit rate", "hits p50 ms", "hits p99 ms", "waits p50 ms", "waits p99 ms",
                   "loads/min", "load p50 ms"], lines) + (
         f"\n\nM1 hits' p99 / all-loaded p99 = {m1:.2f} (target <= 1.2): {'met' if m1 <= 1.2 else 'MISSED'}"
         f"\nM2 load p50 = {budget['load_ms_p50']:.0f} ms (target < 1000): "
-        f"{'met' if budget['load_ms_p50'] < 1000 else 'MISSED'}")
+        f"{'met' if budget['load_ms_p50'] < 1000 else 'MISSED'}; from the disk {cold['load_ms_p50']:.0f} ms "
+        f"(at the most {cold['load_ms_max']:.0f})")
 
 
 if __name__ == "__main__":
