@@ -23,7 +23,7 @@ from inferd.protocol import Buffer
 EXTENSIONS = ("binary_tensor_data", "model_configuration", "model_repository", "statistics", "parameters")
 # What either protocol answers when the gateway itself raised.
 GATEWAY_BUG = "the gateway failed on this request (a bug; its traceback is in the daemon's log)"
-FRESH_S = 1.0  # how long the models' state read from the supervisor is taken as current
+FRESH_S = 1.0  # how long a model's state read from the supervisor is taken as current
 
 
 def server_extensions(shared_memory: bool) -> list[str]:
@@ -228,34 +228,46 @@ class ModelView:
 
 
 class Catalog:
-    """The models as the supervisor has them now, SIGHUP's changes included (read again once its word is
-    over FRESH_S old)."""
+    """The models as the supervisor has them now, SIGHUP's changes included: each model asked for is read
+    again once the supervisor's word on it is over FRESH_S old (one model at a time, so that a daemon of a
+    thousand models does not list them all for each)."""
 
     def __init__(self, streams: int, devices: list[str], control: Control) -> None:
         self._streams = streams  # a worker setting, which a SIGHUP does not change
         self._devices = devices
         self._control = control
-        self._views: dict[str, ModelView] = {}
-        self._read_at = -math.inf
-        self._reading = asyncio.Lock()  # one read at a time, and those who waited take its answer
+        self._views: dict[str, tuple[ModelView, float]] = {}  # model -> its view, and when it was read
+        self._reading: dict[str, asyncio.Future[ModelView | None]] = {}  # reads under way: who asks, waits
 
     async def model(self, name: str, version: str | None) -> ModelView:
         """The model `name`, at `version` if one is named: NotFound unless it is the live one (or its canary)."""
-        if time.monotonic() - self._read_at > FRESH_S:
-            async with self._reading:
-                if time.monotonic() - self._read_at > FRESH_S:
-                    state = await self._control.call("models")
-                    self._views = {model: ModelView(model, state[model], self._streams, self._devices)
-                                   for model in state}
-                    self._read_at = time.monotonic()
-        view = self._views.get(name)
+        known = self._views.get(name)
+        view = known[0] if known is not None and time.monotonic() - known[1] <= FRESH_S else await self._read(name)
         if view is None:
             # Triton's words, which its users and clients look for.
-            raise NotFound(f"Request for unknown model: {name!r} is not found; this daemon serves "
-                           f"{', '.join(sorted(self._views))}")
+            raise NotFound(f"Request for unknown model: {name!r} is not found; the model repository index "
+                           "lists the models served")
         if view.named(version) not in (None, view.version, view.canary):
             raise NotFound(f"Request for unknown model: {name!r} version {version!r} is not found; the live "
                            f"version is {view.version!r} (number {view.number(view.version)})")
+        return view
+
+    async def _read(self, name: str) -> ModelView | None:
+        """`name` as the supervisor has it now (None where it serves no such model); requests that ask
+        while it is read take the same answer."""
+        reading = self._reading.get(name)
+        if reading is None:
+            reading = self._reading[name] = asyncio.ensure_future(self._fetch(name))
+            reading.add_done_callback(lambda _: self._reading.pop(name, None))
+        return await asyncio.shield(reading)  # one asker's cancellation does not end the others' read
+
+    async def _fetch(self, name: str) -> ModelView | None:
+        state = await self._control.call("models", model=name)
+        if name not in state:
+            self._views.pop(name, None)
+            return None
+        view = ModelView(name, state[name], self._streams, self._devices)
+        self._views[name] = (view, time.monotonic())
         return view
 
     async def for_infer(self, name: str, version: str | None) -> ModelView:
@@ -290,12 +302,12 @@ class Catalog:
         """Have a worker load `name` (the daemon reads its config again for a name it does not know); Refused
         says why it was not."""
         await self._control.call_long("load", Refused, model=name)
-        self._read_at = -math.inf  # its readiness changed: the next question reads it again
+        self._views.pop(name, None)  # its readiness changed: the next question reads it again
 
     async def unload(self, name: str) -> None:
         """Unload on-demand `name` from every worker; Refused says why it was not."""
         await self._control.call_long("unload", Refused, model=name)
-        self._read_at = -math.inf
+        self._views.pop(name, None)
 
     async def statistics(self, name: str | None, version: str | None) -> dict[str, Any]:
         """The statistics extension's answer for model `name` (every model if None), at `version` (a name
@@ -307,8 +319,8 @@ class Catalog:
             if name not in (None, model):
                 continue
             state = models[model]
-            view = self._views.get(model)
-            wanted = view.named(version) if view is not None else version
+            known = self._views.get(model)
+            wanted = known[0].named(version) if known is not None else version
             numbers: dict[str, int] = state["version_numbers"]
             for served in sorted(state["ready_versions"], key=lambda v: numbers.get(v, 0)):
                 if wanted in (None, served):

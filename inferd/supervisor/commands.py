@@ -89,21 +89,23 @@ class Commands:
         """Requests, latencies, throughput, batch sizes and queues per model; processes, memory, GPUs per worker."""
         return stats_report(self.daemon)
 
-    def command_models(self, on_disk: bool = False) -> dict[str, Any]:
+    def command_models(self, on_disk: bool = False, model: str | None = None) -> dict[str, Any]:
         """Each model's live version and where it came from, whether a ready worker serves it, its
         outputs, its config, the daemon's priority levels as they are now (a SIGHUP changes them), each
         version's number (for the protocols whose versions are integers), and per version the counts
         and times the Open Inference Protocol's statistics report (what the gateway asks). With
-        `on_disk` (`inferctl models`), also every folder in its repository and whether it can be served."""
+        `on_disk` (`inferctl models`), also every folder in its repository and whether it can be served.
+        With `model`, only that one ({} if it serves none of that name): what a gateway asks per request,
+        where listing every model's repository would hold the loop for milliseconds per hundred models."""
         since_epoch = time.time() - time.monotonic()
         load_errors = self.daemon.placement.refusals(time.monotonic())
         configs = self.daemon.config.models
-        all_numbers = self.daemon.version_numbers.of_all({name: configs[name].repository or ""
-                                                          for name in self.daemon.live})
-        served: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in self.daemon.live}
-        for (model, version), series in self.daemon.stats.since_start.items():
-            if model in served:
-                served[model][version] = {
+        names = list(self.daemon.live) if model is None else [model] if model in self.daemon.live else []
+        all_numbers = self.daemon.version_numbers.of_all({name: configs[name].repository or "" for name in names})
+        served: dict[str, dict[str, dict[str, Any]]] = {name: {} for name in names}
+        for (name, version), series in self.daemon.stats.since_start.items():
+            if name in served:
+                served[name][version] = {
                     "requests": dict(series.replies), "samples": series.samples,
                     "total_s": series.total.sum, "queue_s": series.queue.sum,
                     "phases_s": series.phases,
@@ -111,7 +113,8 @@ class Commands:
                     "last_inference_s": since_epoch + series.last_answered if series.last_answered else 0.0,
                 }
         result = {}
-        for name, live in self.daemon.live.items():
+        for name in names:
+            live = self.daemon.live[name]
             outputs = self.daemon.workers.signature(name, live) or ()
             queue = self.daemon.config.queue
             config = configs[name]
