@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from inferd import addresses
-from inferd.supervisor.report import admission_estimate_s, requests_by_protocol, worker_report
+from inferd.supervisor.report import admission_estimate_s, gateway_replies, requests_by_protocol, worker_report
 from inferd.supervisor.state import StartupError
 from inferd.supervisor.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
 
@@ -78,8 +78,10 @@ def build_families(daemon: DaemonView) -> list[Metric]:
     families += _trial_families(daemon)
     by_protocol = CounterMetricFamily("inferd_requests_by_protocol", "Requests answered, by protocol and status.",
                                       labels=["model", "protocol", "status"])
+    through_gateways = gateway_replies(daemon)
     for model in daemon.live:
-        for protocol, statuses in requests_by_protocol(daemon, model, per_model[model].replies).items():
+        for protocol, statuses in requests_by_protocol(per_model[model].replies,
+                                                       through_gateways.get(model, [])).items():
             for status, count in sorted(statuses.items()):
                 by_protocol.add_metric([model, protocol, status], count)
     families.append(by_protocol)
