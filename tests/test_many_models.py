@@ -252,8 +252,8 @@ def test_inferctl_load_waits_while_the_worker_loads_another_model(on_demand):
     assert daemon.log().index("slow gated loaded on worker0") < daemon.log().index("loading later v1 on worker0")
 
 
-def test_a_canary_of_an_on_demand_model_loads_where_the_live_version_is_and_none_starts_where_it_is_not(on_demand,
-                                                                                                      repo):
+def test_a_canary_or_shadow_of_an_on_demand_model_loads_where_the_live_version_is_and_none_starts_elsewhere(
+        on_demand, repo):
     daemon, _, _ = on_demand
     refused = inferctl(daemon, "reload", "--model", "tried", "--version", "v2", "--canary", "50")
     assert refused.returncode == 1 and "tried is loaded on no worker, so nothing would compare v2 with it; " \
@@ -274,6 +274,20 @@ def test_a_canary_of_an_on_demand_model_loads_where_the_live_version_is_and_none
     assert answered == {"v1", "v2"}
     assert inferctl(daemon, "promote", "--model", "tried").returncode == 0
     wait_for(lambda: loaded(daemon, "tried") == ["tried v2"], what="v1 unloaded once v2 is live")
+    # A shadow too is loaded where the live version is, and computes on it.
+    shadow = inferctl(daemon, "reload", "--model", "tried", "--version", "v1", "--shadow", "100")
+    assert shadow.returncode == 0, shadow.stderr
+    assert loaded(daemon, "tried") == ["tried v1", "tried v2"]
+    with RawPeer(daemon.endpoint) as peer:
+        for index in range(10):
+            peer.send(index, "tried", [x])
+            header, outputs = peer.recv()
+            assert header["status"] == "ok" and header["version"] == "v2"
+            np.testing.assert_allclose(outputs[0], reference(repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+    wait_for(lambda: daemon.call("stats")["models"]["tried"]["shadow"]["v1"]["compared"] >= 1,
+             what="the shadow's outputs compared with the live version's")
+    assert inferctl(daemon, "rollback", "--model", "tried").returncode == 0
+    wait_for(lambda: loaded(daemon, "tried") == ["tried v2"], what="the shadow unloaded once ended")
 
 
 def test_more_on_demand_models_than_the_budget_holds_rotate_within_it_and_one_too_big_is_refused(start_daemon,
@@ -319,6 +333,37 @@ def test_more_on_demand_models_than_the_budget_holds_rotate_within_it_and_one_to
     assert header["error"].startswith("big v1 could not be loaded (it holds 0.3") and \
         "more than workers.model_memory_mb" in header["error"], header["error"]
     assert daemon.call("stats")["workers"][0]["models"] != ["big"]
+
+
+def test_a_model_with_a_batch_running_is_not_unloaded_to_make_room_the_waiting_model_loads_once_it_is_idle(
+        start_daemon, repo, gates):
+    one = {**ONE_AT_A_TIME, "repository": str(repo / "variable"), "load": "on_demand"}
+    daemon = start_daemon({"busy": one, "waiting": one}, workers={"streams": 1})
+    x = np.array([[1.0, 2.0]], dtype=np.float32)
+    with daemon.client() as client:
+        for name in ("busy", "waiting"):  # each loaded once: placement knows their sizes
+            np.testing.assert_array_equal(client.infer(name, x), x)
+    size = daemon.call("stats")["workers"][0]["model_memory_bytes"] / 2
+    assert inferctl(daemon, "unload", "--model", "waiting").returncode == 0
+    config = daemon.config
+    config["workers"]["model_memory_mb"] = 1.5 * size / 2**20  # one of them fits, not two
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "workers.model_memory_mb 0 ->" in daemon.log(), what="the budget applied")
+    gate = gates()
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("held", "busy", [gate.input])
+        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="busy's batch running")
+        peer.send("next", "waiting", [x], timeout_ms=60_000)
+        wait_for(lambda: daemon.call("stats")["models"]["waiting"]["queue_depth"] == 1, what="the request queued")
+        daemon.status()  # a later turn of the loop: placement has seen the request since
+        assert daemon.log().count("loading waiting v1") == 1 and loaded(daemon) == ["busy v1"]  # the first load
+        gate.open()
+        replies = {header["id"]: (header, outputs) for header, outputs in (peer.recv(), peer.recv())}
+    assert replies["held"][0]["status"] == "ok" and replies["next"][0]["status"] == "ok"
+    np.testing.assert_array_equal(replies["next"][1][0], x)
+    assert "unloading busy from worker0 (to make room for waiting)" in daemon.log()
+    assert loaded(daemon) == ["waiting v1"]
 
 
 def test_the_model_repository_extension_over_http_and_grpc_with_tritonclient(start_daemon, repo):
