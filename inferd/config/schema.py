@@ -450,6 +450,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Whether its -1 dims are padded, so that requests of other sizes batch together."""
         return any(spec.padded for spec in self.inputs)
 
+    @property
+    def batches_by_shape(self) -> bool:
+        """Whether a request batches only with requests of its own shape (or shape bucket): inputs of any
+        size, unpadded or padded to buckets. Padded to each batch's longest, any request joins any batch."""
+        return self.variable and (not self.padded or bool(self.shape_buckets))
+
     def bucket(self, size: int, bound: int) -> int:
         """What a padded dim of `size` (at most `bound`, its max_shape) is padded to: the smallest of
         shape_buckets that holds it, never past the bound; a size above them all, itself."""

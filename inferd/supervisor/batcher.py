@@ -37,7 +37,7 @@ class ModelPolicy:
 
     max_batch_size: int
     max_wait_s: float | None
-    varies: bool = False  # its inputs have dims of any size: requests batch only with their like
+    by_shape: bool = False  # a request batches only with requests of its shape (ModelConfig.batches_by_shape)
     pads: bool = False  # its requests are padded to shape buckets: a smaller bucket may ride along
 
 
@@ -71,8 +71,7 @@ def queue_settings(config: Config) -> tuple[Bounds, dict[str, ModelPolicy], Leve
     bounds = Bounds(queue.max_size, queue.max_bytes, queue.max_per_client, queue.max_bytes_per_client)
     policies = {
         name: ModelPolicy(m.max_batch_size, None if m.max_wait_ms == "auto" else m.max_wait_ms / 1000,
-                          # Padded to the batch's longest (no buckets), any request batches with any other.
-                          m.variable and (not m.padded or bool(m.shape_buckets)), m.padded and bool(m.shape_buckets))
+                          m.batches_by_shape, m.padded and bool(m.shape_buckets))
         for name, m in config.models.items()
     }
     return bounds, policies, Levels(queue.priority_levels, queue.default_level, queue.priority_share)
@@ -177,7 +176,7 @@ class Batcher:
                 return True
         go_at = room.free_at - AUTO_LEAD_S
         # Where requests batch by shape, the batch's own size (elements per sample) is known.
-        elements = sum(math.prod(shape) for shape in plan[0].shapes) if lane.policy.varies else None
+        elements = sum(math.prod(shape) for shape in plan[0].shapes) if lane.policy.by_shape else None
         compute = self._times.batch_s(name, min(waiting.samples, lane.policy.max_batch_size), elements)
         if compute is not None:
             go_at = min(go_at, min(r.deadline for r in plan) - compute - AUTO_LEAD_S)
@@ -190,7 +189,7 @@ class Batcher:
         if waiting.samples < limit:
             return False
         # Requests of a model of fixed shapes all batch together; others only with their like.
-        return not lane.policy.varies or sum(r.samples for r in self._plan(waiting, lane)) >= limit
+        return not lane.policy.by_shape or sum(r.samples for r in self._plan(waiting, lane)) >= limit
 
     def _leader(self, waiting: Lane, lane: _LanePolicy) -> int:
         """The level that leads the next batch: one that waited through too many batches, else the most urgent."""
@@ -208,7 +207,7 @@ class Batcher:
         short requests are not padded to long ones while enough of them wait to go on their own, nor
         to more than twice their size, and do not wait for company that is not coming. A longer bucket
         never joins."""
-        limit, varies = lane.policy.max_batch_size, lane.policy.varies
+        limit, by_shape = lane.policy.max_batch_size, lane.policy.by_shape
         batch: list[QueuedRequest] = []
         samples = 0
         leader = self._leader(waiting, lane)
@@ -220,7 +219,7 @@ class Batcher:
                 if batch and samples + request.samples > limit:
                     break
                 # (The loop turns over the plan often, on the request path: fixed shapes skip the comparison.)
-                if varies and batch and request.shapes != batch[0].shapes:
+                if by_shape and batch and request.shapes != batch[0].shapes:
                     if not lane.policy.pads or not _rides_along(request.shapes, batch[0].shapes):
                         continue
                     if by_bucket is None:

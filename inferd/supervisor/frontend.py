@@ -100,7 +100,7 @@ def check_against_model(header: protocol.RequestHeader, name: str,
     if not model.variable:
         return samples, (), None
     elements = sum(math.prod(meta.shape[1:]) for meta in header.inputs)
-    if model.padded and not model.shape_buckets:
+    if not model.batches_by_shape:  # padded to each batch's longest request
         return samples, (), elements
     if model.padded:  # a request batches with those of its bucket
         return samples, tuple(tuple(model.bucket(size, most) if dim == -1 else size
