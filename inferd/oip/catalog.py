@@ -258,8 +258,13 @@ class Catalog:
         reading = self._reading.get(name)
         if reading is None:
             reading = self._reading[name] = asyncio.ensure_future(self._fetch(name))
-            reading.add_done_callback(lambda _: self._reading.pop(name, None))
+            reading.add_done_callback(lambda done: self._read_done(name, done))
         return await asyncio.shield(reading)  # one asker's cancellation does not end the others' read
+
+    def _read_done(self, name: str, done: asyncio.Future[ModelView | None]) -> None:
+        del self._reading[name]
+        if not done.cancelled():
+            done.exception()  # marked retrieved: every asker may have gone (each that waits raises it itself)
 
     async def _fetch(self, name: str) -> ModelView | None:
         state = await self._control.call("models", model=name)
