@@ -6,6 +6,8 @@ what a GPU changes. They skip where CUDA is not available.
 
 from __future__ import annotations
 
+import threading
+
 import ml_dtypes
 import models
 import numpy as np
@@ -120,3 +122,43 @@ def test_out_of_memory_on_the_device_fails_the_batch_and_the_worker_serves_on(st
     assert failed["status"] == "internal" and "out of memory on cuda:0 for batch" in failed["error"], failed
     assert served["status"] == "ok"
     assert daemon.status()["workers"][0]["pid"] == pid, "out of memory does not end the worker"
+
+
+def test_cuda_graphs_answer_like_the_model_in_process_and_a_reload_captures_beside_live_traffic(start_daemon, repo):
+    graphed = {**MLP, "version": "v1", "batch_buckets": [1, 2, 4, 8], "cuda_graphs": True}
+    daemon = start_daemon({"mlp": graphed}, workers={"devices": ["cuda:0"], "streams": 2})
+    assert "captured CUDA graphs of mlp v1 at batch sizes [1, 2, 4, 8] on each of 2 executors (8 graphs)" \
+        in daemon.log()
+    versions = {v: torch.jit.load(str(repo / "mlp" / v / "model.pt")) for v in ("v1", "v2")}
+    rng = np.random.default_rng(4)
+
+    def matches(x: np.ndarray, y: np.ndarray, version: str) -> bool:
+        return np.allclose(y, versions[version](torch.from_numpy(x)).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+    answered: list[tuple[np.ndarray, np.ndarray]] = []
+    stop = threading.Event()
+
+    def traffic() -> None:  # runs through the reload: v2 is captured while v1's graphs replay
+        with daemon.client() as client:
+            while not stop.is_set():
+                futures = [(x, client.submit("mlp", x)) for x in
+                           (rng.standard_normal((int(n), models.MLP_IN), dtype=np.float32)
+                            for n in rng.integers(1, 17, 32))]
+                answered.extend((x, future.result()) for x, future in futures)
+
+    sender = threading.Thread(target=traffic)
+    sender.start()
+    try:
+        wait_for(lambda: len(answered) >= 64, what="traffic before the reload")
+        assert daemon.call("reload", timeout=120, version="v2")["version"] == "v2"
+        seen = len(answered)
+        wait_for(lambda: len(answered) >= seen + 64, what="traffic after the reload")
+    finally:
+        stop.set()
+        sender.join()
+    assert "captured CUDA graphs of mlp v2" in daemon.log()
+    assert all(matches(x, y, "v1") or matches(x, y, "v2") for x, y in answered)
+    with daemon.client() as client:
+        for samples in (1, 3, 8, 12):  # 12: above the largest bucket, without a graph
+            x = rng.standard_normal((samples, models.MLP_IN), dtype=np.float32)
+            assert matches(x, client.infer("mlp", x), "v2"), samples

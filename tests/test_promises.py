@@ -240,10 +240,15 @@ def test_a_request_for_a_replaced_version_is_never_computed_by_another(workdir, 
     assert {r["version"] for r in refused} == {"v2"}
 
 
-def test_a_precision_other_than_fp32_is_refused_on_a_cpu_worker(start_daemon):
-    daemon = start_daemon({"mlp": {**MLP, "precision": "fp16"}}, wait=False)
+@pytest.mark.parametrize("setting, says", [
+    ({"precision": "fp16"}, "mlp has precision 'fp16', which needs a GPU, but this worker runs on cpu"),
+    ({"batch_buckets": [1, 8], "cuda_graphs": True},
+     "mlp has cuda_graphs = true, which needs a GPU, but this worker runs on cpu; set cuda_graphs = false"),
+])
+def test_what_needs_a_gpu_is_refused_on_a_cpu_worker(start_daemon, setting, says):
+    daemon = start_daemon({"mlp": {**MLP, **setting}}, wait=False)
     assert daemon.wait(60) == 1
-    assert "mlp has precision 'fp16', which needs a GPU, but this worker runs on cpu" in daemon.log()
+    assert says in daemon.log()
 
 
 def test_one_batch_that_grows_memory_past_the_leak_limit_is_named(start_daemon):

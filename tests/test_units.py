@@ -467,11 +467,110 @@ def executor(repo: Path, workdir: Path) -> Iterator[Executor]:
     arena.unlink()
 
 
-def batch(executor: Executor, rows: list[list[float]], deadlines: tuple[float, ...]) -> messages.RunBatch:
+def batch(executor: Executor, rows: list[list[float]], deadlines: tuple[float, ...],
+          model: str = "oom") -> messages.RunBatch:
     x = np.array(rows, dtype=np.float32)
     executor.arena.buf[: x.nbytes] = x.tobytes()
-    return messages.RunBatch(7, "oom", "v1", 0, 1 << 19, (messages.TensorRef("float32", x.shape, 0),),
+    return messages.RunBatch(7, model, "v1", 0, 1 << 19, (messages.TensorRef("float32", x.shape, 0),),
                              tuple(1 for _ in rows), deadlines)
+
+
+def outputs_of(executor: Executor, done: messages.BatchDone | messages.BatchFailed) -> list[np.ndarray]:
+    assert isinstance(done, messages.BatchDone), done
+    return [np.ndarray(ref.shape, np.float32, buffer=executor.arena.buf, offset=ref.offset).copy()
+            for ref in done.outputs]
+
+
+# -- CUDA graphs, their CPU side ---------------------------------------------------------------------------
+
+
+class ReplayEagerly:
+    """Stands in for CudaCapture where there is no GPU: its "replay" runs the forward again on the static
+    inputs and writes the static outputs, as a graph's replay does. The rest of the graph path (a graph per
+    executor and bucket, static buffers fed from the arena, the padding, the outputs cut back) is the code a
+    GPU runs."""
+
+    def __init__(self) -> None:
+        self.captured: list[tuple[int, ...]] = []
+        self.replayed: list[torch.Tensor] = []  # the static input of each replay, as it was
+
+    def __call__(self, forward: Any, inputs: list[torch.Tensor]) -> tuple[Any, tuple[torch.Tensor, ...]]:
+        self.captured.append(tuple(inputs[0].shape))
+        outputs = forward(inputs)
+
+        def replay() -> None:
+            self.replayed.append(inputs[0].clone())
+            with torch.inference_mode():
+                for static, fresh in zip(outputs, forward(inputs)):
+                    static.copy_(fresh)
+        return replay, outputs
+
+
+@pytest.fixture
+def graphed(repo: Path, workdir: Path) -> Iterator[tuple[list[Executor], list[ReplayEagerly]]]:
+    """Two executors of one worker serving SeesBatch with cuda_graphs at batch buckets 4 and 8."""
+    arena = Arena.create(arena_name(new_instance(), 0), 1 << 20)
+    context = zmq.Context()
+    captures: list[ReplayEagerly] = []
+
+    def new_capture(device: torch.device) -> ReplayEagerly:
+        captures.append(ReplayEagerly())
+        return captures[-1]
+
+    runner = ModelRunner(torch.device("cpu"), 2, capture=new_capture)
+    model = config_module.parse({"models": {"seesbatch": {
+        "repository": str(repo / "seesbatch"), "inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 12,
+        "warmup_batch_sizes": [1, 12], "batch_buckets": [4, 8], "cuda_graphs": True}}}).models["seesbatch"]
+    runner.load("seesbatch", model, "v1")
+    made = [Executor(index, context, f"ipc://{workdir}/nobody", messages.Hello(0, 1, 0), arena, runner, -1, Overlap())
+            for index in range(2)]
+    yield made, captures
+    for executor in made:
+        executor.socket.close()
+    context.term()
+    arena.close()
+    arena.unlink()
+
+
+def test_each_executor_replays_its_own_graph_of_the_batch_bucket_and_larger_batches_run_without(graphed):
+    (first, second), (mine, theirs) = graphed
+    assert mine.captured == theirs.captured == [(4, 2), (8, 2)], "each executor captured each bucket"
+    rng = np.random.default_rng(3)
+    for samples, bucket in ((1, 4), (3, 4), (4, 4), (5, 8), (8, 8)):
+        x = rng.standard_normal((samples, 2)).astype(np.float32)
+        replays = len(mine.replayed)
+        doubled, seen = outputs_of(first, first.run_batch(batch(first, x.tolist(), (1e12,) * samples, "seesbatch")))
+        np.testing.assert_array_equal(doubled, x * 2)
+        assert seen.shape == (samples, 1) and set(seen.ravel()) == {bucket}, (samples, seen)
+        assert len(mine.replayed) == replays + 1 and tuple(mine.replayed[-1].shape) == (bucket, 2)
+    assert not theirs.replayed, "executor 1's graphs are its own"
+    second.run_batch(batch(second, [[1, 2]], (1e12,), "seesbatch"))
+    assert len(theirs.replayed) == 1
+    replays = len(mine.replayed)
+    x = rng.standard_normal((10, 2)).astype(np.float32)
+    doubled, seen = outputs_of(first, first.run_batch(batch(first, x.tolist(), (1e12,) * 10, "seesbatch")))
+    np.testing.assert_array_equal(doubled, x * 2)
+    assert set(seen.ravel()) == {10} and len(mine.replayed) == replays, "above the largest bucket: no graph"
+
+
+def test_a_graph_pads_a_batch_with_its_own_last_sample_never_with_an_earlier_batch_s_rows(graphed):
+    (first, _), (mine, _) = graphed
+    first.run_batch(batch(first, [[1, 1], [2, 2], [3, 3], [4, 4]], (1e12,) * 4, "seesbatch"))
+    now = time.monotonic()
+    done = first.run_batch(batch(first, [[5, 5], [6, 6], [7, 7]], (now + 60, now - 1, now + 60), "seesbatch"))
+    assert isinstance(done, messages.BatchDone) and done.expired == (1,)
+    doubled, seen = outputs_of(first, done)
+    np.testing.assert_array_equal(doubled, [[10, 10], [14, 14]])
+    assert set(seen.ravel()) == {4}
+    assert mine.replayed[-1].tolist() == [[5, 5], [7, 7], [7, 7], [7, 7]]
+
+
+def test_cuda_graphs_need_batch_buckets():
+    with pytest.raises(config_module.ConfigError, match=r"models.m.cuda_graphs: needs batch_buckets, the batch "
+                                                        r"sizes a graph is captured at"):
+        config_module.parse({"models": {"m": {"repository": "/nowhere", "inputs": [{"dtype": "float32",
+                                                                                    "shape": [2]}],
+                                              "cuda_graphs": True}}})
 
 
 def test_a_bfloat16_arena_tensor_is_a_view_of_the_arena_not_a_copy():

@@ -112,6 +112,10 @@ def _build_model(name: str, table: Any, repository: str, problems: list[str], ba
     if list(model.batch_buckets) != sorted(set(model.batch_buckets)):
         problems.append(f"{prefix}batch_buckets: list each size once, smallest first (e.g. [1, 2, 4, 8])")
         return None
+    if model.cuda_graphs and not model.batch_buckets:
+        problems.append(f"{prefix}cuda_graphs: needs batch_buckets, the batch sizes a graph is captured at "
+                        "(e.g. [1, 2, 4, 8, 16, 32])")
+        return None
     padding = padding_problem(model)
     if padding is not None:
         problems.append(f"{prefix}{padding[0]}: {padding[1]}")

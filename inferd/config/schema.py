@@ -406,6 +406,13 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
              "next one (with copies of its last sample) and its outputs cut back, so the model sees few distinct "
              "shapes; a batch above the largest runs as it is. Warm-up runs each. Empty: every batch as it is."),
     ] = ()
+    cuda_graphs: Annotated[
+        bool,
+        _doc("GPU only, with batch_buckets: each executor captures the model as a CUDA graph at each bucket while "
+             "it warms up, and replays it for the batches of that bucket, their inputs copied into the graph's "
+             "own buffers; a batch above the largest bucket runs without one. Launching a small model's kernels "
+             "one by one can take longer than running them. Refused on a CPU worker."),
+    ] = False
     precision: Annotated[
         str,
         _doc('"fp32", "fp16" or "bf16" (GPU only): the model is converted when it loads, floating inputs are cast '

@@ -223,7 +223,6 @@ class Executor(threading.Thread):
         return int(os.pread(self._statm, 128, 0).split()[1]) * PAGE_SIZE, 0
 
     def _compute(self, batch: RunBatch, expired: tuple[int, ...], clock: PhaseClock) -> tuple[TensorRef, ...]:
-        device = self.runner.device
         stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with stream:
             clock.mark()
@@ -231,9 +230,9 @@ class Executor(threading.Thread):
             if expired:
                 rows = _live_rows(batch.samples, expired)
                 inputs = [torch.cat([x[start:end] for start, end in rows]) for x in inputs]
-            inputs = [x.to(device, non_blocking=True) for x in inputs]
+            model, staged = self.runner.stage(batch.model, batch.version, inputs, self.index)
             clock.mark()
-            outputs = self.runner.infer(batch.model, batch.version, inputs)
+            outputs = model.run(staged)
             clock.mark()
             inputs_end = place(batch.slot_offset, [tensor_bytes(ref.dtype, ref.shape) for ref in batch.inputs])[1]
             refs = self._write_outputs(outputs, inputs_end, batch.slot_offset, batch.slot_offset + batch.slot_size)

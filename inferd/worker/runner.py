@@ -13,9 +13,9 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import psutil
@@ -27,6 +27,7 @@ from inferd.config.schema import ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.protocol import DTYPES, tensor_bytes
 from inferd.repository import CANARY_ATOL, CANARY_RTOL, model_file, writable_by_others
+from inferd.worker.graphs import Capture, CudaCapture, Graph, Graphs
 
 log = logging.getLogger("inferd.worker.runner")
 
@@ -147,41 +148,80 @@ def as_outputs(result: Any) -> tuple[torch.Tensor, ...]:
 CANARY_INPUT, CANARY_OUTPUT = "example_input.npy", "expected_output.npy"
 
 
-class Loaded:
-    """A model version on the device, the precision it computes in, and the batch sizes it is run at."""
+class Staged(NamedTuple):
+    """A batch on the device, ready to run: its inputs padded to its bucket (a graph's own buffers where one
+    was captured at that shape), and its own number of samples."""
 
-    def __init__(self, module: Any, precision: torch.dtype, buckets: tuple[int, ...] = ()) -> None:
+    inputs: list[torch.Tensor]
+    samples: int
+    graph: Graph | None
+
+
+class Loaded:
+    """A model version on the device, the precision it computes in, the batch sizes it is run at, and
+    where it has CUDA graphs, each executor's."""
+
+    def __init__(self, module: Any, precision: torch.dtype, buckets: tuple[int, ...] = (),
+                 graphs: Sequence[Graphs] = ()) -> None:
         self.module = module
         self.precision = precision
         self.buckets = buckets
+        self.graphs = graphs
 
     def __call__(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Run one batch: padded up to its bucket, floating inputs cast to the model's precision, floating
-        outputs back to float32, and cut back to the batch's own samples."""
+        """Run one batch without a graph (warm-up, the canary); its outputs cut back to its own samples."""
+        return self.run(self.stage(inputs))
+
+    def stage(self, inputs: list[torch.Tensor], device: torch.device | None = None,
+              lane: int | None = None) -> Staged:
+        """Put a batch (wherever it lies) on `device`, padded up to its bucket with copies of its last sample
+        (values the model has seen, never a row of zeros): into the buffers of executor `lane`'s graph where
+        one was captured at that shape."""
         samples = inputs[0].shape[0]
         batch = next((size for size in self.buckets if size >= samples), samples)
-        if batch > samples:  # copies of the last sample: values the model has seen, never a row of zeros
+        graph = self.graphs[lane].find(batch, inputs) if lane is not None and self.graphs else None
+        if graph is not None:
+            graph.fill(inputs)
+            return Staged(graph.inputs, samples, graph)
+        if device is not None:
+            inputs = [x.to(device, non_blocking=True) for x in inputs]
+        if batch > samples:
             inputs = [torch.cat([x, x[-1:].expand(batch - samples, *x.shape[1:])]) for x in inputs]
+        return Staged(inputs, samples, None)
+
+    def run(self, staged: Staged) -> tuple[torch.Tensor, ...]:
+        """Compute a staged batch (replaying its graph if it has one); outputs cut back to its own samples."""
+        outputs = staged.graph.replay() if staged.graph is not None else self.forward(staged.inputs)
+        batch = staged.inputs[0].shape[0]
+        for index, output in enumerate(outputs):
+            if output.dim() == 0 or output.shape[0] != batch:
+                raise ModelError(
+                    f"output {index} has shape {list(output.shape)}; its first dim must be the batch size {batch}"
+                )
+        return outputs if batch == staged.samples else tuple(y[:staged.samples] for y in outputs)
+
+    def forward(self, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The model on a batch as it is: floating inputs cast to its precision, floating outputs back to
+        float32 (what a graph captures)."""
         if self.precision != torch.float32:
             inputs = [x.to(self.precision) if x.is_floating_point() else x for x in inputs]
         with torch.inference_mode():
             outputs = as_outputs(self.module(*inputs))
         if self.precision != torch.float32:
             outputs = tuple(y.float() if y.is_floating_point() else y for y in outputs)
-        for index, output in enumerate(outputs):
-            if output.dim() == 0 or output.shape[0] != batch:
-                raise ModelError(
-                    f"output {index} has shape {list(output.shape)}; its first dim must be the batch size {batch}"
-                )
-        return outputs if batch == samples else tuple(y[:samples] for y in outputs)
+        return outputs
 
 
 class ModelRunner:
     """The models loaded on one device, by name and version."""
 
-    def __init__(self, device: torch.device, executors: int = 1) -> None:
+    def __init__(self, device: torch.device, executors: int = 1,
+                 capture: Callable[[torch.device], Capture] | None = None) -> None:
         self.device = device
         self.executors = executors  # each may run a batch of the same model at once
+        # How an executor's CUDA graphs are captured: by CUDA on a GPU; the CPU has no graphs (the tests
+        # give it a stand-in that replays eagerly, to run the rest of the graph path).
+        self._new_capture = capture or (CudaCapture if device.type == "cuda" else None)
         self._models: dict[tuple[str, str], Loaded] = {}
 
     def load(
@@ -208,6 +248,9 @@ class ModelRunner:
         if precision != torch.float32 and self.device.type != "cuda":
             raise ModelError(f"{name} has precision {config.precision!r}, which needs a GPU, but this worker runs "
                              f"on {self.device}; use precision = \"fp32\" on the CPU")
+        if config.cuda_graphs and self._new_capture is None:
+            raise ModelError(f"{name} has cuda_graphs = true, which needs a GPU, but this worker runs on "
+                             f"{self.device}; set cuda_graphs = false for a model served on the CPU")
         try:
             path = model_file(config.repository or "", version)
         except Exception as exc:  # noqa: BLE001 - a repository error, said in one sentence
@@ -224,7 +267,9 @@ class ModelRunner:
         module = load_module(path, self.device, config, self.executors)
         if precision != torch.float32:
             module = module.to(precision)
-        model = Loaded(module, precision, config.batch_buckets)
+        graphs = [Graphs(self._new_capture(self.device)) for _ in range(self.executors)] \
+            if config.cuda_graphs and self._new_capture is not None else []
+        model = Loaded(module, precision, config.batch_buckets, graphs)
         try:
             loaded = time.perf_counter()
             # Counting compilations imports torch._dynamo (0.9 s of CPU): only where inductor compiles.
@@ -256,6 +301,9 @@ class ModelRunner:
             "loaded %s %s from %s in %.2f s, warmed on batch sizes %s in %.2f s; it holds %.1f MiB",
             name, version, path, loaded - started, warmup_sizes(config), warmed - loaded, memory / 2**20,
         )
+        if graphs:
+            log.info("captured CUDA graphs of %s %s at batch sizes %s on each of %d executors (%d graphs)", name,
+                     version, list(config.batch_buckets), len(graphs), sum(map(len, graphs)))
         return LoadedModel(version=version, outputs=outputs, memory=memory), loaded - started, warmed - loaded
 
     def unload(self, name: str, version: str) -> None:
@@ -288,12 +336,12 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return before - torch.cuda.memory_reserved(self.device)
 
-    def infer(self, name: str, version: str, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Run one batch of a loaded version; every output keeps the inputs' batch dim."""
+    def stage(self, name: str, version: str, inputs: list[torch.Tensor], lane: int) -> tuple[Loaded, Staged]:
+        """Put a batch of a loaded version on the device for executor `lane` (see Loaded.stage)."""
         model = self._models.get((name, version))
         if model is None:
             raise ModelError(f"{name} {version} is not loaded on this worker")
-        return model(inputs)
+        return model, model.stage(inputs, self.device, lane)
 
     @staticmethod
     def signature(outputs: tuple[torch.Tensor, ...]) -> tuple[TensorSpec, ...]:
@@ -308,8 +356,8 @@ class ModelRunner:
 
     def _warm_up(self, model: Loaded, name: str, config: ModelConfig, version: str,
                  streams: list[Any]) -> tuple[tuple[TensorSpec, ...], int]:
-        """Run every warm-up batch on each stream; the outputs' signature, and the bytes of the largest
-        warm-up batch's inputs and outputs."""
+        """Run every warm-up batch on each stream, then capture each executor's graphs (if it has any) at each
+        batch bucket; the outputs' signature, and the bytes of the largest warm-up batch's inputs and outputs."""
         outputs: tuple[TensorSpec, ...] = ()
         largest = 0
         for stream in streams:
@@ -322,6 +370,9 @@ class ModelRunner:
                     largest = max(largest, sum(tensor_bytes(dtype, (batch, *shape)) for dtype, shape in sizes))
             if stream is not None:
                 stream.synchronize()
+        for graphs in model.graphs:
+            for batch, shapes in itertools.product(config.batch_buckets, warmup_shapes(config)):
+                self._capture_at(graphs, model, config, batch, shapes, f"{name} {version}")
         if config.variable:
             outputs = self._varying_dims(model, name, config, version, outputs)
         return outputs, largest
@@ -338,14 +389,25 @@ class ModelRunner:
                                                             enumerate(zip(big.shape, small.shape)) if size != least))
                      for big, small in zip(at_bound, smallest))
 
+    def _capture_at(self, graphs: Graphs, model: Loaded, config: ModelConfig, batch: int,
+                 shapes: Sequence[tuple[int, ...]], what: str) -> None:
+        """Capture `model` at `batch` samples of `shapes`, or ModelError saying why it cannot be."""
+        try:
+            graphs.capture(model.forward, self._zeros(config, batch, shapes))
+        except Exception as exc:  # noqa: BLE001 - a model may do what a graph cannot hold
+            raise ModelError(f"capturing a CUDA graph of {what} at batch {batch} failed: {describe_error(exc)}; "
+                             "set cuda_graphs = false for this model") from None
+
+    def _zeros(self, config: ModelConfig, batch: int, shapes: Sequence[tuple[int, ...]]) -> list[torch.Tensor]:
+        return [torch.zeros((batch, *shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
+                for spec, shape in zip(config.inputs, shapes)]
+
     def _run_zeros(self, model: Loaded, config: ModelConfig, batch: int, shapes: Sequence[tuple[int, ...]],
                    what: str) -> tuple[TensorSpec, ...]:
         """Run `model` on zeros of `batch` samples of `shapes` (one per input); the outputs' signature, or
         ModelError saying `what` failed."""
-        inputs = [torch.zeros((batch, *shape), dtype=TORCH_DTYPES[spec.dtype], device=self.device)
-                  for spec, shape in zip(config.inputs, shapes)]
         try:
-            return self.signature(model(inputs))
+            return self.signature(model(self._zeros(config, batch, shapes)))
         except ModelError:
             raise
         except Exception as exc:  # noqa: BLE001 - a model may raise anything
