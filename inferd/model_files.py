@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import pickletools
+import re
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,9 @@ TORCHSCRIPT, EXPORTED, AOTI = "torchscript", "exported", "aoti"
 AOTI_MADE = {"AOTI_DEVICE_KEY": "device", "AOTI_PLATFORM": "platform", "AOTI_MACHINE": "machine",
              "AOTI_CPU_ISA": "cpu_isa", "AOTI_COMPUTE_CAPABILITY": "compute_capability"}
 PICKLE_PEEK_BYTES = 1 << 20  # a module's pickle names its class within its first opcodes
+# An exported program's models/*.json ends with the torch version that exported it; found by its key, since
+# parsing the whole graph (megabytes for a large model) only to read it would slow every listing.
+TORCH_VERSION = re.compile(rb'"torch_version":\s*"([^"\\]{1,64})"')
 
 HOW_TO_SAVE = ("save it with torch.export.save(torch.export.export(model, example, dynamic_shapes=...)) as "
                "model.pt2, or with torch.jit.save(torch.jit.script(model)) as model.pt")
@@ -29,7 +33,8 @@ HOW_TO_SAVE = ("save it with torch.export.save(torch.export.export(model, exampl
 @dataclass(frozen=True)
 class ModelFile:
     """A model file's format (TORCHSCRIPT, EXPORTED or AOTI), or the sentence saying why it cannot be served;
-    `made`: what an AOTInductor package records about where it was compiled (its device above all)."""
+    `made`: what the file records about how it was made: an exported program's `torch_version`, an
+    AOTInductor package's device (above all), platform, machine, CPU ISA and compute capability."""
 
     path: Path
     format: str | None
@@ -49,7 +54,7 @@ def inspect(path: Path) -> ModelFile:
                 compiled = [name for name in names if name.partition("/")[2].startswith("data/aotinductor/")]
                 if compiled:
                     return ModelFile(path, AOTI, made=_aoti_made(archive, compiled))
-                return ModelFile(path, EXPORTED)
+                return ModelFile(path, EXPORTED, made=_exported_made(archive, names))
             pickle = next((name for name in names if name.partition("/")[2] == "data.pkl"), None)
             if pickle is None:
                 return ModelFile(path, None, f"{path} is a zip archive but neither TorchScript nor torch.export; "
@@ -77,6 +82,14 @@ def _aoti_made(archive: zipfile.ZipFile, members: list[str]) -> dict[str, str]:
                 return {}
             return {ours: str(recorded[theirs]) for theirs, ours in AOTI_MADE.items() if recorded.get(theirs)}
     return {}
+
+
+def _exported_made(archive: zipfile.ZipFile, names: list[str]) -> dict[str, str]:
+    """The torch version a torch.export archive records, if it does."""
+    program = next((name for name in names if name.partition("/")[2].startswith("models/")
+                    and name.endswith(".json")), None)
+    found = TORCH_VERSION.findall(archive.read(program)) if program is not None else []
+    return {"torch_version": found[-1].decode("ascii", "replace")} if found else {}
 
 
 def _first_class(data: bytes) -> str | None:

@@ -53,9 +53,24 @@ def package_for(device: str, formats_repo: Path, target: Path) -> None:
             copy.writestr(item, data)
 
 
+def program_from_a_newer_torch(formats_repo: Path, target: Path) -> None:
+    """A copy of the exported program v2 as a later torch would write it: a schema this torch does not read."""
+    with zipfile.ZipFile(formats_repo / "mlp" / "v2" / "model.pt2") as source, \
+            zipfile.ZipFile(target, "w") as copy:
+        for item in source.infolist():
+            data = source.read(item)
+            if item.filename.endswith("models/model.json"):
+                program = json.loads(data)
+                program["schema_version"]["major"] += 1
+                data = json.dumps({**program, "torch_version": "99.0.0"}).encode()
+            copy.writestr(item, data)
+
+
 def add_unservable_versions(formats_repo: Path, folder: Path) -> None:
     """Beside v1, v2 and v3: `gpu`, a package compiled for CUDA; `cut`, half a package; `foreign`, a zip archive of
-    neither format."""
+    neither format; `newer`, a program exported by a later torch."""
+    (folder / "newer").mkdir()
+    program_from_a_newer_torch(formats_repo, folder / "newer" / "model.pt2")
     (folder / "gpu").mkdir()
     package_for("cuda", formats_repo, folder / "gpu" / "model.pt2")
     (folder / "cut").mkdir()
@@ -105,8 +120,10 @@ def test_versions_name_each_format_and_where_a_package_was_compiled(daemon):
     listed = {v["version"]: v for v in json.loads(result.stdout)["mlp"]}
     assert {version: listed[version]["format"] for version in FORMATS} == FORMATS
     assert listed["v3"]["made"]["device"] == "cpu" and listed["v1"]["made"] == {}
-    table = inferctl(daemon, "versions").stdout
-    assert any(" v3 " in line and "aoti" in line and "compiled for cpu" in line for line in table.splitlines())
+    assert listed["v2"]["made"] == {"torch_version": torch.__version__}
+    table = inferctl(daemon, "versions").stdout.splitlines()
+    assert any(" v3 " in line and "aoti" in line and "compiled for cpu" in line for line in table), table
+    assert any(" v2 " in line and f"exported by torch {torch.__version__}" in line for line in table), table
 
 
 def test_a_package_compiled_for_another_device_or_a_broken_one_is_refused_with_a_sentence(daemon, in_process):
@@ -115,6 +132,7 @@ def test_a_package_compiled_for_another_device_or_a_broken_one_is_refused_with_a
         ("gpu", "is an AOTInductor package compiled for cuda, but this worker runs on cpu; compile it for cpu"),
         ("cut", "is not a TorchScript or torch.export archive"),
         ("foreign", "is a zip archive but neither TorchScript nor torch.export"),
+        ("newer", f"was exported by torch 99.0.0, which this worker's torch {torch.__version__} cannot load ("),
     ):
         result = inferctl(daemon, "reload", "--model", "mlp", "--version", version)
         assert result.returncode == 1 and says in result.stderr, (version, result.stderr)

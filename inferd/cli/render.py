@@ -210,15 +210,18 @@ def models_text(models: dict[str, Any], listen: list[str]) -> str:
 
 
 def version_line(entry: dict[str, Any], live: bool, modified: bool = False) -> str:
-    """One version on disk: its file, format, size (and with `modified` its date), where an AOTInductor package
-    was compiled for, whether it is live; or why it cannot be served."""
+    """One version on disk: its file, format, size (and with `modified` its date), how it was made (the device
+    an AOTInductor package was compiled for, the torch that exported a program), whether it is live; or why
+    it cannot be served."""
     if entry["problem"]:
         what = f"cannot be served: {entry['problem']}"
     else:
         stamp = time.strftime("  %Y-%m-%d %H:%M:%S", time.localtime(entry["modified"])) if modified else ""
-        device = entry.get("made", {}).get("device")
-        what = (f"{entry['format']:<12} {entry['size_bytes'] / 2**20:8.2f} MiB{stamp}"
-                f"{f'  compiled for {device}' if device else ''}{'  (live)' if live else ''}")
+        made = entry.get("made", {})
+        how = f"  compiled for {made['device']}" if made.get("device") else \
+            f"  exported by torch {made['torch_version']}" if made.get("torch_version") else ""
+        what = (f"{entry['format']:<12} {entry['size_bytes'] / 2**20:8.2f} MiB{stamp}{how}"
+                f"{'  (live)' if live else ''}")
     return f"  {'*' if live else ' '} {entry['version']:<14} {entry['file'] or '-':<10} {what}"
 
 

@@ -69,6 +69,10 @@ def load_module(path: Path, device: torch.device, config: ModelConfig, runners: 
     except ModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad archive
+        made_by = found.made.get("torch_version")
+        if made_by and made_by != torch.__version__:
+            raise ModelError(f"{path} was exported by torch {made_by}, which this worker's torch {torch.__version__} "
+                             f"cannot load ({describe_error(exc)}); export it again with this torch") from None
         raise ModelError(f"{path} is not a loadable TorchScript or torch.export file: {describe_error(exc)}") from None
     # torch.export modules reject .eval(); they are traced in eval mode already.
     if isinstance(module, torch.jit.ScriptModule):
@@ -289,7 +293,7 @@ class ModelRunner:
         except BaseException:
             # The traceback keeps `module` alive until the caller has handled it;
             # the caller then calls release_memory() to give the memory back.
-            del module, model
+            del module, model, graphs
             raise
         self._models[(name, version)] = model
         warmed = time.perf_counter()
