@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 
-def start_daemon(workdir: Path, models: dict[str, dict[str, Any]], **sections: dict[str, Any]) -> DaemonProcess:
-    """Start a daemon serving `models` with its sockets and state in `workdir`."""
+def start_daemon(workdir: Path, models: dict[str, dict[str, Any]], timeout: float = 120,
+                 **sections: dict[str, Any]) -> DaemonProcess:
+    """Start a daemon serving `models` with its sockets and state in `workdir`; wait `timeout` for it to serve."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = local_config(workdir, models, queue={"max_size": 4096})
     for section, values in sections.items():
         config[section].update(values)
-    return DaemonProcess(workdir, config).start()
+    return DaemonProcess(workdir, config).start(timeout=timeout)
 
 
 def loadgen_command(endpoint: str, model: str, shape: tuple[int, ...], concurrency: int, seconds: float,

@@ -1,27 +1,38 @@
 """The GPU benchmark: a ResNet-50-shaped model, fp16, channels_last, inferd against in-process on one GPU.
 
-    bench/gpu.sh            (or: python -m bench.gpu [--seconds 8])
+    bench/gpu.sh [--seconds 8] [--parts streams,formats,graphs]
 
-In-process reference: batch-1 latency and samples/s at batch 1..64 on cuda:0.
-inferd: one worker on cuda:0 with streams 1, 2 and 4, at concurrency 1 and 64.
-Prints JSON lines (appended to bench/results/gpu.jsonl) and a table; runs in
-about five minutes on an H100-class GPU.
+streams: the TorchScript model in-process (batch-1 latency, samples/s at batch
+  1..64) and through one worker on cuda:0 with streams 1, 2 and 4, at
+  concurrency 1 and 64.
+formats: the same weights as TorchScript, a torch.export program, that program
+  with compile = "inductor", and an AOTInductor package compiled for the GPU,
+  each in-process and through inferd (streams 2) at concurrency 1 and 64, with
+  the export and compile times and each load line.
+graphs: the ResNet and the benchmark mlp with batch_buckets [1, 8, 32], served
+  without and with cuda_graphs at concurrency 1, 8 and 32.
+Prints JSON lines (appended to bench/results/gpu.jsonl) and a table per part.
+None of it has run on a GPU yet: no GPU was lent to the work so far.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from bench.common import record, run_loadgen, start_daemon, table
+from bench import models
+from bench.common import record, table
+from bench.formats import format_rows, in_process, served
 
 SHAPE = (3, 224, 224)
+DEVICE = "cuda:0"
+GRAPH_BUCKETS = [1, 8, 32]
 
 
 class Bottleneck(torch.nn.Module):
@@ -63,71 +74,107 @@ class ResNet50Shaped(torch.nn.Module):
         return self.head(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(self.features(x), 1), 1))
 
 
-def build(root: Path) -> Path:
+def build(repo: Path) -> dict[str, float]:
+    """The ResNet in each format from the same weights (repo/resnet/VERSION for torchscript, exported,
+    aoti), and the benchmark mlp as TorchScript (repo/mlp/v1); the seconds exporting and compiling took."""
     torch.manual_seed(0)
-    model = ResNet50Shaped().eval().half().to(memory_format=torch.channels_last)
-    path = root / "resnet" / "v1" / "model.pt"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.jit.save(torch.jit.script(model), str(path))
-    return path
+    model = ResNet50Shaped().eval().half().to(memory_format=torch.channels_last).to(DEVICE)
+    folder = repo / "resnet"
+    for version in ("torchscript", "exported", "aoti"):
+        (folder / version).mkdir(parents=True, exist_ok=True)
+    torch.jit.save(torch.jit.script(model), str(folder / "torchscript" / "model.pt"))
+    example = (torch.randn(2, *SHAPE, device=DEVICE, dtype=torch.float16),)
+    started = time.perf_counter()
+    program = torch.export.export(model, example, dynamic_shapes=({0: torch.export.Dim("batch", max=64)},))
+    exported = time.perf_counter()
+    torch.export.save(program, str(folder / "exported" / "model.pt2"))
+    torch._inductor.aoti_compile_and_package(program, package_path=str(folder / "aoti" / "model.pt2"))
+    compiled = time.perf_counter()
+    models.save(models.mlp(), repo, "mlp", "v1")
+    return {"export_s": round(exported - started, 2), "aoti_compile_s": round(compiled - exported, 2)}
 
 
-def in_process(path: Path, seconds: float) -> dict:
-    code = f"""
-import json, time, numpy as np, torch
-m = torch.jit.load({str(path)!r}, map_location="cuda:0").eval()
-out, lat = {{}}, []
-with torch.inference_mode():
-    for b in (1, 2, 4, 8, 16, 32, 64):
-        x = torch.randn(b, *{list(SHAPE)!r}, device="cuda:0", dtype=torch.float16)
-        for _ in range(5): m(x)
-        torch.cuda.synchronize()
-        done, start = 0, time.perf_counter()
-        while time.perf_counter() - start < {seconds}:
-            t = time.perf_counter(); m(x); torch.cuda.synchronize()
-            if b == 1: lat.append(time.perf_counter() - t)
-            done += b
-        out[str(b)] = round(done / (time.perf_counter() - start), 1)
-print(json.dumps({{"batch1_p50_ms": round(float(np.percentile(lat, 50)) * 1000, 3), "samples_per_s": out,
-                  "best_samples_per_s": max(out.values())}}))
-"""
-    return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+def streams_part(repo: Path, workdir: Path, seconds: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for streams in (1, 2, 4):
+        rows.append({"part": "streams", **served(workdir, repo, "resnet", "torchscript", SHAPE, 64, seconds, streams,
+                                                 device=DEVICE, dtype="float16", label=f"-streams{streams}")})
+    return rows
+
+
+def formats_part(repo: Path, workdir: Path, seconds: float, made: dict[str, float]) -> list[dict[str, Any]]:
+    return [{"part": "formats", **row}
+            for row in format_rows(workdir, repo, "resnet", SHAPE, 64, seconds, made, DEVICE, "float16")]
+
+
+def graphs_part(repo: Path, workdir: Path, seconds: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name, version, shape, dtype in (("resnet", "torchscript", SHAPE, "float16"),
+                                        ("mlp", "v1", models.MLP_SHAPE, "float32")):
+        for graphs in (False, True):
+            settings = {"batch_buckets": GRAPH_BUCKETS, "cuda_graphs": graphs, "warmup_batch_sizes": GRAPH_BUCKETS}
+            result = served(workdir, repo, name, version, shape, max(GRAPH_BUCKETS), seconds, device=DEVICE,
+                            dtype=dtype, settings=settings, concurrencies=tuple(GRAPH_BUCKETS),
+                            label=f"-graphs{int(graphs)}")
+            rows.append({"part": "graphs", "model": name, "cuda_graphs": graphs, **result})
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    """A table per part that ran."""
+    out = []
+    streams = [r for r in rows if r["part"] == "streams"]
+    if streams:
+        out.append(table(["streams", "C", "samples/s", "p50 ms", "p99 ms", "mean batch"],
+                         [[r["streams"], c, r[f"c{c}"]["samples_per_s"], r[f"c{c}"]["latency_ms"]["p50"],
+                           r[f"c{c}"]["latency_ms"]["p99"], r[f"c{c}"]["mean_batch"]]
+                          for r in streams for c in (1, 64)]))
+    formats = [r for r in rows if r["part"] == "formats"]
+    if formats:
+        out.append(table(["format", "in-process b1 p50 ms", "in-process best/s", "inferd C=1 p50 ms",
+                          "inferd C=64 /s", "C=64 p99 ms", "worker CPU us/sample"],
+                         [[r["format"], r["in_process"]["batch1_latency_ms"]["p50"],
+                           r["in_process"]["best_samples_per_s"],
+                           r["inferd"]["c1"]["latency_ms"]["p50"], r["inferd"]["c64"]["samples_per_s"],
+                           r["inferd"]["c64"]["latency_ms"]["p99"], r["inferd"]["c64"]["worker_cpu_us_per_sample"]]
+                          for r in formats]))
+        out.append("; ".join(f"export {r['export_s']} s, AOTInductor compile {r['aoti_compile_s']} s"
+                             for r in formats if "aoti_compile_s" in r))
+    graphs = [r for r in rows if r["part"] == "graphs"]
+    if graphs:
+        out.append(table(["model", "cuda_graphs", "C", "samples/s", "p50 ms", "p99 ms", "mean batch"],
+                         [[r["model"], r["cuda_graphs"], c, r[f"c{c}"]["samples_per_s"],
+                           r[f"c{c}"]["latency_ms"]["p50"], r[f"c{c}"]["latency_ms"]["p99"],
+                           r[f"c{c}"]["mean_batch"]] for r in graphs for c in GRAPH_BUCKETS]))
+    return "\n\n".join(out)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--parts", default="streams,formats,graphs")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     if not torch.cuda.is_available():
         print("no CUDA GPU here; bench/gpu.py needs one", file=sys.stderr)
         return 2
     workdir = Path(tempfile.mkdtemp(prefix="inferd-gpubench-"))
-    path = build(workdir / "repo")
-    reference = in_process(path, 2.0)
-    rows = [{"kind": "reference", "device": torch.cuda.get_device_name(0), **reference}]
-    model = {"resnet": {"repository": str(path.parent.parent), "max_batch_size": 64,
-                        "inputs": [{"dtype": "float16", "shape": list(SHAPE)}],
-                        "warmup_batch_sizes": [1, 2, 4, 8, 16, 32, 64]}}
-    for streams in (1, 2, 4):
-        daemon = start_daemon(workdir / f"s{streams}", model,
-                              workers={"devices": ["cuda:0"], "streams": streams, "shm_mb": 2048})
-        try:
-            for concurrency in (1, 64):
-                result = run_loadgen(daemon.endpoint, "resnet", SHAPE, concurrency, args.seconds, dtype="float16")
-                stats = daemon.call("stats")["models"]["resnet"]
-                rows.append({"kind": "inferd", "streams": streams, **result,
-                             "mean_batch": stats["batch_size"]["mean"]})
-        finally:
-            daemon.stop()
+    repo = workdir / "repo"
+    made = build(repo)
+    rows: list[dict[str, Any]] = [{"part": "reference", "device": torch.cuda.get_device_name(0), **made,
+                                   "in_process": in_process(repo / "resnet" / "torchscript" / "model.pt", SHAPE, 64,
+                                                            2.0, DEVICE, "float16")}]
+    if "streams" in parts:
+        rows += streams_part(repo, workdir, args.seconds)
+    if "formats" in parts:
+        rows += formats_part(repo, workdir, args.seconds, made)
+    if "graphs" in parts:
+        rows += graphs_part(repo, workdir, args.seconds)
     record("gpu", rows)
-    best = reference["best_samples_per_s"]
-    print(f"\nin-process on {rows[0]['device']}: batch-1 p50 {reference['batch1_p50_ms']} ms, "
-          f"best {best} samples/s ({reference['samples_per_s']})\n")
-    print(table(
-        ["streams", "concurrency", "samples/s", "x best in-process", "p50 ms", "p99 ms", "mean batch"],
-        [[r["streams"], r["concurrency"], r["samples_per_s"], f"{r['samples_per_s'] / best:.2f}",
-          r["latency_ms"]["p50"], r["latency_ms"]["p99"], r["mean_batch"]] for r in rows if r["kind"] == "inferd"],
-    ))
+    reference = rows[0]["in_process"]
+    print(f"\nin-process on {rows[0]['device']}: batch-1 p50 {reference['batch1_latency_ms']['p50']} ms, "
+          f"best {reference['best_samples_per_s']} samples/s ({reference['samples_per_s']})\n")
+    print(render(rows))
     return 0
 
 
