@@ -318,6 +318,20 @@ def test_a_window_past_the_request_is_refused_before_it_queues(shm_daemon, shm_f
         assert header["status"] == "invalid" and "bytes 8 to 72 of region 'small', which is 64 bytes" in header["error"]
 
 
+def test_an_output_region_too_small_for_the_output_is_refused_before_it_is_computed(shm_daemon, shm_file):
+    x = np.ones((3, models.MLP_IN), dtype=np.float32)  # its output: 3 x MLP_OUT float32, 48 bytes
+    computed = shm_daemon.call("stats")["models"]["mlp"]["samples"]
+    with RawPeer(shm_daemon.endpoint) as peer:
+        assert ask(peer, register("out", shm_file(64), 64))["status"] == "ok"
+        header, _ = infer_raw(peer, "past", "mlp", [x], outputs=(OutputPlace("out", 32),))
+        assert header["status"] == "invalid", header
+        assert f"output 0 of mlp {live(shm_daemon, 'mlp')} needs bytes 32 to 80 of region 'out', which is 64 " \
+               "bytes" in header["error"]
+        assert shm_daemon.call("stats")["models"]["mlp"]["samples"] == computed, "it was computed all the same"
+        header, _ = infer_raw(peer, "fits", "mlp", [x], outputs=(OutputPlace("out", 16),))
+        assert header["status"] == "ok" and header["outputs"][0]["region"] == "out", header
+
+
 # --- The rules --------------------------------------------------------------------------------------
 
 

@@ -234,6 +234,34 @@ def test_padded_requests_whose_inputs_lie_in_a_clients_shared_memory_answer_as_a
         np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
 
 
+def test_an_output_region_too_small_for_the_requests_own_length_is_refused_before_it_is_computed(daemon, repo):
+    expected = reference(repo, "ragged", "v1")
+    path = SHM_DIR / f"inferd-client-{uuid.uuid4().hex[:12]}"
+    path.write_bytes(bytes(20))  # "running" of one sample of length 5: 5 float32
+    short, long = sample(5, 1), sample(12, 2)
+    try:
+        with RawPeer(daemon.endpoint) as peer:
+            peer.send_frames([protocol.encode_op(protocol.RegisterRegion(id="reg", name="out", key=path.name,
+                                                                         byte_size=20))])
+            assert peer.recv()[0]["status"] == "ok"
+            computed = batches(daemon)
+            into_region = (protocol.OutputPlace("out", 0),)
+            peer.send_frames(protocol.encode_request("long", "padded", [long], outputs=into_region))
+            refused, _ = peer.recv()
+            assert refused["status"] == "invalid", refused
+            assert "output 0 of padded v1 needs bytes 0 to 48 of region 'out', which is 20 bytes" in refused["error"]
+            assert batches(daemon) == computed, "it was computed all the same"
+            peer.send_frames(protocol.encode_request("short", "padded", [short], outputs=into_region))
+            header, (pooled,) = peer.recv()
+        assert header["status"] == "ok", header
+        running = np.frombuffer(path.read_bytes(), np.float32).reshape(1, 5)
+        want_running, want_pooled = expected(short)
+        np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 class MaskedMean(torch.nn.Module):
     """Token ids and their mask (int64 [L] each) -> float32 [8]: the mean of the ids' embeddings where the mask
     is 1 (an answer the padding does not change)."""

@@ -48,7 +48,7 @@ class RawPeer:
         self.send_frames([msgspec.json.encode(body), *(np.ascontiguousarray(a).tobytes() for a in arrays)])
 
     def recv(self, timeout: float = 20.0) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """The next reply: its header as a dict, and its outputs as arrays.
+        """The next reply: its header as a dict, and the outputs it carries as arrays.
 
         The empty delimiter a REQ-style message starts with comes back first; it is skipped.
         """
@@ -58,9 +58,9 @@ class RawPeer:
         if frames[0] == b"" and len(frames) > 1:
             frames = frames[1:]
         header = msgspec.json.decode(frames[0])
-        outputs = [
+        outputs = [  # an output written into a client's region has no frame
             np.frombuffer(frame, dtype=protocol.DTYPES[meta["dtype"]]).reshape(meta["shape"])
-            for meta, frame in zip(header.get("outputs", []), frames[1:])
+            for meta, frame in zip([m for m in header.get("outputs", []) if m.get("region") is None], frames[1:])
         ]
         return header, outputs
 

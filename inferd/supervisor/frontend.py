@@ -27,6 +27,7 @@ from inferd.addresses import loopback
 from inferd.config.schema import Config, ModelConfig
 from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
+from inferd.ipc.messages import TensorSpec
 from inferd.ipc.sockets import bind_error, recv_routed
 from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.backstop import failure
@@ -34,6 +35,7 @@ from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.client_regions import ClientRegions, Places
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.padding import output_bytes
 from inferd.supervisor.queue import QueuedRequest, Refusal, RequestQueue, Shapes
 from inferd.supervisor.regions import Regions, RegionSlice
 from inferd.supervisor.replies import Replies, ReplyTo
@@ -127,7 +129,8 @@ class Frontend:
 
     def __init__(self, context: zmq.Context, config: Config, queue: RequestQueue, replies: Replies, stats: Stats,
                  live: LiveVersions, candidates: Candidates, curve: CurveServer, regions: Regions,
-                 forecast: Forecast, cancel_running: Callable[[Hashable, protocol.RequestId], bool]) -> None:
+                 forecast: Forecast, cancel_running: Callable[[Hashable, protocol.RequestId], bool],
+                 signature: Callable[[str, str], tuple[TensorSpec, ...] | None]) -> None:
         self.queue = queue
         self.replies = replies
         self.forecast = forecast
@@ -146,6 +149,7 @@ class Frontend:
         self.any_ready = False
         self._admitted: set[str] = set()  # models that took requests since note_queue_depths
         self._cancel_running = cancel_running
+        self._signature = signature  # a version's outputs, once a worker has loaded it
         self._context = context
         self._curve = curve
         self.configure(config)
@@ -308,6 +312,7 @@ class Frontend:
             if header.outputs or None in buffers:
                 buffers, places = self.client_regions.resolve(reply_to.socket, reply_to.envelope[0], header,
                                                               request.buffers)
+                self._check_room_for_outputs(header, name, model, samples, places)
         except InvalidRequest as exc:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.replies.refuse(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
@@ -345,6 +350,23 @@ class Frontend:
             self.replies.error(queued, protocol.OVERLOADED, _refusal_sentence(refused, self.queue))
             return
         self._admitted.add(name)
+
+    def _check_room_for_outputs(self, header: protocol.RequestHeader, name: str, model: ModelConfig, samples: int,
+                                places: Places) -> None:
+        """InvalidRequest if a region the request places an output in cannot hold it, checked before it is
+        computed wherever its size is known then: the outputs of the version it names, else of the live one,
+        once a worker has loaded it. (A canary whose outputs differ, by --allow-signature-change, is checked
+        as its reply is written.)"""
+        version = header.version or self.live.get(name, "")
+        outputs = self._signature(name, version) or ()
+        for index, (place, _) in enumerate(zip(places, outputs)):
+            size = output_bytes(model, outputs, index, header.inputs, samples) if place is not None else None
+            if place is not None and size is not None:
+                region, offset = place
+                try:
+                    region.check(offset, size, f"output {index} of {name} {version}")
+                except InvalidRequest as exc:
+                    raise InvalidRequest(exc.message, header.id) from None
 
     def _cancel(self, client: Hashable, request_id: protocol.RequestId) -> None:
         """A client's cancel: a waiting request is answered `cancelled` now; a running one is marked in

@@ -18,7 +18,7 @@ import numpy as np
 from inferd.config.schema import ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import TensorSpec
-from inferd.protocol import DTYPES, Buffer, TensorMeta
+from inferd.protocol import DTYPES, Buffer, TensorMeta, tensor_bytes
 from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.regions import RegionSlice
 
@@ -81,6 +81,22 @@ def cuts(model: ModelConfig, outputs: Sequence[TensorSpec]) -> tuple[Cut, ...]:
         if follows is not None and spec.varies:
             found.append(Cut(index, spec.varies, *follows))
     return tuple(found)
+
+
+def output_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], index: int, inputs: Sequence[TensorMeta],
+                 samples: int) -> int | None:
+    """The bytes output `index` of a request (of `samples` samples, `inputs` as it sent them) comes back in,
+    where that is known before it is computed: an output of fixed size, or one cut back to the request's
+    own size of the input dims it follows; None for an output whose size only the model knows."""
+    spec = outputs[index]
+    sizes: dict[int, int] = {}
+    if spec.varies:
+        cut = next((cut for cut in cuts(model, outputs) if cut.output == index), None) if model.padded else None
+        if cut is None:
+            return None
+        source = inputs[cut.source].shape
+        sizes = dict(zip(cut.dims, (source[1 + dim] for dim in cut.source_dims)))
+    return samples * tensor_bytes(spec.dtype, tuple(sizes.get(dim, size) for dim, size in enumerate(spec.shape)))
 
 
 def unpad_problem(name: str, model: ModelConfig, outputs: Sequence[TensorSpec]) -> str | None:

@@ -109,7 +109,7 @@ class Parts:
         self.dispatcher = Dispatcher(config, self.workers, self.replies, self.live, self.candidates, self.stats, times)
         self.frontend = Frontend(self.context, config, self.queue, self.replies, self.stats, self.live,
                                  self.candidates, self.curve, self.regions, self.forecast,
-                                 self.dispatcher.cancel_running)
+                                 self.dispatcher.cancel_running, self.workers.signature)
         self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, self.candidates, saved,
                                      self.wakeup.call_soon_threadsafe)
         self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
