@@ -20,8 +20,10 @@ import torch
 from conftest import MLP, module_daemon, wait_for
 from test_reload import Traffic, inferctl
 
+from inferd import config as config_module
 from inferd import model_files
 from inferd.harness import to_toml
+from inferd.worker.runner import ModelError, ModelRunner
 
 FORMATS = {"v1": "torchscript", "v2": "exported", "v3": "aoti"}
 
@@ -286,6 +288,19 @@ def test_a_batch_is_padded_to_its_bucket_and_the_padding_never_reaches_a_reply(s
             assert seen.shape == (samples, 1) and set(seen.ravel()) == {bucket}, (samples, seen)
         stats = daemon.call("stats")["models"]["seesbatch"]
     assert stats["samples"] == 1 + 3 + 4 + 5 + 8, "counted as the requests' samples, not the padded ones"
+
+
+def test_an_aotinductor_package_is_refused_cuda_graphs_before_anything_is_captured(formats_repo):
+    model = config_module.parse({"models": {"mlp": {**MLP, "batch_buckets": [1, 16], "cuda_graphs": True,
+                                             "repository": str(formats_repo / "mlp")}}}).models["mlp"]
+
+    def capture(device: torch.device) -> None:
+        raise AssertionError("nothing is to be captured")
+
+    runner = ModelRunner(torch.device("cpu"), capture=capture)
+    with pytest.raises(ModelError, match="mlp v3 is an AOTInductor package, which inferd cannot capture in a CUDA "
+                                         "graph; set cuda_graphs = false for this model"):
+        runner.load("mlp", model, "v3")
 
 
 @pytest.mark.parametrize("buckets, says", [

@@ -15,6 +15,7 @@ memory pool, since an executor runs one batch at a time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -35,7 +36,10 @@ class CudaCapture:
     """One executor's captures: on a side stream of its own, into one memory pool.
 
     The mode is thread-local because the worker's other threads go on computing
-    (the live version's batches) while a new version is captured.
+    (the live version's batches) while a new version is captured. The capture is
+    begun and ended by hand: torch.cuda.graph's context manager first waits for
+    the whole device and empties the allocator's cache, a stall of the live
+    traffic at every capture.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -45,11 +49,17 @@ class CudaCapture:
     def __call__(self, forward: Forward, inputs: list[torch.Tensor]) -> tuple[Callable[[], None],
                                                                              tuple[torch.Tensor, ...]]:
         self._stream.wait_stream(torch.cuda.current_stream())  # the static inputs are written there
+        graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._stream):
             forward(inputs)  # once eagerly on this stream first: libraries set up per stream, not while capturing
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-            outputs = forward(inputs)
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                outputs = forward(inputs)
+            except BaseException:
+                with contextlib.suppress(Exception):  # the capture is broken; end it, and say the model's error
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         return graph.replay, outputs
 
 

@@ -262,6 +262,11 @@ class ModelRunner:
         refusal = None if config.allow_writable else writable_by_others(name, path)
         if refusal is not None:
             raise ModelError(refusal)
+        if config.cuda_graphs and model_files.inspect(path).format == model_files.AOTI:
+            # Its runners check their own CUDA events to find a free one, which an event recorded in a
+            # capture forbids (cudaErrorCapturedEvent).
+            raise ModelError(f"{name} {version} is an AOTInductor package, which inferd cannot capture in a CUDA "
+                             "graph; set cuda_graphs = false for this model")
         if memory_factor is not None:
             self._check_room(name, version, path, memory_factor)
         on_gpu = self.device.type == "cuda"
@@ -280,6 +285,7 @@ class ModelRunner:
             compiles = config.compile == "inductor" and model_files.inspect(path).format == model_files.EXPORTED
             compiled_before = _compile_counts() if compiles else (0, 0)
             outputs, largest_io = self._warm_up(model, name, config, version, streams or [None])
+            pools = self._capture_graphs(model, config, f"{name} {version}")
             if compiles:
                 misses, hits = (now - before for now, before in zip(_compile_counts(), compiled_before))
                 log.info("compiled %s %s with inductor while it warmed up: %d graph(s) compiled, %d from the "
@@ -298,7 +304,7 @@ class ModelRunner:
         self._models[(name, version)] = model
         warmed = time.perf_counter()
         if on_gpu:  # other executors' batches may run meanwhile: their peak counts too, erring on the large side
-            memory = torch.cuda.max_memory_allocated(self.device) - before
+            memory = torch.cuda.max_memory_allocated(self.device) - before + pools
         else:
             memory = model_memory(module, path) + largest_io
         log.info(
@@ -322,13 +328,6 @@ class ModelRunner:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    def fragmentation(self) -> float:
-        """Share of the GPU allocator's reserved memory that holds no tensor (0 on the CPU)."""
-        if self.device.type != "cuda":
-            return 0.0
-        reserved = torch.cuda.memory_reserved(self.device)
-        return (reserved - torch.cuda.memory_allocated(self.device)) / reserved if reserved else 0.0
 
     def allocator_memory(self) -> tuple[int, int]:
         """The GPU allocator's (bytes in use, bytes reserved)."""
@@ -360,8 +359,8 @@ class ModelRunner:
 
     def _warm_up(self, model: Loaded, name: str, config: ModelConfig, version: str,
                  streams: list[Any]) -> tuple[tuple[TensorSpec, ...], int]:
-        """Run every warm-up batch on each stream, then capture each executor's graphs (if it has any) at each
-        batch bucket; the outputs' signature, and the bytes of the largest warm-up batch's inputs and outputs."""
+        """Run every warm-up batch on each stream; the outputs' signature, and the bytes of the largest warm-up
+        batch's inputs and outputs."""
         outputs: tuple[TensorSpec, ...] = ()
         largest = 0
         for stream in streams:
@@ -374,9 +373,6 @@ class ModelRunner:
                     largest = max(largest, sum(tensor_bytes(dtype, (batch, *shape)) for dtype, shape in sizes))
             if stream is not None:
                 stream.synchronize()
-        for graphs in model.graphs:
-            for batch, shapes in itertools.product(config.batch_buckets, warmup_shapes(config)):
-                self._capture_at(graphs, model, config, batch, shapes, f"{name} {version}")
         if config.variable:
             outputs = self._varying_dims(model, name, config, version, outputs)
         return outputs, largest
@@ -392,6 +388,18 @@ class ModelRunner:
         return tuple(TensorSpec(big.dtype, big.shape, tuple(dim for dim, (size, least) in
                                                             enumerate(zip(big.shape, small.shape)) if size != least))
                      for big, small in zip(at_bound, smallest))
+
+    def _capture_graphs(self, model: Loaded, config: ModelConfig, what: str) -> int:
+        """Capture each executor's graphs of `model` (if it has any) at each batch bucket; the bytes the
+        device's allocator reserved for them. Each executor's pool keeps what its largest capture needed
+        while the graphs live, which the peak of allocated memory alone does not show."""
+        if not model.graphs:
+            return 0
+        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        for graphs in model.graphs:
+            for batch, shapes in itertools.product(config.batch_buckets, warmup_shapes(config)):
+                self._capture_at(graphs, model, config, batch, shapes, what)
+        return torch.cuda.memory_reserved(self.device) - reserved if self.device.type == "cuda" else 0
 
     def _capture_at(self, graphs: Graphs, model: Loaded, config: ModelConfig, batch: int,
                  shapes: Sequence[tuple[int, ...]], what: str) -> None:
