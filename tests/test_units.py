@@ -47,6 +47,7 @@ from inferd.supervisor.stats import Stats
 from inferd.supervisor.workers import ExecutorHandle, WorkerState, WorkerTable
 from inferd.worker.executor import Executor, Overlap, arena_tensor, is_out_of_memory, is_sticky_cuda_error
 from inferd.worker.exits import WorkerExit
+from inferd.worker.main import IdleTrim
 from inferd.worker.runner import ModelError, ModelRunner
 
 SIGNATURE = (messages.TensorSpec("float32", (models.MLP_OUT,)),)
@@ -626,6 +627,19 @@ def test_requests_past_their_deadline_are_not_computed(executor):
     assert ref.offset >= 3 * 2 * 4, "the outputs lie after the inputs"
     nothing = executor.run_batch(batch(executor, [[1, 1]], (now - 1,)))
     assert isinstance(nothing, messages.BatchDone) and nothing.expired == (0,) and nothing.outputs == ()
+
+
+def test_an_idle_gpu_worker_trims_what_it_can_return_not_what_it_cannot_every_check():
+    mib = 1 << 20
+    trim = IdleTrim(0.5)
+    assert not trim.due(100 * mib, 1000 * mib), "one check is not enough"
+    assert trim.due(100 * mib, 1000 * mib), "two in a row"
+    trim.trimmed(900 * mib)  # what a trim could not return: graphs' pools, partly used segments
+    assert not any(trim.due(100 * mib, 900 * mib) for _ in range(5)), "nothing new to return"
+    assert not trim.due(100 * mib, 930 * mib) and not trim.due(100 * mib, 930 * mib), "grown less than the floor"
+    assert not trim.due(100 * mib, 1000 * mib) and trim.due(100 * mib, 1000 * mib), "grown past it, twice"
+    trim.trimmed(0)
+    assert not trim.due(100 * mib, 1000 * mib) and not trim.due(900 * mib, 1000 * mib), "mostly in use"
 
 
 def test_only_sticky_cuda_errors_end_a_worker():

@@ -191,7 +191,9 @@ class WorkersConfig(msgspec.Struct, frozen=True, kw_only=True):
     fragmentation_trim: Annotated[
         float,
         Meta(ge=0, le=1),
-        _doc("A GPU worker that sits idle with more than this share of its reserved memory unused returns it."),
+        _doc("A GPU worker that sits idle with more than this share of its reserved memory unused returns it, "
+             "and again only once what it reserves has grown by 64 MiB (what a trim cannot return, such as CUDA "
+             "graphs' memory pools, stays reserved)."),
     ] = 0.25
     trim_request_file: Annotated[
         str,

@@ -32,6 +32,7 @@ log = logging.getLogger("inferd.worker")
 
 LOADER_NICENESS = 10
 TRIM_CHECK_MS = 1000
+TRIM_FLOOR_BYTES = 64 << 20  # what an idle worker's reservation must grow by before it trims again
 
 
 class WorkerSpec(msgspec.Struct, frozen=True):
@@ -168,6 +169,29 @@ def _boot(spec: WorkerSpec, config: Config, context: zmq.Context, stop_fd: int):
     return arena, pinned, executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
 
 
+class IdleTrim:
+    """When an idle GPU worker returns its allocator's unused memory: more than `above` of what it reserves
+    unused, two checks in a row, and its reservation grown by TRIM_FLOOR_BYTES since it last trimmed. What a
+    trim cannot return (CUDA graphs' pools, segments a live tensor holds a part of) would otherwise look
+    unused at every check, and be "trimmed" every other second for nothing."""
+
+    def __init__(self, above: float) -> None:
+        self.above = above
+        self._checks = 0
+        self._after_last = 0  # bytes reserved right after the last trim
+
+    def due(self, allocated: int, reserved: int) -> bool:
+        """One check: whether to trim now."""
+        unused = reserved > 0 and (reserved - allocated) / reserved > self.above
+        self._checks = self._checks + 1 if unused and reserved >= self._after_last + TRIM_FLOOR_BYTES else 0
+        return self._checks >= 2
+
+    def trimmed(self, reserved: int) -> None:
+        """A trim left `reserved` bytes reserved."""
+        self._checks = 0
+        self._after_last = reserved
+
+
 def _trim(control: zmq.Socket, runner) -> int:
     """Trim a GPU worker's allocator and tell the supervisor what it holds now; the bytes freed."""
     freed = runner.trim()
@@ -180,22 +204,20 @@ def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) ->
 
     Loading runs here, in the main thread, while the executors go on serving the
     live version; a version becomes usable only once the supervisor flips to it.
-    Between messages, a GPU worker whose executors are all idle and whose
-    allocator keeps more than `trim_above` of its reserved memory unused, two
-    checks in a row, gives that memory back.
+    Between messages, a GPU worker whose executors are all idle gives its
+    allocator's unused memory back when IdleTrim says so.
     """
     from inferd.worker.runner import describe_error
 
-    fragmented_checks = 0
+    idle_trim = IdleTrim(trim_above)
     while True:
         if not control.poll(TRIM_CHECK_MS):
             if runner.device.type == "cuda" and not any(e.busy for e in executors):
-                ratio = runner.fragmentation()
-                fragmented_checks = fragmented_checks + 1 if ratio > trim_above else 0
-                if fragmented_checks >= 2:
+                allocated, reserved = runner.allocator_memory()
+                if idle_trim.due(allocated, reserved):
                     log.info("idle with %.0f%% of reserved GPU memory unused; returned %.1f MiB to the device",
-                             ratio * 100, _trim(control, runner) / 2**20)
-                    fragmented_checks = 0
+                             (reserved - allocated) / reserved * 100, _trim(control, runner) / 2**20)
+                    idle_trim.trimmed(runner.allocator_memory()[1])
             continue
         message = messages.decode(control.recv())
         if isinstance(message, messages.Shutdown):
