@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
 import numpy as np
 import pytest
 
+from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.probes import Probes
 from inferd.supervisor.stats import BOUNDS, PROMETHEUS_BOUNDS, Histogram, Stats
 
@@ -64,9 +66,13 @@ def test_recent_windows_forget_what_is_older_than_asked():
 
 
 class FakeNvml(types.SimpleNamespace):
-    """Just enough of pynvml, for two GPUs."""
+    """Just enough of pynvml, for two GPUs (the second a MIG instance, without utilisation)."""
 
     NVML_TEMPERATURE_GPU = 0
+    UUIDS = ("GPU-aaa", "GPU-abc")
+
+    class NVMLError(Exception):
+        pass
 
     def __init__(self) -> None:
         super().__init__()
@@ -87,12 +93,19 @@ class FakeNvml(types.SimpleNamespace):
 
     def nvmlDeviceGetHandleByUUID(self, uuid):
         self.asked.append(uuid)
-        return 7
+        if uuid not in self.UUIDS:
+            raise self.NVMLError("not found")
+        return self.UUIDS.index(uuid)
+
+    def nvmlDeviceGetUUID(self, handle):
+        return self.UUIDS[handle].encode()
 
     def nvmlDeviceGetMemoryInfo(self, handle):
         return types.SimpleNamespace(used=1000 + handle, total=8000)
 
     def nvmlDeviceGetUtilizationRates(self, handle):
+        if handle == 1:
+            raise self.NVMLError("Not Supported")
         return types.SimpleNamespace(gpu=42)
 
     def nvmlDeviceGetTemperature(self, handle, sensor):
@@ -105,14 +118,25 @@ class FakeNvml(types.SimpleNamespace):
 def test_gpu_probe_maps_cuda_indices_through_cuda_visible_devices(monkeypatch):
     fake = FakeNvml()
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,GPU-abc")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,GPU-ab")
     probes = Probes()
     first = probes.gpu("cuda:0")
-    assert first == {"gpu_memory_used_bytes": 1001, "gpu_memory_total_bytes": 8000, "gpu_utilization": 0.42,
+    assert first == {"gpu_memory_used_bytes": 1000, "gpu_memory_total_bytes": 8000, "gpu_utilization": 0.42,
                      "gpu_temperature_c": 61}, "a sensor the board lacks is left out"
-    probes.gpu("cuda:1")
-    assert fake.asked == [1, "GPU-abc"]
+    second = probes.gpu("cuda:1")  # named by the start of its UUID, as CUDA allows; a MIG instance
+    assert second == {"gpu_memory_used_bytes": 1001, "gpu_memory_total_bytes": 8000, "gpu_temperature_c": 61}
+    assert fake.asked[:2] == [0, "GPU-ab"]
     assert probes.gpu("cpu") == {}
+
+
+def test_workers_number_gpus_as_nvml_does_unless_the_operator_said_otherwise(monkeypatch):
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "")  # so that monkeypatch puts back what the test's process had
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    resolve_devices(("cpu",))
+    assert os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+    resolve_devices(("cpu",))
+    assert os.environ["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
 
 
 def test_without_nvml_gpu_fields_are_absent(monkeypatch):
@@ -121,8 +145,6 @@ def test_without_nvml_gpu_fields_are_absent(monkeypatch):
 
 
 def test_process_probe_reads_rss_and_cpu(monkeypatch):
-    import os
-
     probes = Probes()
     first = probes.process(os.getpid())
     assert first["rss_bytes"] > 0 and first["cpu_percent"] >= 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from inferd.supervisor.nvml import cuda_devices, open_nvml
 
@@ -21,7 +22,13 @@ def visible_gpu_count() -> int:
 
 
 def resolve_devices(setting: str | tuple[str, ...]) -> list[str]:
-    """The device of each worker: "auto" means every visible GPU, else one CPU worker."""
+    """The device of each worker: "auto" means every visible GPU, else one CPU worker.
+
+    The workers (which inherit this process's environment) number GPUs as NVML does, by PCI bus, unless
+    the operator set CUDA_DEVICE_ORDER: CUDA's own default puts the fastest first, and on a machine of
+    mixed GPUs a worker's cuda:N would then not be the board the stats read as N.
+    """
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     if setting != "auto":
         return list(setting)
     devices = [f"cuda:{i}" for i in range(visible_gpu_count())] or ["cpu"]

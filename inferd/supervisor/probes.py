@@ -67,12 +67,12 @@ class Probes:
             info: dict[str, Any] = {
                 "gpu_memory_used_bytes": int(memory.used),
                 "gpu_memory_total_bytes": int(memory.total),
-                "gpu_utilization": nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100,
             }
         except Exception as exc:  # noqa: BLE001 - NVML errors are many; a probe must never break stats
             log.debug("NVML cannot read %s: %s", device, exc)
             return {}
-        for key, read in (
+        for key, read in (  # a MIG instance reports no utilisation
+            ("gpu_utilization", lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100),
             ("gpu_temperature_c", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
             ("gpu_power_w", lambda: nvml.nvmlDeviceGetPowerUsage(handle) / 1000),
         ):
@@ -87,4 +87,12 @@ class Probes:
         device = self._cuda[cuda_index]
         if isinstance(device, int):
             return self._nvml.nvmlDeviceGetHandleByIndex(device)
-        return self._nvml.nvmlDeviceGetHandleByUUID(device)
+        try:
+            return self._nvml.nvmlDeviceGetHandleByUUID(device)
+        except self._nvml.NVMLError:  # CUDA_VISIBLE_DEVICES may name a GPU by the start of its UUID
+            for index in range(self._nvml.nvmlDeviceGetCount()):
+                handle = self._nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = self._nvml.nvmlDeviceGetUUID(handle)
+                if (uuid.decode() if isinstance(uuid, bytes) else uuid).startswith(device):
+                    return handle
+            raise
