@@ -13,7 +13,7 @@ import models
 import numpy as np
 import pytest
 import torch
-from conftest import BF16, Daemon, base_config
+from conftest import BF16, ONE_AT_A_TIME, Daemon, base_config, wait_for
 from wire import RawPeer
 
 from inferd import InvalidRequest
@@ -25,10 +25,11 @@ Reference = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 @pytest.fixture(scope="module")
 def bf16_daemon(repo: Path) -> Iterator[Daemon]:
-    """One daemon for this module: the bfloat16 model, in precision fp32 (inputs passed as given), on a CPU worker."""
+    """One daemon for this module: the bfloat16 model, in precision fp32 (inputs passed as given), on a CPU worker
+    of one executor, which a batch of `variable` held at a gate keeps busy."""
     path = Path(tempfile.mkdtemp(prefix="inferd-b"))
-    daemon = Daemon(path, base_config(path, repo, {"bf16": {**BF16, "precision": "fp32"}},
-                                      workers={"devices": ["cpu"]}))
+    daemon = Daemon(path, base_config(path, repo, {"bf16": {**BF16, "precision": "fp32"}, "variable": ONE_AT_A_TIME},
+                                      workers={"devices": ["cpu"], "streams": 1}))
     daemon.start()
     yield daemon
     daemon.kill_all()
@@ -89,16 +90,28 @@ def test_a_torch_bfloat16_tensor_travels_too_even_a_strided_one(bf16_daemon, ref
     assert_same(got, reference(to_numpy(x.contiguous())))
 
 
-def test_concurrent_bfloat16_requests_share_batches_and_each_gets_its_own_rows(bf16_daemon, reference):
-    inputs = bf16_inputs(4, [1 + i % 3 for i in range(32)])
+def test_concurrent_bfloat16_requests_share_batches_and_each_gets_its_own_rows(bf16_daemon, reference, gates):
+    inputs = bf16_inputs(4, [1 + i % 3 for i in range(32)])  # 64 samples
+    gate = gates()
     before = sum(w["batches"] for w in bf16_daemon.status()["workers"])
-    with bf16_daemon.client() as client:
-        futures = [client.submit("bf16", x) for x in inputs]
-        results = [future.result() for future in futures]
-    batches = sum(w["batches"] for w in bf16_daemon.status()["workers"]) - before
-    # 32 requests sent at once to a model that takes milliseconds a batch, on 2 executors: most
-    # wait in the queue while the first batches run, and are stacked together (about 10 batches).
-    assert batches <= len(inputs) // 2, f"{batches} batches for {len(inputs)} requests: too few were batched"
+    with RawPeer(bf16_daemon.endpoint) as peer:
+        peer.send("held", "variable", [gate.input])
+        wait_for(lambda: bf16_daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+        for index, x in enumerate(inputs):
+            peer.send(index, "bf16", [x])
+        assert peer.barrier() == [], "every request is in, waiting behind the held batch"
+        gate.open()
+        replies = dict((header["id"], (header, outputs)) for header, outputs in
+                       (peer.recv() for _ in range(len(inputs) + 1)))
+    batches = sum(w["batches"] for w in bf16_daemon.status()["workers"]) - before - 1
+    # All waited together, so they were stacked up to max_batch_size (8) samples a batch: a batch takes
+    # requests of 1 to 3 samples until the next would not fit, so none holds fewer than 6.
+    assert batches <= -(-64 // 6), f"{batches} batches for {len(inputs)} requests of 64 samples"
+    results = []
+    for index in range(len(inputs)):
+        header, outputs = replies[index]
+        assert header["status"] == "ok", header
+        results.append(tuple(outputs))
     for x, got in zip(inputs, results):
         assert_same(got, reference(x))
 
