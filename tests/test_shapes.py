@@ -4,10 +4,12 @@ own shape; shapes past the bound or off the fixed dims refused with a sentence."
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import models
 import numpy as np
@@ -16,6 +18,7 @@ import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import Daemon, module_daemon, reference, wait_for
+from gates import Gate
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -62,6 +65,26 @@ def shape_counts(daemon: Daemon, model: str, shape: str) -> tuple[int, int, int]
     return counts.get("batches", 0), counts.get("elements", 0), counts.get("padding_elements", 0)
 
 
+@contextlib.contextmanager
+def executor_held(daemon: Daemon, client: Any, gates: Callable[[], Gate], model: str) -> Iterator[None]:
+    """Keep the daemon's one executor busy, and the place behind it taken, until the block ends: a batch of
+    `model` held at a gate running, and a full one (which goes at once) held at another waiting behind it. So
+    what the test sends meanwhile all waits in the queue, however the batcher sees it arrive: a batch that
+    filled up as the requests came would otherwise go behind the running one."""
+    running, behind = gates(), gates()
+    first, second = np.zeros((1, 2, 2), dtype=np.float32), np.zeros((8, 2, 2), dtype=np.float32)
+    first[0, 0, 0], second[0, 0, 0] = -running.number, -behind.number
+    held = [client.submit(model, first)]
+    wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+    held.append(client.submit(model, second))
+    wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="a batch held behind it")
+    yield
+    running.open()
+    behind.open()
+    for future in held:
+        future.result()
+
+
 @pytest.mark.parametrize("model", ["ragged", "padded", "bucketed"])
 def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alone(daemon, repo, model):
     expected = reference(repo, "ragged", "v1")
@@ -92,7 +115,7 @@ def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alo
         np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
 
 
-# How many batches the requests of each length make, behind one held at a gate, by how the model batches:
+# How many batches the requests of each length make, all queued behind batches held, by how the model batches:
 # exact shapes apart; padded to the longest, all of them; to buckets, per bucket (5 and 7 in 8, 12 in 16,
 # 40 in 48), a smaller bucket riding along in a larger one's batch only if it is at least half as large and
 # while it could not fill its own.
@@ -107,40 +130,28 @@ def test_requests_of_many_lengths_from_many_clients_answer_as_the_model_does_alo
 def test_requests_batch_by_shape_or_bucket_and_each_is_answered_as_alone(daemon, repo, gates, model, lengths,
                                                                        expected_batches):
     expected = reference(repo, "ragged", "v1")
-    gate = gates()
-    held = np.zeros((1, 2, 2), dtype=np.float32)
-    held[0, 0, 0] = -gate.number
     before = batches(daemon)
     with daemon.client() as client:
-        blocker = client.submit(model, held)
-        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
-        inputs = [sample(length, seed) for seed, length in enumerate(lengths)]
-        futures = [client.submit(model, x) for x in inputs]
-        wait_for(lambda: daemon.status()["models"][model]["queue_depth"] == len(inputs), what="all queued")
-        gate.open()
-        blocker.result()
+        with executor_held(daemon, client, gates, model):
+            inputs = [sample(length, seed) for seed, length in enumerate(lengths)]
+            futures = [client.submit(model, x) for x in inputs]
+            wait_for(lambda: daemon.status()["models"][model]["queue_depth"] == len(inputs), what="all queued")
         for x, future in zip(inputs, futures):
             running, pooled = future.result()
             want_running, want_pooled = expected(x)
             assert running.shape == want_running.shape, "the padding reached the reply"
             np.testing.assert_allclose(running, want_running, rtol=1e-5, atol=1e-5)
             np.testing.assert_allclose(pooled, want_pooled, rtol=1e-5, atol=1e-5)
-    assert batches(daemon) - before == 1 + expected_batches
+    assert batches(daemon) - before == 2 + expected_batches
 
 
 def test_stats_count_each_shapes_batches_and_the_padding_computed(daemon, gates):
     lengths = [5, 7, 40, 1, 64, 12]
     before = shape_counts(daemon, "padded", f"2x{models.RAGGED_MAX}")
-    gate = gates()
-    held = np.zeros((1, 2, 2), dtype=np.float32)
-    held[0, 0, 0] = -gate.number
     with daemon.client() as client:
-        blocker = client.submit("padded", held)
-        wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
-        futures = [client.submit("padded", sample(length, seed)) for seed, length in enumerate(lengths)]
-        wait_for(lambda: daemon.status()["models"]["padded"]["queue_depth"] == len(lengths), what="all queued")
-        gate.open()
-        blocker.result()
+        with executor_held(daemon, client, gates, "padded"):
+            futures = [client.submit("padded", sample(length, seed)) for seed, length in enumerate(lengths)]
+            wait_for(lambda: daemon.status()["models"]["padded"]["queue_depth"] == len(lengths), what="all queued")
         for future in futures:
             future.result()
     after = shape_counts(daemon, "padded", f"2x{models.RAGGED_MAX}")
