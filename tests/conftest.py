@@ -231,6 +231,26 @@ def replies_across_a_worker_death(daemon: Daemon, gate: Gate, signum: int) -> li
     return replies
 
 
+@contextlib.contextmanager
+def pipeline_held(daemon: Daemon, gates: Callable[[], Gate], send: Callable[[Gate, bool], Any]) -> Iterator[None]:
+    """Keep the daemon's one executor busy, and the place behind it taken, until the block ends: `send(gate,
+    full)` sends a batch that waits at `gate`, first one that runs, then a full one (which goes behind a
+    running batch at once). So what the test sends meanwhile all waits in the queue, however the batcher
+    sees it arrive: a batch that filled up as the requests came would otherwise go behind the running one,
+    and to an idle executor each would go as it came."""
+    running, behind = gates(), gates()
+    held = [send(running, False)]
+    wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
+    held.append(send(behind, True))
+    wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="a batch held behind it")
+    yield
+    running.open()
+    behind.open()
+    for future in held:
+        if future is not None:
+            future.result()
+
+
 def held_reload_repo(reload_repo: Path, folder: Path, *versions: str) -> tuple[Path, Path]:
     """A repository in `folder` with the reload repository's mlp `versions` and a v1 that saves each warm-up
     batch to the file returned (where no gate is made there, it saves it and goes on; see hold_boots)."""

@@ -14,6 +14,7 @@ import queue
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -24,7 +25,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as aioclient
 import tritonclient.http as httpclient
-from conftest import MLP, NAMED_PAIR, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import MLP, NAMED_PAIR, ONE_AT_A_TIME, Daemon, pipeline_held, reference, wait_for
 from tritonclient.grpc import service_pb2
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
@@ -202,38 +203,45 @@ def test_a_compressed_message_that_inflates_past_the_limit_is_refused(oip):
     assert client(oip).is_server_live()
 
 
-def test_grpc_http_and_zeromq_clients_at_once_are_batched_together(oip, repo):
+def test_grpc_http_and_zeromq_clients_at_once_are_batched_together(start_daemon, repo, gates):
+    # A daemon of its own, whose one executor is held while the requests of the three protocols queue: sent
+    # to an idle one, they would be batched only as far as they happened to arrive faster than batches ran.
+    daemon = start_daemon({"mlp": MLP, "variable": ONE_AT_A_TIME}, workers={"streams": 1},
+                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
     expected = reference(repo, "mlp", "v2")
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((1, models.MLP_IN), dtype=np.float32) for _ in range(90)]
-    before = sum(w["batches"] for w in oip.status()["workers"])
 
     async def over_grpc(batch: list[np.ndarray]) -> list[np.ndarray]:
-        async with aioclient.InferenceServerClient(oip.config["server"]["grpc"]) as c:
+        async with aioclient.InferenceServerClient(daemon.config["server"]["grpc"]) as c:
             async def one(x: np.ndarray) -> np.ndarray:
                 given = aioclient.InferInput("INPUT__0", list(x.shape), "FP32")
                 given.set_data_from_numpy(x)
                 return (await c.infer("mlp", [given])).as_numpy("OUTPUT__0")
             return await asyncio.gather(*(one(x) for x in batch))
 
-    http = httpclient.InferenceServerClient(oip.config["server"]["http"], concurrency=30)
-    with oip.client() as zmq_client:
-        zmq_futures = [zmq_client.submit("mlp", x) for x in xs[60:]]
-        http_futures = []
-        for x in xs[30:60]:
-            given = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
-            given.set_data_from_numpy(x)
-            http_futures.append(http.async_infer("mlp", [given]))
-        grpc_answers = asyncio.run(over_grpc(xs[:30]))
-        http_answers = [f.get_result().as_numpy("OUTPUT__0") for f in http_futures]
-        zmq_answers = [f.result() for f in zmq_futures]
+    http = httpclient.InferenceServerClient(daemon.config["server"]["http"], concurrency=30)
+    with RawPeer(daemon.endpoint) as peer, daemon.client() as zmq_client, ThreadPoolExecutor(1) as grpc_thread:
+        with pipeline_held(daemon, gates, lambda gate, full: peer.send(gate.number, "variable", [gate.input])):
+            grpc_answers = grpc_thread.submit(asyncio.run, over_grpc(xs[:30]))
+            http_futures = []
+            for x in xs[30:60]:
+                given = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
+                given.set_data_from_numpy(x)
+                http_futures.append(http.async_infer("mlp", [given]))
+            zmq_futures = [zmq_client.submit("mlp", x) for x in xs[60:]]
+            wait_for(lambda: daemon.status()["models"]["mlp"]["queue_depth"] == 90, what="all queued")
+        answers = grpc_answers.result() + [f.get_result().as_numpy("OUTPUT__0") for f in http_futures] + [
+            f.result() for f in zmq_futures]
     http.close()
-    for x, y in zip(xs, grpc_answers + http_answers + zmq_answers):
+    for x, y in zip(xs, answers):
         np.testing.assert_allclose(y, expected(x), rtol=1e-5, atol=1e-6)
-    batches = sum(w["batches"] for w in oip.status()["workers"]) - before
-    assert batches < 90, "requests of the three protocols should share batches"
-    by_protocol = oip.call("stats")["models"]["mlp"]["requests_by_protocol"]
-    assert by_protocol["grpc"]["ok"] >= 30 and by_protocol["http"]["ok"] >= 30
+    sizes = daemon.call("stats")["models"]["mlp"]["batch_size"]["distribution"]
+    # 90 requests of one sample in batches of up to 16 (max_batch_size): five of 16 and one of 10, so the 30
+    # of no protocol went alone.
+    assert sizes == {"16": 5, "10": 1}, sizes
+    by_protocol = daemon.call("stats")["models"]["mlp"]["requests_by_protocol"]
+    assert by_protocol["grpc"]["ok"] == 30 and by_protocol["http"]["ok"] == 30
 
 
 def grpc_daemon(start_daemon, **sections) -> Daemon:

@@ -10,6 +10,7 @@ import json
 import signal
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import models
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
-from conftest import MLP, ONE_AT_A_TIME, Daemon, reference, wait_for
+from conftest import MLP, ONE_AT_A_TIME, Daemon, pipeline_held, reference, wait_for
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -191,28 +192,35 @@ def test_a_model_error_is_500_and_statistics_count_what_was_served(oip):
     assert counted in metrics, [line for line in metrics.splitlines() if "by_protocol" in line]
 
 
-def test_the_asyncio_client_and_zeromq_clients_are_batched_together(oip, repo):
+def test_the_asyncio_client_and_zeromq_clients_are_batched_together(start_daemon, repo, gates):
+    # A daemon of its own, whose one executor is held while the requests of both protocols queue: sent to an
+    # idle one, they would be batched only as far as they happened to arrive faster than batches ran.
+    daemon = start_daemon({"mlp": MLP, "variable": ONE_AT_A_TIME}, workers={"streams": 1},
+                          server={"http": f"127.0.0.1:{free_port()}"})
     expected = reference(repo, "mlp", "v2")
     rng = np.random.default_rng(5)
     xs = [rng.standard_normal((1, models.MLP_IN), dtype=np.float32) for _ in range(60)]
-    before = sum(w["batches"] for w in oip.status()["workers"])
 
     async def over_http() -> list[np.ndarray]:
-        async with aioclient.InferenceServerClient(url(oip)) as c:
+        async with aioclient.InferenceServerClient(url(daemon)) as c:
             async def one(x: np.ndarray) -> np.ndarray:
                 given = aioclient.InferInput("INPUT__0", list(x.shape), "FP32")
                 given.set_data_from_numpy(x)
                 return (await c.infer("mlp", [given])).as_numpy("OUTPUT__0")
             return await asyncio.gather(*(one(x) for x in xs[:30]))
 
-    with oip.client() as zmq_client:
-        futures = [zmq_client.submit("mlp", x) for x in xs[30:]]
-        http_answers = asyncio.run(over_http())
-        zmq_answers = [f.result() for f in futures]
-    for x, y in zip(xs, http_answers + zmq_answers):
+    with RawPeer(daemon.endpoint) as peer, daemon.client() as zmq_client, ThreadPoolExecutor(1) as http:
+        with pipeline_held(daemon, gates, lambda gate, full: peer.send(gate.number, "variable", [gate.input])):
+            http_answers = http.submit(asyncio.run, over_http())
+            futures = [zmq_client.submit("mlp", x) for x in xs[30:]]
+            wait_for(lambda: daemon.status()["models"]["mlp"]["queue_depth"] == 60, what="all queued")
+        answers = http_answers.result() + [f.result() for f in futures]
+    for x, y in zip(xs, answers):
         np.testing.assert_allclose(y, expected(x), rtol=1e-5, atol=1e-6)
-    batches = sum(w["batches"] for w in oip.status()["workers"]) - before
-    assert batches < 60, "requests of both protocols should share batches"
+    sizes = daemon.call("stats")["models"]["mlp"]["batch_size"]["distribution"]
+    # 60 requests of one sample in batches of up to 16 (max_batch_size): 16, 16, 16 and 12, so the 30 of
+    # either protocol cannot have gone alone.
+    assert sizes == {"16": 3, "12": 1}, sizes
 
 
 SMALL = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()

@@ -4,7 +4,6 @@ own shape; shapes past the bound or off the fixed dims refused with a sentence."
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import urllib.request
 import uuid
@@ -17,7 +16,7 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import Daemon, module_daemon, reference, wait_for
+from conftest import Daemon, module_daemon, pipeline_held, reference, wait_for
 from gates import Gate
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
@@ -65,24 +64,13 @@ def shape_counts(daemon: Daemon, model: str, shape: str) -> tuple[int, int, int]
     return counts.get("batches", 0), counts.get("elements", 0), counts.get("padding_elements", 0)
 
 
-@contextlib.contextmanager
-def executor_held(daemon: Daemon, client: Any, gates: Callable[[], Gate], model: str) -> Iterator[None]:
-    """Keep the daemon's one executor busy, and the place behind it taken, until the block ends: a batch of
-    `model` held at a gate running, and a full one (which goes at once) held at another waiting behind it. So
-    what the test sends meanwhile all waits in the queue, however the batcher sees it arrive: a batch that
-    filled up as the requests came would otherwise go behind the running one."""
-    running, behind = gates(), gates()
-    first, second = np.zeros((1, 2, 2), dtype=np.float32), np.zeros((8, 2, 2), dtype=np.float32)
-    first[0, 0, 0], second[0, 0, 0] = -running.number, -behind.number
-    held = [client.submit(model, first)]
-    wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
-    held.append(client.submit(model, second))
-    wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="a batch held behind it")
-    yield
-    running.open()
-    behind.open()
-    for future in held:
-        future.result()
+def held(client: Any, model: str) -> Callable[[Gate, bool], Any]:
+    """What pipeline_held sends: a batch of `model` that waits at a gate, of one sample, or full (8)."""
+    def send(gate: Gate, full: bool) -> Any:
+        x = np.zeros((8 if full else 1, 2, 2), dtype=np.float32)
+        x[0, 0, 0] = -gate.number
+        return client.submit(model, x)
+    return send
 
 
 @pytest.mark.parametrize("model", ["ragged", "padded", "bucketed"])
@@ -132,7 +120,7 @@ def test_requests_batch_by_shape_or_bucket_and_each_is_answered_as_alone(daemon,
     expected = reference(repo, "ragged", "v1")
     before = batches(daemon)
     with daemon.client() as client:
-        with executor_held(daemon, client, gates, model):
+        with pipeline_held(daemon, gates, held(client, model)):
             inputs = [sample(length, seed) for seed, length in enumerate(lengths)]
             futures = [client.submit(model, x) for x in inputs]
             wait_for(lambda: daemon.status()["models"][model]["queue_depth"] == len(inputs), what="all queued")
@@ -149,7 +137,7 @@ def test_stats_count_each_shapes_batches_and_the_padding_computed(daemon, gates)
     lengths = [5, 7, 40, 1, 64, 12]
     before = shape_counts(daemon, "padded", f"2x{models.RAGGED_MAX}")
     with daemon.client() as client:
-        with executor_held(daemon, client, gates, "padded"):
+        with pipeline_held(daemon, gates, held(client, "padded")):
             futures = [client.submit("padded", sample(length, seed)) for seed, length in enumerate(lengths)]
             wait_for(lambda: daemon.status()["models"]["padded"]["queue_depth"] == len(lengths), what="all queued")
         for future in futures:
