@@ -23,7 +23,7 @@ AOTI_MADE = {"AOTI_DEVICE_KEY": "device", "AOTI_PLATFORM": "platform", "AOTI_MAC
              "AOTI_CPU_ISA": "cpu_isa", "AOTI_COMPUTE_CAPABILITY": "compute_capability"}
 PICKLE_PEEK_BYTES = 1 << 20  # a module's pickle names its class within its first opcodes
 # An exported program's models/*.json ends with the torch version that exported it; found by its key, since
-# parsing the whole graph (megabytes for a large model) only to read it would slow every listing.
+# parsing the whole graph only to read it would slow every listing.
 TORCH_VERSION = re.compile(rb'"torch_version":\s*"([^"\\]{1,64})"')
 
 HOW_TO_SAVE = ("save it with torch.export.save(torch.export.export(model, example, dynamic_shapes=...)) as "
@@ -42,8 +42,10 @@ class ModelFile:
     made: dict[str, str] = field(default_factory=dict)
 
 
-def inspect(path: Path) -> ModelFile:
-    """Tell what `path` holds from its archive's member names (and a pickle's first class name)."""
+def inspect(path: Path, provenance: bool = False) -> ModelFile:
+    """Tell what `path` holds from its archive's member names (and a pickle's first class name). With
+    `provenance`, also the torch version an exported program records, which reads the program's JSON
+    (megabytes for a large model): for listings, not for every load."""
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -54,7 +56,7 @@ def inspect(path: Path) -> ModelFile:
                 compiled = [name for name in names if name.partition("/")[2].startswith("data/aotinductor/")]
                 if compiled:
                     return ModelFile(path, AOTI, made=_aoti_made(archive, compiled))
-                return ModelFile(path, EXPORTED, made=_exported_made(archive, names))
+                return ModelFile(path, EXPORTED, made=_exported_made(archive, names) if provenance else {})
             pickle = next((name for name in names if name.partition("/")[2] == "data.pkl"), None)
             if pickle is None:
                 return ModelFile(path, None, f"{path} is a zip archive but neither TorchScript nor torch.export; "

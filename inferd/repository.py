@@ -220,7 +220,7 @@ def describe_versions(repository: str | Path) -> list[dict[str, object]]:
     for version in versions(repository):
         path = model_file(repository, version)
         stat = path.stat()
-        found = model_files.inspect(path)
+        found = model_files.inspect(path, provenance=True)
         described.append({"version": version, "file": path.name, "size_bytes": stat.st_size, "modified": stat.st_mtime,
                           "format": found.format, "problem": found.problem, "made": found.made})
     return described

@@ -47,11 +47,12 @@ def describe_error(exc: BaseException) -> str:
     return text.removeprefix("builtins.")
 
 
-def load_module(path: Path, device: torch.device, config: ModelConfig, runners: int = 1) -> Any:
+def load_module(found: model_files.ModelFile, device: torch.device, config: ModelConfig, runners: int = 1) -> Any:
     """Load a TorchScript, torch.export or AOTInductor file onto `device`, in eval mode, by what the file holds
-    (whatever its name); a torch.export program must take every batch size `config` warms up, and an
-    AOTInductor package gets `runners` runners (one per executor) and must have been compiled for `device`."""
-    found = model_files.inspect(path)
+    (`found` by model_files.inspect, whatever its name); a torch.export program must take every batch size
+    `config` warms up, and an AOTInductor package gets `runners` runners (one per executor) and must have been
+    compiled for `device`."""
+    path = found.path
     if found.problem is not None:
         raise ModelError(found.problem)
     if found.format == model_files.AOTI:
@@ -69,7 +70,7 @@ def load_module(path: Path, device: torch.device, config: ModelConfig, runners: 
     except ModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a bad archive
-        made_by = found.made.get("torch_version")
+        made_by = model_files.inspect(path, provenance=True).made.get("torch_version")
         if made_by and made_by != torch.__version__:
             raise ModelError(f"{path} was exported by torch {made_by}, which this worker's torch {torch.__version__} "
                              f"cannot load ({describe_error(exc)}); export it again with this torch") from None
@@ -262,7 +263,8 @@ class ModelRunner:
         refusal = None if config.allow_writable else writable_by_others(name, path)
         if refusal is not None:
             raise ModelError(refusal)
-        if config.cuda_graphs and model_files.inspect(path).format == model_files.AOTI:
+        found = model_files.inspect(path)
+        if config.cuda_graphs and found.format == model_files.AOTI:
             # Its runners check their own CUDA events to find a free one, which an event recorded in a
             # capture forbids (cudaErrorCapturedEvent).
             raise ModelError(f"{name} {version} is an AOTInductor package, which inferd cannot capture in a CUDA "
@@ -273,7 +275,7 @@ class ModelRunner:
         if on_gpu:
             before = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        module = load_module(path, self.device, config, self.executors)
+        module = load_module(found, self.device, config, self.executors)
         if precision != torch.float32:
             module = module.to(precision)
         graphs = [Graphs(self._new_capture(self.device)) for _ in range(self.executors)] \
@@ -282,7 +284,7 @@ class ModelRunner:
         try:
             loaded = time.perf_counter()
             # Counting compilations imports torch._dynamo (0.9 s of CPU): only where inductor compiles.
-            compiles = config.compile == "inductor" and model_files.inspect(path).format == model_files.EXPORTED
+            compiles = config.compile == "inductor" and found.format == model_files.EXPORTED
             compiled_before = _compile_counts() if compiles else (0, 0)
             outputs, largest_io = self._warm_up(model, name, config, version, streams or [None])
             pools = self._capture_graphs(model, config, f"{name} {version}")
@@ -395,11 +397,12 @@ class ModelRunner:
         while the graphs live, which the peak of allocated memory alone does not show."""
         if not model.graphs:
             return 0
-        reserved = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        on_gpu = self.device.type == "cuda"  # elsewhere only the tests' stand-in captures
+        reserved = torch.cuda.memory_reserved(self.device) if on_gpu else 0
         for graphs in model.graphs:
             for batch, shapes in itertools.product(config.batch_buckets, warmup_shapes(config)):
                 self._capture_at(graphs, model, config, batch, shapes, what)
-        return torch.cuda.memory_reserved(self.device) - reserved if self.device.type == "cuda" else 0
+        return torch.cuda.memory_reserved(self.device) - reserved if on_gpu else 0
 
     def _capture_at(self, graphs: Graphs, model: Loaded, config: ModelConfig, batch: int,
                  shapes: Sequence[tuple[int, ...]], what: str) -> None:
