@@ -360,13 +360,16 @@ class Frontend:
         version = header.version or self.live.get(name, "")
         outputs = self._signature(name, version) or ()
         for index, (place, _) in enumerate(zip(places, outputs)):
-            size = output_bytes(model, outputs, index, header.inputs, samples) if place is not None else None
-            if place is not None and size is not None:
-                region, offset = place
-                try:
-                    region.check(offset, size, f"output {index} of {name} {version}")
-                except InvalidRequest as exc:
-                    raise InvalidRequest(exc.message, header.id) from None
+            if place is None:
+                continue
+            size = output_bytes(model, outputs, index, header.inputs, samples)
+            if size is None:
+                continue
+            region, offset = place
+            try:
+                region.check(offset, size, f"output {index} of {name} {version}")
+            except InvalidRequest as exc:
+                raise InvalidRequest(exc.message, header.id) from None
 
     def _cancel(self, client: Hashable, request_id: protocol.RequestId) -> None:
         """A client's cancel: a waiting request is answered `cancelled` now; a running one is marked in
