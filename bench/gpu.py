@@ -97,8 +97,9 @@ def build(repo: Path) -> dict[str, float]:
 def streams_part(repo: Path, workdir: Path, seconds: float) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for streams in (1, 2, 4):
-        rows.append({"part": "streams", **served(workdir, repo, "resnet", "torchscript", SHAPE, 64, seconds, streams,
-                                                 device=DEVICE, dtype="float16", label=f"-streams{streams}")})
+        result = served(workdir, repo, "resnet", "torchscript", SHAPE, 64, seconds, streams=streams, device=DEVICE,
+                        dtype="float16", label=f"-streams{streams}")
+        rows.append({"part": "streams", **result})
     return rows
 
 
