@@ -188,6 +188,10 @@ def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = No
                             "neither")
         if bool(server.tls_cert) != bool(server.tls_key):
             problems.append("server.tls_cert and server.tls_key go together: set both or neither")
+        if server.gateway_buffer_mb < server.max_message_mb:
+            problems.append(f"server.gateway_buffer_mb: {server.gateway_buffer_mb:g} is less than "
+                            f"server.max_message_mb ({server.max_message_mb:g}), so a gateway could never take the "
+                            "largest request; raise it, or lower max_message_mb")
     if queue is not None and queue.default_priority is not None and queue.default_priority >= queue.priority_levels:
         levels = queue.priority_levels
         problems.append(f"queue.default_priority: {queue.default_priority} is not a level; with "

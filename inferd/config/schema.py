@@ -125,6 +125,20 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc("Largest request accepted, in MiB; larger ones are answered `invalid` (the Python client refuses "
              "them before sending: give it the same `max_message_mb`)."),
     ] = DEFAULT_MAX_MESSAGE_MB
+    gateway_buffer_mb: Annotated[
+        float, Meta(gt=0, le=65536),
+        _doc("What the unfinished requests of one HTTP or gRPC gateway process may hold, in MiB: their bodies as "
+             "they arrive, inflate and wait for their answers. An HTTP body whose Content-Length does not fit what "
+             "is left is answered 503 with Retry-After: 1 before it is read, and a chunked one is cut where it "
+             "would pass; a gRPC call waits for room to receive its message (as much as server.max_message_mb), "
+             "and is answered UNAVAILABLE if none comes in time. At least server.max_message_mb."),
+    ] = 256
+    min_body_kib_s: Annotated[
+        float, Meta(ge=0),
+        _doc("The slowest an HTTP request body may arrive, in KiB/s over any 10 s (unless less is left to "
+             "come); a slower one is answered 408 and its connection closed. 0: only a body that sends nothing "
+             "for 10 s is cut."),
+    ] = 64
     drain_timeout_s: Annotated[
         float, Meta(ge=0),
         _doc("On SIGTERM, how long queued and running work may take to finish, in seconds.", live=True),

@@ -46,8 +46,8 @@ def output_name(model: ModelConfig, index: int) -> str:
 
 
 class GivenInput(NamedTuple):
-    """One input of a request as its protocol gave it: raw little-endian bytes, a list of values, or
-    where in the client's shared-memory region it lies."""
+    """One input of a request as its protocol gave it: raw little-endian bytes, its values (gRPC's typed
+    contents), the JSON text of its values, or where in the client's shared-memory region it lies."""
 
     name: Any
     datatype: Any
@@ -55,6 +55,7 @@ class GivenInput(NamedTuple):
     raw: Buffer | None
     values: Any = None
     region: InRegion | None = None
+    json: Buffer | None = None
 
 
 class Requested(NamedTuple):
@@ -199,8 +200,12 @@ class ModelView:
                 by_name[entry.name] = (protocol.TensorMeta(dtype, shape, entry.region.region, entry.region.offset),
                                        None)
                 continue
-            data = tensors.from_bytes(entry.raw, dtype, shape, what) if entry.raw is not None \
-                else tensors.from_values(entry.values, dtype, shape, what)
+            if entry.raw is not None:
+                data = tensors.from_bytes(entry.raw, dtype, shape, what)
+            elif entry.json is not None:
+                data = tensors.from_json(entry.json, dtype, shape, what)
+            else:
+                data = tensors.from_values(entry.values, dtype, shape, what)
             by_name[entry.name] = (protocol.TensorMeta(dtype, shape), data)
         missing = [n for n in self.inputs if n not in by_name]
         if missing:

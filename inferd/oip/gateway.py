@@ -21,10 +21,11 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from inferd import addresses
+from inferd import addresses, heap
 from inferd.child import begin_child
 from inferd.config import loading
 from inferd.config.schema import Config, client_shm_protocols
+from inferd.oip.budget import MIB, BodyBudget
 from inferd.oip.catalog import Catalog
 from inferd.oip.shm import SharedMemory
 from inferd.oip.spec import GatewaySpec
@@ -35,6 +36,7 @@ log = logging.getLogger("inferd.oip.gateway")
 
 # How long past a request's deadline and the hung-batch timeout the gateway waits for its answer.
 ANSWER_SLACK_S = 30.0
+GIVE_BACK_S = 1.0
 
 
 class FrontEnd(Protocol):
@@ -54,7 +56,10 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
     upstream.start()
     catalog = Catalog(config.workers.streams, spec.devices, control)
     server = config.server
-    max_message_bytes = int(server.max_message_mb * (1 << 20))
+    max_message_bytes = int(server.max_message_mb * MIB)
+    # Over HTTP, a sixteenth is kept for small bodies; gRPC cannot tell a small message before it has come.
+    budget_bytes = int(server.gateway_buffer_mb * MIB)
+    budget = BodyBudget(budget_bytes, budget_bytes // 16 if spec.protocol == "http" else 0)
     address = server.http if spec.protocol == "http" else server.grpc
     shared_memory = SharedMemory(upstream, int(addresses.split(address)[1]), sweep=spec.protocol == "grpc",
                                  enabled=spec.protocol in client_shm_protocols(server),
@@ -66,14 +71,17 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
 
         allowed = frozenset(h.lower() for h in server.http_allowed_hosts) if addresses.loopback(address) else None
         front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes, shared_memory, allowed),
-                                     server, shared_memory.closed)
+                                     server, budget, shared_memory.closed)
         scheme = "https" if server.tls_cert else "http"
     else:
-        from inferd.oip.rpc import GrpcServer, InferenceService
+        from inferd.oip.rpc import GrpcServer, InferenceService, Receiving
 
-        front = GrpcServer(InferenceService(catalog, upstream, control, shared_memory), server, max_message_bytes)
+        front = GrpcServer(InferenceService(catalog, upstream, control, shared_memory,
+                                            Receiving(budget, max_message_bytes)), server, max_message_bytes)
         scheme = "grpcs" if server.tls_cert else "grpc"
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, front.stop)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, front.stop)
+    giving_back = loop.create_task(_give_back_freed_memory())
 
     async def listening() -> None:
         # The daemon is ready, and says so to systemd and `inferctl health`, only once its front ends take
@@ -84,10 +92,19 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
     try:
         await front.serve(listening)
     finally:
+        giving_back.cancel()
         upstream.close()
         control.close()
         context.term()
         data_context.term()
+
+
+async def _give_back_freed_memory() -> None:
+    """Hand the system, each GIVE_BACK_S, what the requests freed: glibc keeps freed memory for the process, and
+    after a flood of large requests a gateway would keep the flood's size (heap.py)."""
+    while True:
+        await asyncio.sleep(GIVE_BACK_S)
+        heap.give_back()
 
 
 def gateway_main(encoded_spec: bytes) -> None:

@@ -3,8 +3,9 @@ without finishing a request, or send more header than any request of the protoco
 
 uvicorn closes a connection that idles between requests (keep-alive), but not one that never
 finishes its request head or body, and it keeps every header it is sent. The guard adds a deadline
-for each request head and one for its body, and bounds on its headers and target, so a slow-loris
-client costs one socket for at most HEAD_TIMEOUT_S, or BODY_IDLE_S after the last byte of its body.
+for each request head, bounds on its headers and target, and a BodyGuard on its body (oip/body_guard.py:
+a share of the process's buffer, and a pace), so a slow-loris client costs one socket for at most
+HEAD_TIMEOUT_S, or body_guard.PACE_WINDOW_S once its body comes slower than server.min_body_kib_s.
 
 It also tells a request whose answer is awaited that its connection ended (Watch, in its scope), so
 the request can be taken out of the daemon's queue: nobody is left to read its answer; and it sends
@@ -26,6 +27,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from inferd import addresses
 from inferd.config.schema import ServerConfig, client_shm_protocols
+from inferd.oip.body_guard import BodyGuard
+from inferd.oip.budget import MIB, BodyBudget
 from inferd.oip.shm import peer_name
 
 log = logging.getLogger("inferd.oip.http")
@@ -35,7 +38,6 @@ KEEP_ALIVE_S = 5  # an idle connection is closed after this long
 # as long as gRPC keeps one.
 SHM_KEEP_ALIVE_S = 60
 HEAD_TIMEOUT_S = 10.0  # from a connection's first byte, or a request's, until its headers are complete
-BODY_IDLE_S = 10.0  # then, the longest its body may go without a byte
 MAX_HEADERS = 100
 MAX_HEAD_BYTES = 64 << 10  # request line and headers together
 
@@ -43,6 +45,7 @@ MAX_HEAD_BYTES = 64 << 10  # request line and headers together
 CORK_BYTES = 64 << 10  # a write this large goes out at once, not joined (and so copied) with the rest
 CONNECTION = "inferd.connection"  # the scope's key for the name of the connection a request came on
 WATCH = "inferd.watch"  # the scope's key for the connection's Watch
+BODY = "inferd.body"  # the scope's key for the request's BodyGuard
 _numbers = itertools.count(1)
 
 
@@ -118,11 +121,15 @@ class CorkedWrites:
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a deadline on each request head and bounds on its size; it
-    names each connection (the client's address and a number, in each request's scope) and reports its
-    end to `closed`."""
+    """uvicorn's httptools protocol with a deadline on each request head and bounds on its size; a
+    BodyGuard on each request's body (its share of the gateway's buffer, and its pace); it names each
+    connection (the client's address and a number, in each request's scope) and reports its end to
+    `closed`."""
 
     closed: Callable[[str], None] = staticmethod(lambda name: None)
+    budget = BodyBudget(0)  # the process's, set with the server's config (HttpServer)
+    max_body_bytes = 0
+    min_body_bytes_s = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -131,6 +138,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refusal: str | None = None
         self._name = ""
         self._watch: Watch | None = None
+        self._guards: set[BodyGuard] = set()  # of this connection's requests not yet answered
+        self._arriving: BodyGuard | None = None  # of the request whose body is being parsed
+        self._pace: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -142,6 +152,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._set_timer(None)
+        self._body_ended()
+        for guard in self._guards:
+            guard.release()
+        self._guards.clear()
         super().connection_lost(exc)
         if self._watch is not None:
             self._watch.end()
@@ -166,16 +180,59 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._set_timer(BODY_IDLE_S, "no byte of the request body")
+        self._set_timer(None)
+        headers = dict(self.headers)
+        length = headers.get(b"content-length", b"")
+        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        guard = BodyGuard(self.budget, int(length) if length.isdigit() else None, chunked, self.max_body_bytes)
+        self.scope[BODY] = guard  # type: ignore[literal-required]
         super().on_headers_complete()
+        self._guards.add(guard)
+        answered = self.cycle.on_response
+
+        def on_response() -> None:
+            guard.release()
+            self._guards.discard(guard)
+            answered()
+
+        self.cycle.on_response = on_response
+        if guard.refusal is None and (chunked or guard.expected):
+            self._arriving = guard
+            self._pace = self.loop.call_later(1, self._pace_tick)
 
     def on_body(self, body: bytes) -> None:
-        self._set_timer(BODY_IDLE_S, "no byte of the request body")
+        guard = self._arriving
+        if guard is not None and not guard.arrived(len(body)):
+            # Refused (or cut): the app answers it, and these bytes are never kept.
+            self.cycle.message_event.set()
+            return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
-        self._set_timer(None)
+        self._body_ended()
         super().on_message_complete()
+
+    def _body_ended(self) -> None:
+        self._arriving = None
+        if self._pace is not None:
+            self._pace.cancel()
+            self._pace = None
+
+    def _pace_tick(self) -> None:
+        """Each second while a body arrives: cut it if it comes too slowly (BodyGuard.tick)."""
+        guard = self._arriving
+        if guard is None:
+            return
+        refusal = guard.tick(self.min_body_bytes_s, self.flow.read_paused)
+        if refusal is None:
+            self._pace = self.loop.call_later(1, self._pace_tick)
+            return
+        self._pace = None
+        log.warning("cutting a request body from %s: %s", self.client, refusal.message)
+        if self.cycle.response_complete:  # answered already, without its body: nobody is left to tell
+            self.transport.close()
+        else:
+            self.cycle.message_event.set()  # the app, reading the body, answers the refusal
 
     def _count(self, size: int) -> None:
         self._head_bytes += size
@@ -232,13 +289,17 @@ def _reuse_port_socket(host: str, port: int) -> socket.socket:
 class HttpServer:
     """The Open Inference Protocol's HTTP front end: serves `app` at server.http until stopped."""
 
-    def __init__(self, app: Any, server: ServerConfig, closed: Callable[[str], None]) -> None:
-        """`closed(name)`: the connection `name` (CONNECTION in its requests' scopes) has ended."""
+    def __init__(self, app: Any, server: ServerConfig, budget: BodyBudget, closed: Callable[[str], None]) -> None:
+        """`budget`: what the process's unfinished requests may hold; `closed(name)`: the connection `name`
+        (CONNECTION in its requests' scopes) has ended."""
         host, port = addresses.split(server.http)
         # With several HTTP gateway processes, each listens on the port with SO_REUSEPORT, and the kernel
         # spreads new connections over them; with one, uvicorn binds it, and a port held is an error.
         self._sockets = [_reuse_port_socket(host, int(port))] if server.http_processes > 1 else None
-        protocol = type("ServerProtocol", (GuardedProtocol,), {"closed": staticmethod(closed)})
+        protocol = type("ServerProtocol", (GuardedProtocol,), {
+            "closed": staticmethod(closed), "budget": budget,
+            "max_body_bytes": int(server.max_message_mb * MIB), "min_body_bytes_s": int(server.min_body_kib_s * 1024),
+        })
         self._server = _Server(uvicorn.Config(
             app, host=host, port=int(port), lifespan="off", log_level="error", access_log=False,
             proxy_headers=False,

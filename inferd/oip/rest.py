@@ -29,10 +29,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
+import numpy as np
+from msgspec import UNSET, UnsetType
 
 from inferd import __version__, addresses, protocol
 from inferd.errors import InvalidRequest
 from inferd.oip import tensors
+from inferd.oip.body_guard import BodyGuard, BodyRefused
 from inferd.oip.catalog import (
     GATEWAY_BUG,
     Catalog,
@@ -43,10 +46,10 @@ from inferd.oip.catalog import (
     Requested,
     server_extensions,
 )
-from inferd.oip.http_server import CONNECTION, WATCH, Watch
+from inferd.oip.http_server import BODY, CONNECTION, WATCH, Watch
 from inferd.oip.shm import CUDA_REFUSED, InRegion, SharedMemory, cuda_region_missing, region_parameters
 from inferd.oip.upstream import Control, Upstream
-from inferd.protocol import ReplyHeader
+from inferd.protocol import Buffer, ReplyHeader
 
 log = logging.getLogger("inferd.oip.rest")
 
@@ -67,6 +70,68 @@ _REPOSITORY_ROUTE = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 _SHM_ROUTE = re.compile(r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$")
 T = TypeVar("T")
 _json = msgspec.json.Decoder()
+FIELD_BYTES = 64 << 10  # the most JSON a request's field other than tensor data may take: names, shapes, parameters
+
+
+class _InputText(msgspec.Struct):
+    """One input of a request as its JSON gives it, each field left as its text (fields the protocol does not
+    name are skipped, never decoded)."""
+
+    name: msgspec.Raw | UnsetType = UNSET
+    datatype: msgspec.Raw | UnsetType = UNSET
+    shape: msgspec.Raw | UnsetType = UNSET
+    parameters: msgspec.Raw | UnsetType = UNSET
+    data: msgspec.Raw | UnsetType = UNSET
+
+
+class _RequestText(msgspec.Struct):
+    """An inference request's JSON, each field left as its text (those the protocol does not name skipped)."""
+
+    id: msgspec.Raw | UnsetType = UNSET
+    parameters: msgspec.Raw | UnsetType = UNSET
+    inputs: msgspec.Raw | UnsetType = UNSET
+    outputs: msgspec.Raw | UnsetType = UNSET
+
+
+_request_text = msgspec.json.Decoder(_RequestText)
+# The inputs as a struct of at most MAX_TENSORS places, so that a list of more stops the decode at once: as a
+# list it would be decoded whole, a Python object an entry, before its length was checked.
+_inputs_text = msgspec.json.Decoder(msgspec.defstruct(
+    "_InputsText", [(f"input{i}", _InputText | UnsetType, UNSET) for i in range(protocol.MAX_TENSORS)],
+    array_like=True, forbid_unknown_fields=True))
+
+
+def _decode_request(text: Buffer) -> dict[str, Any]:
+    """An inference request's JSON, each input's `data` left as its text (msgspec.Raw) for tensors.from_json, and
+    each other field decoded if it is small: so that no part of the request is decoded into a Python object an
+    element."""
+    try:
+        fields = _request_text.decode(text)
+    except msgspec.ValidationError:
+        raise InvalidRequest("the request is not a JSON object") from None
+    request = {name: _small(value, f"the request's {name}") for name in ("id", "parameters", "outputs")
+               if (value := getattr(fields, name)) is not UNSET}
+    if fields.inputs is UNSET:
+        return request
+    try:
+        entries = [entry for entry in msgspec.structs.astuple(_inputs_text.decode(fields.inputs)) if entry is not UNSET]
+    except msgspec.ValidationError as exc:
+        if memoryview(fields.inputs)[:1] != b"[":
+            return request  # no list of inputs: JsonRequest.parse says what the model takes
+        if "at most length" in str(exc):
+            raise InvalidRequest(f"the request has over {protocol.MAX_TENSORS} inputs") from None
+        raise InvalidRequest("each input is an object with a name") from None
+    request["inputs"] = [{key: value if key == "data" else _small(value, f"an input's {key}")
+                          for key in _InputText.__struct_fields__ if (value := getattr(entry, key)) is not UNSET}
+                         for entry in entries]
+    return request
+
+
+def _small(text: msgspec.Raw, what: str) -> Any:
+    """A request's field other than tensor data, decoded: refused beyond FIELD_BYTES of JSON."""
+    if len(text) > FIELD_BYTES:
+        raise InvalidRequest(f"{what} is over {FIELD_BYTES} bytes of JSON; only tensor data may be larger")
+    return _json.decode(text)
 _encode = msgspec.json.Encoder().encode
 JSON = b"application/json"
 BINARY = b"application/octet-stream"  # Triton's type for a response with binary tensors after its JSON
@@ -83,38 +148,61 @@ class HttpError(Exception):
         self.headers = headers or []
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    # How long a body may take to arrive is the server's to bound (http_server.BODY_IDLE_S): it closes
-    # the connection, and receive() then says so.
-    chunks = []
+async def _read_body(receive: Receive, scope: Scope, limit: int) -> Buffer:
+    """The request's body, of at most `limit` bytes, read through its BodyGuard: into one buffer of its
+    Content-Length where it has one (not chunks joined at the end: twice its size for a moment), whose memory
+    is taken as the bytes come.
+
+    How long a body may take to arrive is the server's to bound (BodyGuard's pace): it refuses the body, and
+    receive() then returns for this to answer."""
+    guard: BodyGuard = scope[BODY]
+    expected = guard.expected
+    body: np.ndarray | bytearray = np.empty(expected, dtype=np.uint8) if expected is not None and expected <= limit \
+        else bytearray()
     size = 0
     more = True
     while more:
         message = await receive()
+        if guard.refusal is not None:
+            raise guard.refusal
         if message["type"] == "http.disconnect":
             raise ConnectionAbortedError
         chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
+        if size + len(chunk) > limit:
             raise HttpError(413, f"the request body is over {limit} bytes (server.max_message_mb)")
-        chunks.append(chunk)
+        if isinstance(body, np.ndarray):
+            body[size:size + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
+        else:
+            body += chunk
+        size += len(chunk)
         more = message.get("more_body", False)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return body.data if isinstance(body, np.ndarray) else body
 
 
-def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
-    """A gzip or deflate body, inflated to at most `limit` bytes (a zip bomb stops there)."""
+INFLATE_STEP = 1 << 20  # bytes inflated at a time, each held from the gateway's budget before the next
+
+
+def _inflate(body: Buffer, encoding: str, limit: int, guard: BodyGuard) -> bytearray:
+    """A gzip or deflate body, inflated to at most `limit` bytes (a zip bomb stops there), each step of it
+    held from the gateway's budget: a body is counted by what it inflates to."""
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
     if wbits is None:
         raise HttpError(415, f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
     inflater = zlib.decompressobj(wbits)
+    data = bytearray()
+    pending: Buffer = body
     try:
-        data = inflater.decompress(body, limit + 1)
+        while True:
+            piece = inflater.decompress(pending, INFLATE_STEP)
+            guard.take(len(piece))
+            data += piece
+            if len(data) > limit:
+                raise HttpError(413, f"the request body inflates to over {limit} bytes (server.max_message_mb)")
+            pending = inflater.unconsumed_tail
+            if not pending and (not piece or inflater.eof):
+                return data
     except zlib.error as exc:
         raise HttpError(400, f"the {encoding} body cannot be inflated: {exc}") from None
-    if len(data) > limit or inflater.unconsumed_tail:
-        raise HttpError(413, f"the request body inflates to over {limit} bytes (server.max_message_mb)")
-    return data
 
 
 class RestApp:
@@ -133,9 +221,12 @@ class RestApp:
         if scope["type"] != "http":
             return
         try:
+            refusal = scope[BODY].refusal
+            if refusal is not None:  # decided from the head alone: the body is never read
+                raise refusal
             self._check_host(scope)
             status, body, headers = await self._route(scope, receive)
-        except HttpError as exc:
+        except (HttpError, BodyRefused) as exc:
             status, body, headers = exc.status, _encode({"error": exc.message}), exc.headers
         except ConnectionAbortedError:
             return
@@ -216,9 +307,9 @@ class RestApp:
         if scope["method"] != "POST":
             raise HttpError(405, f"{scope['path']} takes POST")
         if action is None:
-            raw = await _read_body(receive, MAX_HEADER_JSON)
+            raw = await _read_body(receive, scope, MAX_HEADER_JSON)
             try:
-                body = _json_object(raw) if raw.strip() else {}  # tritonclient sends none
+                body = _json_object(raw) if bytes(raw).strip() else {}  # tritonclient sends none
             except InvalidRequest as exc:
                 raise HttpError(400, exc.message) from None
             ready = body.get("ready", False)
@@ -244,7 +335,7 @@ class RestApp:
                 return 200, b"", []
             if region is None:
                 raise HttpError(404, "register names its region: POST /v2/systemsharedmemory/region/{name}/register")
-            body = _json_object(await _read_body(receive, MAX_HEADER_JSON))
+            body = _json_object(await _read_body(receive, scope, MAX_HEADER_JSON))
             unknown = sorted(set(body) - {"key", "offset", "byte_size"})
             if unknown:
                 raise InvalidRequest(f"the register request has unknown field {unknown[0]!r}")
@@ -255,31 +346,8 @@ class RestApp:
             raise HttpError(400, exc.message) from None
 
     async def _infer(self, scope: Scope, receive: Receive, model: ModelView, version: str | None) -> Answer:
-        headers = {key.lower(): value for key, value in scope["headers"]}
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_message_bytes:
-            raise HttpError(413, f"the request body is {int(declared)} bytes, over {self.max_message_bytes} "
-                                 "(server.max_message_mb)")
-        body = await _read_body(receive, self.max_message_bytes)
-        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
-        if encoding not in ("", "identity"):
-            body = _inflate(body, encoding, self.max_message_bytes)
-        json_length = headers.get(b"inference-header-content-length")
-        if json_length is not None:
-            if not json_length.isdigit() or int(json_length) > len(body) or int(json_length) > MAX_HEADER_JSON:
-                raise HttpError(400, f"Inference-Header-Content-Length {json_length.decode('latin-1')!r} is not "
-                                     f"a length within the body's {len(body)} bytes")
-            split = int(json_length)
-        else:
-            split = len(body)
+        parsed = await self._parsed(scope, receive, model)
         try:
-            request = _raw_request(model, len(body)) if split == 0 else _json.decode(body[:split])
-        except (msgspec.DecodeError, RecursionError) as exc:
-            raise HttpError(400, f"the request is not JSON: {exc}") from None
-        except InvalidRequest as exc:
-            raise HttpError(400, exc.message) from None
-        try:
-            parsed = JsonRequest.parse(request, memoryview(body)[split:], model)
             places = parsed.places(model)
         except InvalidRequest as exc:
             raise HttpError(400, exc.message) from None
@@ -296,6 +364,42 @@ class RestApp:
             return 200, encoded, []
         return 200, b"".join([encoded, *binary]), [(b"content-type", BINARY),
                                                    (b"inference-header-content-length", str(len(encoded)).encode())]
+
+    async def _parsed(self, scope: Scope, receive: Receive, model: ModelView) -> JsonRequest:
+        """An inference request's body, read, inflated and checked against `model`. What is parsed keeps of the
+        body only its binary tensors: once this returns, a body of JSON is freed (its tensors are arrays of
+        their own), while the daemon computes."""
+        headers = {key.lower(): value for key, value in scope["headers"]}
+        body: Buffer = await _read_body(receive, scope, self.max_message_bytes)
+        encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+        if encoding not in ("", "identity"):
+            body = _inflate(body, encoding, self.max_message_bytes, scope[BODY])
+        json_length = headers.get(b"inference-header-content-length")
+        if json_length is not None:
+            if not json_length.isdigit() or int(json_length) > len(body) or int(json_length) > MAX_HEADER_JSON:
+                raise HttpError(400, f"Inference-Header-Content-Length {json_length.decode('latin-1')!r} is not "
+                                     f"a length within the body's {len(body)} bytes")
+            split = int(json_length)
+        else:
+            split = len(body)
+        try:
+            request = _raw_request(model, len(body)) if split == 0 else _decode_request(memoryview(body)[:split])
+            return JsonRequest.parse(request, memoryview(body)[split:], model)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise HttpError(400, _not_json(exc, memoryview(body)[:split])) from None
+        except InvalidRequest as exc:
+            raise HttpError(400, exc.message) from None
+
+
+def _not_json(exc: Exception, text: memoryview) -> str:
+    """Why a request's JSON was refused, in one sentence: msgspec's words, and where they point at NaN or
+    Infinity (which Python's json writes), that JSON has no such numbers."""
+    where = re.search(r"\(byte (\d+)\)", str(exc))
+    at = bytes(text[int(where[1]):int(where[1]) + 9]) if where else b""
+    if at.lstrip(b"-").startswith((b"NaN", b"Infinity")):
+        return (f"the request is not JSON: {exc}; NaN and Infinity are not JSON numbers, so no tensor may hold "
+                "them as JSON data (send finite numbers, or the tensor's bytes with the binary tensor extension)")
+    return f"the request is not JSON: {exc}"
 
 
 def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
@@ -361,7 +465,7 @@ def _peer(scope: Scope) -> str:
     return scope.get(CONNECTION, "")  # the server's name for the connection: its client's address and number
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def _json_object(body: Buffer) -> dict[str, Any]:
     try:
         value = _json.decode(body)
     except (msgspec.DecodeError, RecursionError) as exc:
@@ -433,7 +537,7 @@ class JsonRequest(NamedTuple):
             elif "data" not in entry:
                 raise InvalidRequest(f"{what} has neither data nor parameters.binary_data_size")
             inputs.append(GivenInput(entry.get("name"), entry.get("datatype"), entry.get("shape"), raw,
-                                     entry.get("data"), region))
+                                     region=region, json=entry.get("data")))
         requested = model.request(inputs, parameters.get("timeout"), parameters.get("priority"))
         if offset != len(binary):
             raise InvalidRequest(f"{len(binary) - offset} bytes of binary data follow that no input claims")

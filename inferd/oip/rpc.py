@@ -25,6 +25,7 @@ from inferd.config.schema import ServerConfig
 from inferd.errors import InvalidRequest
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
+from inferd.oip.budget import BodyBudget, Hold
 from inferd.oip.catalog import GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, Refused, server_extensions
 from inferd.oip.shm import CUDA_REFUSED, SharedMemory, cuda_region_missing, region_parameters, region_response
 from inferd.oip.upstream import Control, Upstream
@@ -42,6 +43,8 @@ GRPC_STATUS = {
 CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents", "INT16": "int_contents",
             "INT32": "int_contents", "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents"}
 STOP_GRACE_S = 10.0
+ROOM_WAIT_S = 30.0  # the longest a call waits for room in the gateway's buffer to receive its message
+READ_HOLD_S = 10.0  # how long a message may take to come while other calls wait for room
 HANDSHAKE_TIMEOUT_MS = 10_000  # a connection that never completes its HTTP/2 handshake is closed
 IDLE_TIMEOUT_MS = 60_000  # one that carries no call for this long is closed
 MAX_METADATA_BYTES = 16 << 10
@@ -88,9 +91,59 @@ def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
         if field is None:
             raise InvalidRequest(f"input {tensor.name!r} is {tensor.datatype}, which has no typed contents; "
                                  "send it in raw_input_contents")
+        # The typed list itself, not a list of it: converted element by element, as a Python list it
+        # would take some 32 bytes an element.
         given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), None,
-                                list(getattr(tensor.contents, field))))
+                                getattr(tensor.contents, field)))
     return given
+
+
+class Receiving:
+    """How a call's message is received within the gateway's buffer (server.gateway_buffer_mb).
+
+    grpc receives a message whole before it hands it over, and a message may be as large as
+    server.max_message_mb: so a call is given room for that much before its message is received, in turn
+    with the others that wait for room, and keeps only the message's size once it has come. What waits costs
+    the process no more than its stream's flow-control window. A message that takes over READ_HOLD_S to come
+    while other calls wait for room is cut: a client that sends part of a message and then nothing would
+    otherwise keep its room for as long as it likes."""
+
+    def __init__(self, budget: BodyBudget, max_message_bytes: int) -> None:
+        self.budget = budget
+        self.max_message_bytes = max_message_bytes
+
+    async def message(self, context: Call) -> tuple[Hold, bytes]:
+        """The call's one message, and what it holds of the budget (the caller releases it once the call is
+        answered); RpcError UNAVAILABLE if no room came in time, or the message came too slowly while others
+        waited."""
+        hold = Hold(self.budget)
+        try:
+            remaining = context.time_remaining()
+            wait = ROOM_WAIT_S if remaining is None else min(ROOM_WAIT_S, remaining)
+            if not await hold.wait_for(self.max_message_bytes, wait):
+                raise RpcError(grpc.StatusCode.UNAVAILABLE, self.budget.refusal(self.max_message_bytes))
+            data = await self._read(context)
+        except BaseException:
+            hold.release()
+            raise
+        hold.keep(len(data))
+        return hold, data
+
+    async def _read(self, context: Call) -> bytes:
+        read = asyncio.ensure_future(context.read())
+        try:
+            while not (await asyncio.wait({read}, timeout=READ_HOLD_S))[0]:
+                if self.budget.contended:
+                    raise RpcError(grpc.StatusCode.UNAVAILABLE,
+                                   f"the request message took over {READ_HOLD_S:g} s to arrive while other calls "
+                                   "waited for room in the gateway's buffer (server.gateway_buffer_mb); send it "
+                                   "faster, or retry")
+        finally:
+            read.cancel()
+        data = read.result()
+        if data is grpc.aio.EOF:
+            raise InvalidRequest("the call carries no request message")
+        return data
 
 
 def _within_deadline(timeout_ms: int | None, remaining_s: float | None) -> int | None:
@@ -113,11 +166,13 @@ def _set_parameters(target: Any, parameters: dict[str, Any]) -> None:
 class InferenceService:
     """The service's methods, each answering one request or raising RpcError."""
 
-    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control, shared_memory: SharedMemory) -> None:
+    def __init__(self, catalog: Catalog, upstream: Upstream, control: Control, shared_memory: SharedMemory,
+                 receiving: Receiving) -> None:
         self.catalog = catalog
         self.upstream = upstream
         self.control = control
         self.shared_memory = shared_memory
+        self.receiving = receiving
 
     async def server_live(self, request: pb.ServerLiveRequest, call: Call) -> pb.ServerLiveResponse:
         await self.control.call("status")
@@ -271,9 +326,12 @@ class InferenceService:
             "CudaSharedMemoryRegister": (self.cuda_shared_memory_register, pb.CudaSharedMemoryRegisterRequest),
             "CudaSharedMemoryUnregister": (self.cuda_shared_memory_unregister, pb.CudaSharedMemoryUnregisterRequest),
         }
+        # Every method is served as a stream of requests, which its clients' unary calls are on the wire: so the
+        # handler runs before the message is received, and receives it only once the gateway's buffer has room.
         return grpc.method_handlers_generic_handler(SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(_answering(name, method, kind),
-                                                      response_serializer=lambda message: message.SerializeToString())
+            name: grpc.stream_unary_rpc_method_handler(
+                _answering(name, method, kind, self.receiving),
+                response_serializer=lambda message: message.SerializeToString())
             for name, (method, kind) in methods.items()
         })
 
@@ -286,17 +344,23 @@ async def _unless_refused(command: Awaitable[None]) -> None:
         raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
 
-def _answering(name: str, method: Callable[[Any, Call], Awaitable[Message]],
-               kind: type[Message]) -> Callable[[bytes, grpc.aio.ServicerContext], Awaitable[Message]]:
-    """`method` as a grpc handler: the request parsed from its bytes, every error a status and a sentence."""
+def _answering(name: str, method: Callable[[Any, Call], Awaitable[Message]], kind: type[Message],
+               receiving: Receiving) -> Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]]:
+    """`method` as a grpc handler: the request received within the gateway's buffer and parsed from its bytes,
+    every error a status and a sentence."""
 
-    async def handle(data: bytes, context: Call) -> Message:
+    async def handle(requests: Any, context: Call) -> Message:
         try:
+            hold, data = await receiving.message(context)
             try:
-                request = kind.FromString(data)
-            except DecodeError:
-                raise InvalidRequest(f"the request is not a {kind.DESCRIPTOR.full_name} message") from None
-            return await method(request, context)
+                try:
+                    request = kind.FromString(data)
+                except DecodeError:
+                    raise InvalidRequest(f"the request is not a {kind.DESCRIPTOR.full_name} message") from None
+                del data  # parsed: the message's bytes are not kept while the daemon computes
+                return await method(request, context)
+            finally:
+                hold.release()
         except RpcError as exc:
             code, message = exc.code, exc.message
         except InvalidRequest as exc:

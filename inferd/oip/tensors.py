@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from inferd.errors import InvalidRequest
@@ -57,41 +59,162 @@ def from_bytes(data: Buffer, dtype: str, shape: tuple[int, ...], what: str) -> m
     return memoryview(data).cast("B")
 
 
-def from_values(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> bytes:
-    """A tensor given as a list of values (JSON `data`, flat or nested as its shape, or gRPC `contents`),
-    as raw little-endian bytes."""
-    count = math.prod(shape)
-    if not isinstance(data, list):
+CHUNK = 256 << 10  # bytes of a tensor's JSON text decoded at a time: the only Python objects its parse makes
+_OPEN, _CLOSE, _COMMA = b"[],"
+_NOT_STRUCTURAL = bytes(byte for byte in range(256) if byte not in b"[],")
+_UNBRACKET = bytes.maketrans(b"[]", b"  ")
+_LEADING = re.compile(rb"[\[\s]*")
+_decode_list = msgspec.json.Decoder(list[Any]).decode
+
+
+def from_json(text: Buffer, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
+    """A tensor given as JSON `data` (its text, which msgspec has found to be valid JSON), flat or nested as its
+    shape, as raw little-endian bytes.
+
+    The values are decoded a chunk of text at a time into the tensor: decoded whole, a list of Python numbers
+    takes some 32 bytes an element, many times the text it came from."""
+    view = np.frombuffer(text, dtype=np.uint8)
+    if not view.size or view[0] != _OPEN:
         raise InvalidRequest(f"{what} has data that is not a list")
-    depth = _depth(data, len(shape) + 1)
+    count = math.prod(shape)
+    nested = _check_nesting(view, shape, count, what)
+    tensor = np.empty(count, dtype=DTYPES[dtype])
+    # Each chunk runs from the list's opening bracket or a comma to a comma or its closing bracket, which
+    # become the brackets of a list of its own.
+    start, end, filled = 0, view.size - 1, 0
+    while start < end:
+        stop = end if end - start <= CHUNK else _comma_before(view, start, start + CHUNK, what)
+        piece = bytearray(view[start:stop + 1])
+        if nested:
+            piece = piece.translate(_UNBRACKET)
+        piece[0], piece[-1] = _OPEN, _CLOSE
+        values = _values(piece, what, filled)
+        tensor[filled:filled + len(values)] = _checked(values, dtype, what, filled)
+        filled += len(values)
+        start = stop
+    return tensor.view(np.uint8).data
+
+
+def _comma_before(view: np.ndarray, start: int, stop: int, what: str) -> int:
+    """Where the last comma between `start` (one) and `stop` is."""
+    for back in (4096, CHUNK):
+        found = bytes(view[max(start + 1, stop - back):stop]).rfind(b",")
+        if found >= 0:
+            return max(start + 1, stop - back) + found
+    raise InvalidRequest(f"{what} has a value (or a space) of over {CHUNK} characters in its data")
+
+
+def _values(text: bytearray, what: str, offset: int) -> np.ndarray:
+    """The values of a JSON list of numbers, as an array."""
+    try:
+        return np.asarray(_decode_list(text))
+    except msgspec.ValidationError as exc:  # a number beyond float64 (msgspec says where)
+        index = re.search(r"\$\[(\d+)\]", str(exc))
+        at = f" (element {offset + int(index[1])})" if index else ""
+        raise InvalidRequest(f"{what} has a number out of range{at}") from None
+
+
+def _check_nesting(view: np.ndarray, shape: tuple[int, ...], count: int, what: str) -> bool:
+    """Check that JSON data (`view`, a list) is flat or nested as `shape`, and holds `count` values of numbers
+    (or booleans); whether it is nested."""
+    opens = commas = 0
+    for start in range(0, view.size, CHUNK):
+        piece = view[start:start + CHUNK].tobytes()
+        if b'"' in piece or b"{" in piece:
+            raise InvalidRequest(f"{what} has data that holds strings or objects; give numbers (or true and false)")
+        opens += piece.count(b"[")
+        commas += piece.count(b",")
+    leading = _LEADING.match(view[:4096].tobytes())
+    depth = leading[0].count(b"[") if leading else 1
     if depth not in (1, len(shape)):
+        depth = min(depth, len(shape) + 1)
         raise InvalidRequest(f"{what} has data nested {'over ' if depth > len(shape) else ''}{depth} lists deep, "
                              f"but its shape {list(shape)} has {len(shape)} dims: give it flat, or nested as its shape")
-    try:
-        raw = np.asarray(data)
-    except ValueError:
-        raise InvalidRequest(f"{what} has nested data whose lists differ in length") from None
+    if depth == 1:
+        if opens > 1:
+            raise InvalidRequest(f"{what} has nested data whose lists differ in length")
+        given = commas + 1 if commas or view[1:-1].tobytes().strip() else 0
+        if given != count:
+            raise InvalidRequest(f"{what} has {given} values of data, but shape {list(shape)} holds {count}")
+        return False
+    lists, separators = _structure(shape)
+    if (opens, commas) != (lists, separators) or not _nested_as(_brackets_and_commas(view), shape):
+        raise InvalidRequest(f"{what} has nested data whose lists differ in length, or do not make shape "
+                             f"{list(shape)}")
+    return True
+
+
+def _structure(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The lists and the commas of JSON data nested as `shape`."""
+    if len(shape) == 1:
+        return 1, shape[0] - 1
+    lists, commas = _structure(shape[1:])
+    return 1 + shape[0] * lists, shape[0] * commas + shape[0] - 1
+
+
+def _brackets_and_commas(view: np.ndarray) -> np.ndarray:
+    """The brackets and commas of JSON text, in order."""
+    return np.frombuffer(b"".join(view[start:start + CHUNK].tobytes().translate(None, _NOT_STRUCTURAL)
+                                  for start in range(0, view.size, CHUNK)), dtype=np.uint8)
+
+
+def _nested_as(structure: np.ndarray, shape: tuple[int, ...]) -> bool:
+    """Whether the brackets and commas of JSON data are those of lists nested as `shape`."""
+    lists, commas = _structure(shape)
+    if structure.size != 2 * lists + commas or structure[0] != _OPEN or structure[-1] != _CLOSE:
+        return False
+    if len(shape) == 1:
+        return bool((structure[1:-1] == _COMMA).all())
+    # Each element is the same nested list (checked once, as the first), and all but the last a comma after it.
+    inner_lists, inner_commas = _structure(shape[1:])
+    element = 2 * inner_lists + inner_commas
+    first = structure[1:1 + element]
+    rows = structure[1:-1 - element].reshape(shape[0] - 1, element + 1)
+    return (_nested_as(first, shape[1:]) and bool((rows[:, :-1] == first).all())
+            and bool((rows[:, -1] == _COMMA).all()) and bool((structure[-1 - element:-1] == first).all()))
+
+
+def from_values(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
+    """A tensor given as a flat sequence of values (gRPC's typed `contents`), as raw little-endian bytes."""
+    count = math.prod(shape)
+    if len(data) != count:
+        raise InvalidRequest(f"{what} has {len(data)} values of data, but shape {list(shape)} holds {count}")
+    values = np.fromiter(data, dtype=_CONTENTS_DTYPES.get(dtype, DTYPES[dtype]), count=count)
+    return np.ascontiguousarray(_checked(values, dtype, what, 0)).view(np.uint8).data
+
+
+# What gRPC's typed contents hold for each dtype that has none of its own width (int_contents are int32).
+_CONTENTS_DTYPES = {"int8": np.int32, "int16": np.int32, "uint8": np.uint32}
+
+
+def _checked(values: np.ndarray, dtype: str, what: str, offset: int) -> np.ndarray:
+    """`values` (elements `offset` on of a tensor) as `dtype`, if each one fits it; InvalidRequest naming the
+    first that does not."""
     target = DTYPES[dtype]
     # JSON numbers come as bool, int or float: only those the datatype holds exactly are taken.
     # (ml_dtypes' bfloat16 is numpy kind "V": a float all the same.)
     accepted = {"b": "b", "i": "biu", "u": "biu", "f": "biuf", "V": "biuf"}[target.kind]
-    if raw.size != count:
-        raise InvalidRequest(f"{what} has {raw.size} values of data, but shape {list(shape)} holds {count}")
-    if raw.size and raw.dtype.kind not in accepted:
-        raise InvalidRequest(f"{what} is {WIRE_TO_DATATYPE[dtype]}, but its data holds {raw.dtype.kind!r} "
+    if values.size and values.dtype.kind not in accepted:
+        raise InvalidRequest(f"{what} is {WIRE_TO_DATATYPE[dtype]}, but its data holds {values.dtype.kind!r} "
                              "values (b: booleans, i: integers, f: numbers with a fraction, U: strings, O: mixed)")
-    if target.kind in "iu" and raw.size and (raw.min() < np.iinfo(target).min or raw.max() > np.iinfo(target).max):
-        raise InvalidRequest(f"{what} has values outside the range of {WIRE_TO_DATATYPE[dtype]}")
-    return np.ascontiguousarray(raw, dtype=target).tobytes()
-
-
-def _depth(data: list[Any], limit: int) -> int:
-    """How deep `data` nests lists, along its first elements, counted up to `limit` at most."""
-    depth = 1
-    while depth < limit and data and isinstance(data[0], list):
-        data = data[0]
-        depth += 1
-    return depth
+    if target.kind in "iu" and values.dtype.kind != "b":
+        limits = np.iinfo(target)
+        bad = np.flatnonzero((values < limits.min) | (values > limits.max))
+        if bad.size:
+            raise InvalidRequest(f"{what} has values outside the range of {WIRE_TO_DATATYPE[dtype]}, the first "
+                                 f"at element {offset + int(bad[0])} ({values[bad[0]]})")
+        return values.astype(target, copy=False)
+    with np.errstate(over="ignore", invalid="ignore"):
+        converted = values.astype(target, copy=False)
+    if target.kind != "b":
+        # A number too large for the datatype would be infinity: refused. (JSON has no NaN or Infinity, and
+        # msgspec refuses them; gRPC's typed floats may carry them, as raw bytes may.)
+        bad = np.flatnonzero(~np.isfinite(converted) & np.isfinite(values))
+        if bad.size:
+            raise InvalidRequest(f"{what} has values that {WIRE_TO_DATATYPE[dtype]} cannot hold, the first at "
+                                 f"element {offset + int(bad[0])} ({values[bad[0]]}); send finite numbers "
+                                 "within its range")
+    return converted
 
 
 def to_json(buffer: memoryview | bytes, dtype: str) -> list[Any]:
