@@ -69,6 +69,8 @@ IDS = {"dtype": "int64", "shape": [-1], "max_shape": [8], "pad_value": 0, "name"
         ({**MINIMAL, "server": {"metrics": "nope"}}, "server.metrics: 'nope' is not HOST:PORT"),
         ({**MINIMAL, "server": {"max_message_mb": 0}}, "server.max_message_mb: Expected `float` > 0.0, got 0"),
         ({**MINIMAL, "server": {"colour": 1}}, "server.colour: unknown key"),
+        ({**MINIMAL, "server": {"max_message_mb": 300}},
+         "server.gateway_buffer_mb: 256 is less than server.max_message_mb (300), so a gateway could never take"),
         ({**MINIMAL, "workers": {"devices": "gpu"}}, "workers.devices: 'gpu': use \"auto\""),
         ({**MINIMAL, "workers": {"devices": ["cuda:x"]}}, "workers.devices: 'cuda:x' is not a device"),
         ({**MINIMAL, "workers": {"streams": 0}}, "workers.streams: Expected `int` >= 1, got 0"),

@@ -58,6 +58,7 @@ class BodyGuard:
             return False
         if self.expected is None and not self._hold.take(size):
             self.refusal = BodyRefused(503, self._budget.refusal(), retry=True)
+            self._hold.release()  # what it held is dropped as it is answered: room for the others' bodies now
             return False
         return True
 
@@ -84,6 +85,7 @@ class BodyGuard:
         self.refusal = BodyRefused(408, f"the request body came at {came / PACE_WINDOW_S / 1024:.1f} KiB/s over "
                                         f"the last {PACE_WINDOW_S} s, under server.min_body_kib_s "
                                         f"({min_bytes_s / 1024:g}); send it faster")
+        self._hold.release()
         return self.refusal
 
     def release(self) -> None:

@@ -134,6 +134,8 @@ class Receiving:
         try:
             while not (await asyncio.wait({read}, timeout=READ_HOLD_S))[0]:
                 if self.budget.contended:
+                    log.warning("cutting a call from %s: its request message took over %g s to come while other "
+                                "calls waited for room", context.peer(), READ_HOLD_S)
                     raise RpcError(grpc.StatusCode.UNAVAILABLE,
                                    f"the request message took over {READ_HOLD_S:g} s to arrive while other calls "
                                    "waited for room in the gateway's buffer (server.gateway_buffer_mb); send it "

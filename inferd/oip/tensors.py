@@ -107,11 +107,16 @@ def _comma_before(view: np.ndarray, start: int, stop: int, what: str) -> int:
 def _values(text: bytearray, what: str, offset: int) -> np.ndarray:
     """The values of a JSON list of numbers, as an array."""
     try:
-        return np.asarray(_decode_list(text))
+        items = _decode_list(text)
     except msgspec.ValidationError as exc:  # a number beyond float64 (msgspec says where)
         index = re.search(r"\$\[(\d+)\]", str(exc))
         at = f" (element {offset + int(index[1])})" if index else ""
         raise InvalidRequest(f"{what} has a number out of range{at}") from None
+    values = np.asarray(items)
+    if values.dtype.kind in "fO" and not any(isinstance(item, float) for item in items):
+        # Integers beyond int64 among others, which numpy would make floats (or objects): kept exact.
+        values = np.asarray(items, dtype=object)
+    return values
 
 
 def _check_nesting(view: np.ndarray, shape: tuple[int, ...], count: int, what: str) -> bool:
@@ -194,22 +199,29 @@ def _checked(values: np.ndarray, dtype: str, what: str, offset: int) -> np.ndarr
     # JSON numbers come as bool, int or float: only those the datatype holds exactly are taken.
     # (ml_dtypes' bfloat16 is numpy kind "V": a float all the same.)
     accepted = {"b": "b", "i": "biu", "u": "biu", "f": "biuf", "V": "biuf"}[target.kind]
-    if values.size and values.dtype.kind not in accepted:
-        raise InvalidRequest(f"{what} is {WIRE_TO_DATATYPE[dtype]}, but its data holds {values.dtype.kind!r} "
+    kind = values.dtype.kind
+    if kind == "O" and all(isinstance(value, int) and not isinstance(value, bool) for value in values):
+        kind = "i"  # integers beyond int64 (_values)
+    if values.size and kind not in accepted:
+        raise InvalidRequest(f"{what} is {WIRE_TO_DATATYPE[dtype]}, but its data holds {kind!r} "
                              "values (b: booleans, i: integers, f: numbers with a fraction, U: strings, O: mixed)")
-    if target.kind in "iu" and values.dtype.kind != "b":
+    if target.kind in "iu" and kind != "b":
         limits = np.iinfo(target)
         bad = np.flatnonzero((values < limits.min) | (values > limits.max))
         if bad.size:
             raise InvalidRequest(f"{what} has values outside the range of {WIRE_TO_DATATYPE[dtype]}, the first "
                                  f"at element {offset + int(bad[0])} ({values[bad[0]]})")
         return values.astype(target, copy=False)
-    with np.errstate(over="ignore", invalid="ignore"):
-        converted = values.astype(target, copy=False)
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            converted = values.astype(target, copy=False)
+    except OverflowError:  # an integer beyond any float
+        raise InvalidRequest(f"{what} has values that {WIRE_TO_DATATYPE[dtype]} cannot hold; send finite numbers "
+                             "within its range") from None
     if target.kind != "b":
         # A number too large for the datatype would be infinity: refused. (JSON has no NaN or Infinity, and
         # msgspec refuses them; gRPC's typed floats may carry them, as raw bytes may.)
-        bad = np.flatnonzero(~np.isfinite(converted) & np.isfinite(values))
+        bad = np.flatnonzero(~np.isfinite(converted) & (True if kind == "i" else np.isfinite(values)))
         if bad.size:
             raise InvalidRequest(f"{what} has values that {WIRE_TO_DATATYPE[dtype]} cannot hold, the first at "
                                  f"element {offset + int(bad[0])} ({values[bad[0]]}); send finite numbers "
