@@ -24,6 +24,7 @@ log = logging.getLogger("inferd.repository")
 MODEL_FILES = ("model.pt", "model.pt2")
 LIVE_FILE = "live_versions.json"
 NUMBERS_FILE = "version_numbers.json"
+CONFIG_KEY = "config"  # what names, in each of them, the config file that saved it
 # A version's outputs count as the expected ones within these: its canary file's, checked at load, and
 # the live version's, when it runs as a shadow.
 CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
@@ -106,36 +107,70 @@ def check(models: dict[str, ModelConfig]) -> list[str]:
     return problems
 
 
+def config_name(source: str | None) -> str:
+    """How the records in state_dir name the config that saved them: its file's absolute path (not following
+    symlinks: a Kubernetes ConfigMap's file is a link whose target changes with each update), or "demo" for a
+    daemon started without a config file."""
+    return os.path.abspath(source) if source not in (None, "demo") else "demo"
+
+
+def _read_record(path: Path, owner: str, ignored: str) -> tuple[dict[str, Any], bool]:
+    """The JSON object in `path` where `owner`'s config saved it, and whether it names no config (saved before
+    records named theirs: it is taken as `owner`'s, to be saved again naming it). A record another config
+    saved is logged, with `ignored` (what this daemon does instead), and read as empty; so is one unreadable."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, False
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring %s: %s", path, exc)
+        return {}, False
+    if not isinstance(data, dict):
+        return {}, False
+    saved_by = data.get(CONFIG_KEY)
+    if not isinstance(saved_by, str):
+        log.info("%s names no config (an earlier inferd saved it): taken as %s's, and saved again naming it",
+                 path, owner)
+        return data, True
+    if saved_by != owner:
+        log.warning("ignoring %s: the daemon of %s saved it, and this one runs %s; %s, and replaces the record when "
+                    "it saves its own (give each config its own server.state_dir)", path, saved_by, owner, ignored)
+        return {}, False
+    return data, False
+
+
 class SavedVersions:
     """The file in `state_dir` that records which version of each model is live, which was live
     before the last reload, and which is under trial (a canary or a shadow), so a restart serves
-    the same versions again and a rollback still knows where to go back to."""
+    the same versions again and a rollback still knows where to go back to. It names the config
+    that saved it (`owner`, config_name): a daemon of another config ignores it."""
 
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, owner: str) -> None:
         self.path = Path(state_dir) / LIVE_FILE
+        self.owner = owner
 
     def load(self) -> tuple[dict[str, str], dict[str, str], dict[str, Any]]:
-        """(live, previous, candidates as saved); an unreadable file is logged and treated as empty."""
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return {}, {}, {}
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring %s: %s", self.path, exc)
-            return {}, {}, {}
-        if not isinstance(data, dict):
-            return {}, {}, {}
+        """(live, previous, candidates as saved); a record that is unreadable or another config's is logged and
+        treated as empty, and one that names no config is saved again naming this one."""
+        data, adopted = _read_record(self.path, self.owner, "it serves its config's versions")
 
         def table(key: str) -> dict[str, str]:
             value = data.get(key)
             return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
         candidates = data.get("candidates")
-        return table("live"), table("previous"), candidates if isinstance(candidates, dict) else {}
+        saved = table("live"), table("previous"), candidates if isinstance(candidates, dict) else {}
+        if adopted:
+            try:
+                self.save(*saved)
+            except OSError as exc:  # it is read the same way at the next start
+                log.warning("cannot save %s again naming its config: %s", self.path, exc)
+        return saved
 
     def save(self, live: dict[str, str], previous: dict[str, str], candidates: dict[str, Any]) -> None:
         """Write atomically: a crash leaves the old file or the new one, never half of one."""
-        write_atomically(self.path, {"live": live, "previous": previous, "candidates": candidates})
+        write_atomically(self.path, {CONFIG_KEY: self.owner, "live": live, "previous": previous,
+                                     "candidates": candidates})
 
 
 class VersionNumbers:
@@ -143,21 +178,21 @@ class VersionNumbers:
     them): kept in `state_dir`, so a version keeps its number once given, whatever is added or
     removed later. A version first seen is given the next number after the model's highest, in
     natural order among those first seen together; one named by a whole number is given that
-    number if it is free."""
+    number if it is free. The file names the config that saved it (`owner`), as SavedVersions's
+    does: a daemon of another config numbers the versions anew."""
 
-    def __init__(self, state_dir: str | Path) -> None:
+    def __init__(self, state_dir: str | Path, owner: str) -> None:
         self.path = Path(state_dir) / NUMBERS_FILE
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            data = {}
-        except (OSError, ValueError) as exc:
-            log.warning("ignoring %s: %s", self.path, exc)
-            data = {}
+        self.owner = owner
+        data, adopted = _read_record(self.path, owner, "it numbers the versions anew")
+        # Before the file named its config, it held the numbers alone.
+        numbers = data if adopted else data.get("numbers", {})
         self._numbers: dict[str, dict[str, int]] = {
-            str(model): {str(v): n for v, n in numbers.items() if isinstance(n, int)}
-            for model, numbers in (data.items() if isinstance(data, dict) else ()) if isinstance(numbers, dict)
+            str(model): {str(v): n for v, n in found.items() if isinstance(n, int)}
+            for model, found in (numbers.items() if isinstance(numbers, dict) else ()) if isinstance(found, dict)
         }
+        if adopted:
+            self._save()
 
     def of_all(self, repositories: dict[str, str]) -> dict[str, dict[str, int]]:
         """The number of each version in each model's repository now (model -> repository), giving the new
@@ -179,11 +214,14 @@ class VersionNumbers:
                     changed = True
             result[model] = {version: numbers[version] for version in found}
         if changed:
-            try:
-                write_atomically(self.path, self._numbers)
-            except OSError as exc:  # the numbers hold for this run; the next may give new ones
-                log.warning("cannot save the version numbers in %s: %s", self.path, exc)
+            self._save()
         return result
+
+    def _save(self) -> None:
+        try:
+            write_atomically(self.path, {CONFIG_KEY: self.owner, "numbers": self._numbers})
+        except OSError as exc:  # the numbers hold for this run; the next may give new ones
+            log.warning("cannot save the version numbers in %s: %s", self.path, exc)
 
 
 def write_atomically(path: Path, data: Any) -> None:

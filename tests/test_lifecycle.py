@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -253,11 +254,15 @@ def test_torch_export_model_is_served(start_daemon, repo):
     np.testing.assert_allclose(y, module(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_saved_live_version_wins_over_the_config(start_daemon, workdir):
+def test_saved_live_version_wins_over_the_config_and_a_record_naming_no_config_is_saved_again_naming_it(
+        start_daemon, workdir):
+    # As an earlier inferd saved it: no config named. An upgrade changes nothing: this config takes it as its own.
     (workdir / "state").mkdir()
     (workdir / "state" / "live_versions.json").write_text('{"live": {"mlp": "v1"}}')
     daemon = start_daemon({"mlp": {**MLP, "version": "v2"}})
     assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
+    saved = json.loads((workdir / "state" / "live_versions.json").read_text())
+    assert saved["config"] == str(daemon.config_path) and saved["live"] == {"mlp": "v1"}, saved
 
 
 def test_client_retries_while_the_daemon_is_starting(start_daemon):

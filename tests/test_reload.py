@@ -264,6 +264,22 @@ def test_restart_serves_the_reloaded_version_and_rollback_still_works(reload_dae
         assert peer.recv()[0]["version"] == "v1"
 
 
+def test_a_live_version_another_config_saved_in_the_same_state_dir_is_not_served(reload_daemon, workdir):
+    # Two configs in two folders share one state_dir, as two left at the default (/var/lib/inferd as root) do.
+    shared = {"state_dir": str(workdir / "state")}
+    folders = [workdir / "first", workdir / "second"]
+    for folder in folders:
+        folder.mkdir()
+    first = reload_daemon(folders[0], server=shared)
+    assert inferctl(first, "reload", "--version", "v2").returncode == 0
+    assert first.stop() == 0
+    second = reload_daemon(folders[1], server=shared)
+    status = second.status()["models"]["mlp"]
+    assert status["live_version"] == "v1" and status["live_from"] == "config", "the first config's v2 was served"
+    assert (f"ignoring {workdir}/state/live_versions.json: the daemon of {folders[0]}/inferd.toml saved it, and "
+            f"this one runs {folders[1]}/inferd.toml; it serves its config's versions") in second.log()
+
+
 def test_rollback_without_a_reload_says_so(untouched):
     daemon = untouched
     result = inferctl(daemon, "rollback")

@@ -9,6 +9,8 @@ spawning is left out (WorkerTable.spawn is what the end-to-end tests exercise).
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import shutil
 import signal
 import socket as stdlib_socket
@@ -34,7 +36,7 @@ from inferd.ipc import messages
 from inferd.ipc.arena import Arena, arena_name, new_instance
 from inferd.ipc.slots import batch_bytes, place, slot_shortfall
 from inferd.paths import RuntimeFiles
-from inferd.repository import SavedVersions, VersionNumbers
+from inferd.repository import NUMBERS_FILE, SavedVersions, VersionNumbers, config_name
 from inferd.supervisor.candidates import Candidate, Candidates, Mode
 from inferd.supervisor.children import MAX_BACKOFF_S, ChildProcess
 from inferd.supervisor.dispatch import Dispatcher
@@ -363,7 +365,7 @@ def reload_manager(table: Table, workdir: Path) -> ReloadManager:
     dispatcher = Dispatcher(table.table.config, table.table, None, table.live, candidates,  # type: ignore[arg-type]
                             stats, ComputeTimes())
     return ReloadManager(table.table.config, table.table, dispatcher, table.live, candidates,
-                         SavedVersions(workdir / "state"),
+                         SavedVersions(workdir / "state", config_name(table.table.config.source)),
                          lambda callback: callback())
 
 
@@ -716,17 +718,38 @@ def test_a_version_keeps_its_number_whatever_is_added_or_removed_later(tmp_path)
     for version in ("v10", "v2", "v1"):
         (tmp_path / "repo" / version).mkdir(parents=True)
         (tmp_path / "repo" / version / "model.pt").write_bytes(b"")
-    state = tmp_path / "state"
-    assert VersionNumbers(state).of_all({"m": repository}) == {"m": {"v1": 1, "v2": 2, "v10": 3}}  # natural order
+    state, owner = tmp_path / "state", str(tmp_path / "inferd.toml")
+    # In natural order.
+    assert VersionNumbers(state, owner).of_all({"m": repository}) == {"m": {"v1": 1, "v2": 2, "v10": 3}}
     shutil.rmtree(tmp_path / "repo" / "v1")
     for version in ("v0", "7", "5"):
         (tmp_path / "repo" / version).mkdir()
         (tmp_path / "repo" / version / "model.pt").write_bytes(b"")
     # Read back from state_dir: v2 and v10 keep theirs; of the new ones, a whole number takes its own.
-    numbers = VersionNumbers(state).of_all({"m": repository, "gone": str(tmp_path / "gone")})
+    numbers = VersionNumbers(state, owner).of_all({"m": repository, "gone": str(tmp_path / "gone")})
     assert numbers == {"m": {"5": 5, "7": 7, "v0": 8, "v2": 2, "v10": 3}, "gone": {}}
-    assert VersionNumbers(state).of_all({"other": repository}) == {
+    assert VersionNumbers(state, owner).of_all({"other": repository}) == {
         "other": {"5": 5, "7": 7, "v0": 8, "v2": 9, "v10": 10}}
+
+
+def test_version_numbers_another_config_saved_are_not_taken_and_a_file_naming_none_is_adopted(tmp_path, caplog):
+    repository = tmp_path / "repo"
+    for version in ("v1", "v2"):
+        (repository / version).mkdir(parents=True)
+        (repository / version / "model.pt").write_bytes(b"")
+    state = tmp_path / "state"
+    state.mkdir()
+    # As an earlier inferd saved it: the numbers alone. The first config to start takes it as its own.
+    (state / NUMBERS_FILE).write_text(json.dumps({"m": {"v1": 7, "v2": 3}}))
+    first, second = str(tmp_path / "first" / "inferd.toml"), str(tmp_path / "second" / "inferd.toml")
+    assert VersionNumbers(state, first).of_all({"m": str(repository)}) == {"m": {"v1": 7, "v2": 3}}
+    assert json.loads((state / NUMBERS_FILE).read_text()) == {"config": first, "numbers": {"m": {"v1": 7, "v2": 3}}}
+    assert VersionNumbers(state, first).of_all({"m": str(repository)}) == {"m": {"v1": 7, "v2": 3}}
+    # Another config sharing the folder numbers the versions anew, and says why.
+    with caplog.at_level(logging.WARNING, logger="inferd.repository"):
+        assert VersionNumbers(state, second).of_all({"m": str(repository)}) == {"m": {"v1": 1, "v2": 2}}
+    assert f"ignoring {state / NUMBERS_FILE}: the daemon of {first} saved it, and this one runs {second}; it " \
+           "numbers the versions anew" in caplog.text
 
 
 def test_corked_writes_send_a_turns_writes_together_in_order_and_a_large_one_at_once():

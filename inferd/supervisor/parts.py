@@ -23,7 +23,7 @@ from inferd.ipc.arena import arena_name, new_instance
 from inferd.logs import set_level
 from inferd.oip.spec import PROTOCOLS
 from inferd.paths import RuntimeFiles
-from inferd.repository import RepositoryError, SavedVersions, VersionNumbers
+from inferd.repository import RepositoryError, SavedVersions, VersionNumbers, config_name
 from inferd.shm_names import SHM_DIR
 from inferd.supervisor.batcher import Batcher, queue_settings
 from inferd.supervisor.canary import CanaryManager
@@ -65,9 +65,10 @@ class Parts:
         self.config = config
         self.state = DaemonState.STARTING  # the loop's to change; read by commands and admission
         self.started = time.monotonic()
-        saved = SavedVersions(config.server.state_dir or "")
+        owner = config_name(config.source)
+        saved = SavedVersions(config.server.state_dir or "", owner)
         saved_live, previous, saved_candidates = saved.load()
-        self.version_numbers = VersionNumbers(config.server.state_dir or "")
+        self.version_numbers = VersionNumbers(config.server.state_dir or "", owner)
         try:
             self.live = LiveVersions.first(config, saved_live, previous)
         except RepositoryError as exc:
