@@ -25,9 +25,6 @@ MODEL_FILES = ("model.pt", "model.pt2")
 LIVE_FILE = "live_versions.json"
 NUMBERS_FILE = "version_numbers.json"
 CONFIG_KEY = "config"  # what names, in each of them, the config file that saved it
-# A version's outputs count as the expected ones within these: its canary file's, checked at load, and
-# the live version's, when it runs as a shadow.
-CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
 
 
 class RepositoryError(Exception):

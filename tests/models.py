@@ -201,6 +201,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["big/v1"] = save_script(lambda: Wide(4096), root, "big", "v1", 17)  # 344 KiB of weights: 90 mlps
     files["seesbatch/v1"] = save_script(SeesBatch, root, "seesbatch", "v1", 17)
     files["ragged/v1"] = save_script(lambda: Ragged(str(root / GATES)), root, "ragged", "v1", 18)
+    files["meanpooled/v1"] = save_script(MeanPooled, root, "meanpooled", "v1", 19)
     return files
 
 
@@ -374,6 +375,18 @@ class Ragged(torch.nn.Module):
         if first < 0:
             torch.save(x, self.gates + "/" + str(-first))
         return torch.cumsum(x[:, 0] + x[:, 1], dim=1), self.head(x.sum(dim=2))
+
+
+class MeanPooled(torch.nn.Module):
+    """float32 [2, L] -> float32 [L] and [4], as Ragged, but pooled by its rows' means over L, without a mask:
+    padded, its samples' means take the padding in, and its answer changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(2, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cumsum(x[:, 0] + x[:, 1], dim=1), self.head(x.mean(dim=2))
 
 
 class BigTemporary(torch.nn.Module):

@@ -4,6 +4,8 @@ own shape; shapes past the bound or off the fixed dims refused with a sentence."
 
 from __future__ import annotations
 
+import shutil
+import signal
 import threading
 import urllib.request
 import uuid
@@ -23,7 +25,8 @@ from wire import RawPeer
 
 from inferd import config, model_files, protocol
 from inferd.convert import convert
-from inferd.harness import free_port
+from inferd.harness import free_port, to_toml
+from inferd.ipc.control import ControlError
 from inferd.protocol import TensorMeta
 from inferd.shm_names import SHM_DIR
 
@@ -204,6 +207,51 @@ def test_a_padded_model_whose_output_follows_the_inputs_without_unpad_is_refused
     log = daemon.log()
     assert "output 0 of ragged has dims [0] whose size follows the inputs'" in log, log
     assert 'unpad = "x"' in log and "no worker could start" in log
+
+
+def padding_changes(name: str, version: str, what: str, own: int, padded: int) -> tuple[str, str]:
+    """The two parts, around the difference, of the sentence refusing `meanpooled` padded (its pooled output)."""
+    return (f"padding changes the answer of {name} {version}: output 1 (pooled) of {what} (x [2, {own}]) differs by "
+            "up to ",
+            f" once padded (x [2, {padded}]; models.{name}.padding_rtol = 0.001, padding_atol = 1e-05); mask the "
+            "padding in the model (an attention mask, masked pooling), or drop pad_value so that requests batch by "
+            "exact shape")
+
+
+@pytest.mark.parametrize(("buckets", "own", "padded"), [([], 32, 64), ([8, 16, 48], 4, 8)])
+def test_a_version_whose_answer_padding_changes_is_refused_at_start_with_what_to_do(start_daemon, buckets, own,
+                                                                                    padded):
+    # Its mean over each row takes the padding in: served, requests batched with longer ones were answered wrong.
+    # A sample half as long as what it is padded to: max_shape (64) without buckets, else the first bucket.
+    daemon = start_daemon({"meanpooled": {**PADDED, "shape_buckets": buckets}}, wait=False)
+    assert daemon.wait(90) == 1
+    log = daemon.log()
+    before, after = padding_changes("meanpooled", "v1", "a sample made for the check", own, padded)
+    assert before in log and after in log, log
+    assert "no worker could start" in log
+
+
+def test_a_reload_to_a_version_whose_answer_padding_changes_is_refused_unless_padding_atol_allows_it(start_daemon,
+                                                                                                    repo, workdir):
+    pool = workdir / "pool"
+    shutil.copytree(repo / "ragged" / "v1", pool / "v1")  # sums, which the padding's zeros leave alone: it loads
+    shutil.copytree(repo / "meanpooled" / "v1", pool / "v2")
+    np.save(pool / "v2" / "example_input.npy", sample(5, seed=5))  # what the check computes, at 5 and padded to 8
+    daemon = start_daemon({"pool": {**BUCKETED, "version": "v1", "repository": str(pool)}})
+    with pytest.raises(ControlError) as refused:
+        daemon.call("reload", timeout=120, version="v2")
+    before, after = padding_changes("pool", "v2", "its example input", 5, 8)
+    said = str(refused.value)
+    assert said.startswith(f"v2 was not made live: worker0 refused pool v2: {before}") and after in said, said
+    assert daemon.status()["models"]["pool"]["live_version"] == "v1"
+    # Allowing a little more than the difference the refusal named lets the same version load.
+    difference = float(said[len("v2 was not made live: worker0 refused pool v2: ") + len(before):].split()[0])
+    config = daemon.config
+    config["models"]["pool"]["padding_atol"] = 2 * difference
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "SIGHUP: applied" in daemon.log(), what="the SIGHUP applied")
+    assert daemon.call("reload", timeout=120, version="v2")["version"] == "v2"
 
 
 def test_padded_requests_whose_inputs_lie_in_a_clients_shared_memory_answer_as_alone(daemon, repo):

@@ -24,6 +24,9 @@ DEVICE = re.compile(r"^(cpu|cuda:\d+)$")
 HOST_PORT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 TENSOR_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 UNPAD_DIMS = re.compile(r"^[0-9]+(,[0-9]+)*$")
+# A version's outputs count as the expected ones within these: its canary file's, checked at load, and
+# the live version's, when it runs as a shadow; by default, a padded sample's answer and its own too.
+CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
 
 
 def _doc(text: str, default_doc: str | None = None, live: bool = False) -> Meta:
@@ -416,6 +419,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
              "bucket at least half as large only while theirs could not fill a batch; a size above the largest is "
              "its own bucket. Warm-up runs each. Empty: a batch is padded to its longest request."),
     ] = ()
+    padding_rtol: Annotated[
+        float, Meta(ge=0),
+        _doc("With pad_value: at load, a sample is computed at its own size and padded, and the version is refused "
+             "where the two answers differ by more than this, relative to the answer at its own size (with "
+             "padding_atol, as numpy.allclose): padding would change its replies (docs/models.md). A SIGHUP's "
+             "value applies from the next load.", live=True),
+    ] = CANARY_RTOL
+    padding_atol: Annotated[
+        float, Meta(ge=0),
+        _doc("With pad_value: the absolute difference beside padding_rtol that the padding check allows.",
+             live=True),
+    ] = CANARY_ATOL
     batch_buckets: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...],
         _doc("Batch sizes the model is run at, ascending, e.g. [1, 2, 4, 8, 16, 32]: a batch is padded up to the "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from inferd import protocol
+from inferd import protocol, unpad
 from inferd.config.schema import Config
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
@@ -67,7 +67,7 @@ class Batch:
     samples: int
     inputs: tuple[TensorRef, ...] = ()
     deadline: float = math.inf  # the soonest deadline of its requests not answered yet
-    cuts: tuple[padding.Cut, ...] = ()  # its outputs cut back to each request's size (its inputs were padded)
+    cuts: tuple[unpad.Cut, ...] = ()  # its outputs cut back to each request's size (its inputs were padded)
     elements: int | None = None  # input elements of each of its samples, where the model takes inputs of any size
     copy_for_shadow: bool = False  # a live batch the shadow candidate computes again once it is answered
     shadow_job: ShadowJob | None = None  # a shadow batch: that copy, computed again; nobody waits for it
@@ -540,11 +540,11 @@ class Dispatcher:
         real = sum(math.prod(meta.shape) for request in batch.requests for meta in request.header.inputs)
         self.stats.shaped_batch(batch.model, "x".join(map(str, batch.inputs[0].shape[1:])), real, computed - real)
 
-    def _cuts(self, model: str, version: str) -> tuple[padding.Cut, ...]:
+    def _cuts(self, model: str, version: str) -> tuple[unpad.Cut, ...]:
         spec = self.config.models[model]
         if not spec.padded:
             return ()
-        return padding.cuts(spec, self.workers.signature(model, version) or ())
+        return unpad.cuts(spec, self.workers.signature(model, version) or ())
 
     def _stack(self, batch: Batch, worker: WorkerHandle) -> RunBatch:
         """Copy each input of every request, one after the other, into the slot."""

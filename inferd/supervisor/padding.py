@@ -11,7 +11,6 @@ padding never reaches a reply.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,17 +20,7 @@ from inferd.ipc.messages import TensorSpec
 from inferd.protocol import DTYPES, Buffer, TensorMeta, tensor_bytes
 from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.regions import RegionSlice
-
-
-@dataclass(frozen=True)
-class Cut:
-    """An output cut back to each request's size: its per-sample dims `dims` follow the per-sample dims
-    `source_dims` of input `source`."""
-
-    output: int
-    dims: tuple[int, ...]
-    source: int
-    source_dims: tuple[int, ...]
+from inferd.unpad import Cut, cuts
 
 
 def batch_shapes(model: ModelConfig, requests: Sequence[QueuedRequest]) -> list[tuple[int, ...]]:
@@ -72,17 +61,6 @@ def stack_padded(target: memoryview, dtype: str, shape: tuple[int, ...], pad_val
         row += request.samples
 
 
-def cuts(model: ModelConfig, outputs: Sequence[TensorSpec]) -> tuple[Cut, ...]:
-    """How each output of a padded model is cut back (none for those of fixed size)."""
-    names = model.input_names()
-    found = []
-    for index, (output, spec) in enumerate(zip(model.outputs, outputs)):
-        follows = output.follows(model.inputs, names)
-        if follows is not None and spec.varies:
-            found.append(Cut(index, spec.varies, *follows))
-    return tuple(found)
-
-
 def output_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], index: int, inputs: Sequence[TensorMeta],
                  samples: int) -> int | None:
     """The bytes output `index` of a request (of `samples` samples, `inputs` as it sent them) comes back in,
@@ -94,8 +72,7 @@ def output_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], index: int, 
         cut = next((cut for cut in cuts(model, outputs) if cut.output == index), None) if model.padded else None
         if cut is None:
             return None
-        source = inputs[cut.source].shape
-        sizes = dict(zip(cut.dims, (source[1 + dim] for dim in cut.source_dims)))
+        sizes = cut.sizes(inputs[cut.source].shape[1:])
     return samples * tensor_bytes(spec.dtype, tuple(sizes.get(dim, size) for dim, size in enumerate(spec.shape)))
 
 
@@ -120,8 +97,7 @@ def unpad_problem(name: str, model: ModelConfig, outputs: Sequence[TensorSpec]) 
 def cut_rows(rows: Buffer, dtype: str, shape: tuple[int, ...], cut: Cut,
              request: QueuedRequest) -> tuple[TensorMeta, memoryview]:
     """A request's rows of a padded output (`shape`, batch dim first) cut back to its own size."""
-    inputs = request.header.inputs[cut.source].shape
-    sizes = dict(zip(cut.dims, (inputs[1 + dim] for dim in cut.source_dims)))
+    sizes = cut.sizes(request.header.inputs[cut.source].shape[1:])
     padded = np.ndarray(shape, dtype=DTYPES[dtype], buffer=rows)
     own = np.ascontiguousarray(padded[(slice(None), *(slice(0, sizes.get(dim, size))
                                                       for dim, size in enumerate(shape[1:])))])

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from inferd.config.schema import CANARY_ATOL, CANARY_RTOL
 from inferd.ipc.messages import TensorRef
 from inferd.protocol import DTYPES
-from inferd.repository import CANARY_ATOL, CANARY_RTOL
 
 MAX_JOBS = 4
 MAX_AGE_S = 1.0

@@ -22,11 +22,12 @@ import psutil
 import torch
 
 from inferd import model_files
-from inferd.arrays import to_numpy
-from inferd.config.schema import ModelConfig
+from inferd.arrays import from_numpy, to_numpy
+from inferd.config.schema import CANARY_ATOL, CANARY_RTOL, ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.protocol import DTYPES, tensor_bytes
-from inferd.repository import CANARY_ATOL, CANARY_RTOL, model_file, writable_by_others
+from inferd.repository import model_file, writable_by_others
+from inferd.worker import padding_check
 from inferd.worker.graphs import Capture, CudaCapture, Graph, Graphs
 
 log = logging.getLogger("inferd.worker.runner")
@@ -298,6 +299,7 @@ class ModelRunner:
                     f"{_describe(expect)} (allow it with --allow-signature-change)"
                 )
             self._check_canary(model, name, version, path.parent)
+            self._check_padding(model, name, config, version, outputs, path.parent)
         except BaseException:
             # The traceback keeps `module` alive until the caller has handled it;
             # the caller then calls release_memory() to give the memory back.
@@ -421,8 +423,13 @@ class ModelRunner:
                    what: str) -> tuple[TensorSpec, ...]:
         """Run `model` on zeros of `batch` samples of `shapes` (one per input); the outputs' signature, or
         ModelError saying `what` failed."""
+        return self.signature(self._run(model, self._zeros(config, batch, shapes), what))
+
+    @staticmethod
+    def _run(model: Loaded, inputs: list[torch.Tensor], what: str) -> tuple[torch.Tensor, ...]:
+        """Run `model` on `inputs`; its outputs, or ModelError saying `what` failed."""
         try:
-            return self.signature(model(self._zeros(config, batch, shapes)))
+            return model(inputs)
         except ModelError:
             raise
         except Exception as exc:  # noqa: BLE001 - a model may raise anything
@@ -462,6 +469,32 @@ class ModelRunner:
                 f"{name} {version} does not reproduce {CANARY_OUTPUT}: its output differs by up to "
                 f"{_max_difference(got, want)} (rtol {CANARY_RTOL:g}, atol {CANARY_ATOL:g})"
             )
+
+
+    def _check_padding(self, model: Loaded, name: str, config: ModelConfig, version: str,
+                       outputs: tuple[TensorSpec, ...], folder: Path) -> None:
+        """Where the inputs are padded, a sample padded must be answered as at its own size (padding_check):
+        else ModelError saying that padding changes the version's answer, and what to do."""
+        if not config.padded:
+            return
+        sample = padding_check.padded_sample(config, _example_input(folder / CANARY_INPUT))
+        if sample is None:
+            return
+        what = f"the padding check of {name} {version}"
+        answers = [[to_numpy(y.cpu()) for y in self._run(model, [from_numpy(x).to(self.device) for x in inputs], what)]
+                   for inputs in (sample.own, sample.padded)]
+        problem = padding_check.difference(name, version, config, outputs, sample, *answers)
+        if problem is not None:
+            raise ModelError(problem)
+
+
+def _example_input(path: Path) -> np.ndarray | None:
+    """A version's example input, if it has one that can be read (the canary check says why not, where it
+    needs it)."""
+    try:
+        return np.load(path, allow_pickle=False) if path.exists() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _compile_counts() -> tuple[int, int]:
