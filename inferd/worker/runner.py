@@ -470,7 +470,6 @@ class ModelRunner:
                 f"{_max_difference(got, want)} (rtol {CANARY_RTOL:g}, atol {CANARY_ATOL:g})"
             )
 
-
     def _check_padding(self, model: Loaded, name: str, config: ModelConfig, version: str,
                        outputs: tuple[TensorSpec, ...], folder: Path) -> None:
         """Where the inputs are padded, a sample padded must be answered as at its own size (padding_check):
