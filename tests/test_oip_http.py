@@ -16,6 +16,7 @@ import ml_dtypes
 import models
 import numpy as np
 import pytest
+import requests
 import tritonclient.http as httpclient
 import tritonclient.http.aio as aioclient
 from conftest import MLP, ONE_AT_A_TIME, Daemon, pipeline_held, reference, wait_for
@@ -400,17 +401,34 @@ def get_with_host(address: str, host: str | None, path: str = "/v2/models/mlp") 
 
 def test_a_loopback_gateway_refuses_a_host_that_is_not_its_own_as_dns_rebinding_would_send(oip):
     port = url(oip).rsplit(":", 1)[1]
-    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", f"[::1]:{port}", "app.localhost",
-                 f"inferd.internal:{port}", "INFERD.INTERNAL", None):
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "127.0.0.1", "127.0.0.2", f"[::1]:{port}", "[::1]",
+                 f"[::ffff:127.0.0.1]:{port}", "app.localhost", "localhost.", f"inferd.internal:{port}",
+                 "INFERD.INTERNAL", None):
         status, answer = get_with_host(url(oip), host)
         assert status == 200 and answer["name"] == "mlp", (host, answer)
-    for host in (f"attacker.example:{port}", "attacker.example", "10.0.0.7", "localhost.attacker.example"):
+    for host in (f"attacker.example:{port}", "attacker.example", "10.0.0.7", "localhost.attacker.example",
+                 f"127.0.0.1.attacker.example:{port}", "127.attacker.example", "127.0.0.1.nip.io"):
         status, answer = get_with_host(url(oip), host)
         assert status == 403, (host, status)
         assert answer["error"] == (f"Host {host.rsplit(':', 1)[0]!r} is not a name of this server, which listens "
                                    "on loopback only; add it to server.http_allowed_hosts if clients reach the "
                                    "server by it")
     assert client(oip).is_server_ready(), "the gateway serves on"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1.attacker.example", "127.attacker.example"])
+def test_a_page_rebound_to_loopback_cannot_post_what_a_browser_sends_without_a_preflight(oip, host):
+    """A name that only starts like a loopback address is a page's own: its simple POSTs (text/plain, which a
+    browser sends without asking first) get nothing but 403."""
+    port = url(oip).rsplit(":", 1)[1]
+    served = oip.call("stats")["models"]["mlp"]["requests_by_protocol"].get("http", {}).get("ok", 0)
+    infer = json.dumps({"inputs": [ONE]}).encode()
+    for path, body in (("/v2/repository/index", b"{}"), ("/v2/models/mlp/infer", infer)):
+        answer = requests.post(f"http://{url(oip)}{path}", data=body, timeout=20,
+                               headers={"Host": f"{host}:{port}", "Content-Type": "text/plain"})
+        assert answer.status_code == 403 and "is not a name of this server" in answer.json()["error"], answer.text
+    assert oip.call("stats")["models"]["mlp"]["requests_by_protocol"].get("http", {}).get("ok", 0) == served
+    assert client(oip).is_model_ready("mlp")
 
 
 def test_a_gateway_bound_beyond_loopback_takes_any_host(start_daemon):

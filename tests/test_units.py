@@ -711,6 +711,10 @@ def test_addresses_split_host_and_port_the_way_configs_write_them():
     assert addresses.split("0.0.0.0:8001") == ("0.0.0.0", "8001")
     assert [addresses.loopback(a) for a in ("tcp://127.0.0.2:1", "[::1]:2", "localhost:3", "tcp://0.0.0.0:4",
                                             "10.0.0.1:5")] == [True, True, True, False, False]
+    # A name that only starts like a loopback address is anyone's (127.0.0.1.nip.io resolves to it, too).
+    assert [addresses.loopback(a) for a in ("127.evil.example:1", "tcp://127.0.0.1.evil.example:2", "[::2]:3",
+                                            "[::ffff:127.0.0.1]:4", "app.localhost:5")] == [False, False, False,
+                                                                                            True, True]
 
 
 def test_a_version_keeps_its_number_whatever_is_added_or_removed_later(tmp_path):

@@ -67,8 +67,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     http_allowed_hosts: Annotated[
         tuple[str, ...],
         _doc("With server.http on a loopback address: Host names a request may carry besides loopback ones "
-             "(localhost, 127.x.x.x, ::1); any other is answered 403, so a web page cannot reach the daemon "
-             "by DNS rebinding."),
+             "(localhost and names under .localhost, IP addresses in 127.0.0.0/8, ::1); any other is answered "
+             "403, so a web page cannot reach the daemon by DNS rebinding."),
     ] = ()
     http_processes: Annotated[
         int, Meta(ge=1, le=64),
