@@ -1,6 +1,12 @@
-"""Errors a client of inferd can see, one class per reply status that is not `ok`."""
+"""Errors a client of inferd can see, one class per reply status that is not `ok`, and how their sentences
+quote what a client sent."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+QUOTED_CHARS = 200  # the most of a client's value an error sentence repeats
 
 
 class InferdError(Exception):
@@ -57,3 +63,44 @@ class Cancelled(InferdError):
 ERROR_BY_STATUS: dict[str, type[InferdError]] = {
     cls.status: cls for cls in (InvalidRequest, Overloaded, Timeout, Unavailable, InferenceError, Cancelled)
 }
+
+
+def quoted(value: Any) -> str:
+    """A value a client sent (a name, a shape, a header...), as an error sentence quotes it: its repr, cut to
+    QUOTED_CHARS characters and said to be cut, so that an answer never repeats a client's value at any size.
+    A large value costs no more than the characters shown."""
+    text = ""
+    for piece in _repr_pieces(value):
+        text += piece
+        if len(text) > QUOTED_CHARS:
+            break
+    return cut(text)
+
+
+def cut(text: str) -> str:
+    """`text`, from a client or made of what it sent, cut to QUOTED_CHARS characters and said to be cut."""
+    return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}... (cut at {QUOTED_CHARS} characters)"
+
+
+def _repr_pieces(value: Any) -> Iterator[str]:
+    """`value`'s repr, piece by piece, as far as it is read; a string is cut before its repr is taken."""
+    if isinstance(value, (str, bytes)):
+        yield repr(value[:QUOTED_CHARS + 1])
+    elif isinstance(value, (list, tuple)):
+        yield "[" if isinstance(value, list) else "("
+        for index, item in enumerate(value):
+            if index:
+                yield ", "
+            yield from _repr_pieces(item)
+        yield "]" if isinstance(value, list) else ",)" if len(value) == 1 else ")"
+    elif isinstance(value, dict):
+        yield "{"
+        for index, (key, item) in enumerate(value.items()):
+            if index:
+                yield ", "
+            yield from _repr_pieces(key)
+            yield ": "
+            yield from _repr_pieces(item)
+        yield "}"
+    else:
+        yield repr(value)

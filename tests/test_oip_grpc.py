@@ -203,6 +203,17 @@ def test_a_compressed_message_that_inflates_past_the_limit_is_refused(oip):
     assert client(oip).is_server_live()
 
 
+def test_a_huge_name_is_invalid_argument_with_a_sentence_that_quotes_200_characters_of_it(oip):
+    # Quoted whole, the name made a status too large for the client to take: RESOURCE_EXHAUSTED, not why.
+    name = "x" * (1 << 20)
+    got, text = infer_error(oip, "mlp", [raw_input(name, "FP32", [1, 16], ONE.tobytes())])
+    assert got == "StatusCode.INVALID_ARGUMENT", (got, text[:300])
+    assert text == "mlp has no input '" + "x" * 199 + "... (cut at 200 characters); it takes INPUT__0"
+    got, text = infer_error(oip, name, [mlp_input(ONE)])
+    assert got == "StatusCode.NOT_FOUND" and len(text) < 400 and "(cut at 200 characters)" in text
+    assert client(oip).is_server_live()
+
+
 def test_grpc_http_and_zeromq_clients_at_once_are_batched_together(start_daemon, repo, gates):
     # A daemon of its own, whose one executor is held while the requests of the three protocols queue: sent
     # to an idle one, they would be batched only as far as they happened to arrive faster than batches ran.
@@ -264,7 +275,7 @@ def test_deadline_overloaded_and_draining_have_their_status(start_daemon, gates)
         peer.send(0, "variable", [np.ones((1, 2), dtype=np.float32)], timeout_ms=30_000)
         wait_for(lambda: daemon.status()["models"]["variable"]["queue_depth"] == 1, what="the queue's one place taken")
         got, text = infer_error(daemon, "variable", [small])
-        assert got == "StatusCode.RESOURCE_EXHAUSTED" and "queue is full" in text
+        assert got == "StatusCode.UNAVAILABLE" and "queue is full" in text  # Triton's code, which clients retry
         error = late.get(timeout=30)
         assert error.status() == "StatusCode.DEADLINE_EXCEEDED" and "deadline" in error.message()
         gate.open()

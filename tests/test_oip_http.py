@@ -227,7 +227,7 @@ def test_the_asyncio_client_and_zeromq_clients_are_batched_together(start_daemon
 SMALL = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]}).encode()
 
 
-def test_overloaded_is_429_with_retry_after(start_daemon, gates):
+def test_overloaded_is_503_with_retry_after_as_triton_answers(start_daemon, gates):
     daemon = start_daemon({"variable": ONE_AT_A_TIME}, server={"http": f"127.0.0.1:{free_port()}"},
                           queue={"max_size": 1}, workers={"streams": 1})
     with RawPeer(daemon.endpoint) as peer:
@@ -241,7 +241,7 @@ def test_overloaded_is_429_with_retry_after(start_daemon, gates):
         request = urllib.request.Request(f"http://{url(daemon)}/v2/models/variable/infer", data=SMALL, method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=20)
-        assert refused.value.code == 429 and refused.value.headers["Retry-After"] == "1"
+        assert refused.value.code == 503 and refused.value.headers["Retry-After"] == "1"
         assert "queue is full" in json.loads(refused.value.read())["error"]
         gate.open()
         assert [peer.recv()[0]["status"] for _ in range(3)] == ["ok"] * 3
@@ -287,6 +287,44 @@ def test_readiness_answers_carry_kserves_json_bodies(oip):
     assert get(oip, "/v2/models/mlp/versions/2/ready")[:2] == (200, {"name": "mlp", "ready": True})
     status, answer, _ = get(oip, "/v2/models/nope/ready")
     assert status == 404 and "Request for unknown model: 'nope' is not found" in answer["error"]
+
+
+def test_v2_with_a_trailing_slash_is_the_server_metadata(oip):
+    status, answer, _ = get(oip, "/v2/")
+    assert status == 200 and answer == get(oip, "/v2")[1] and answer["name"] == "inferd"
+    assert get(oip, "/v2/health/live/")[:2] == (200, {"live": True})
+
+
+def test_a_wrong_method_is_405_with_the_one_each_endpoint_takes_in_allow(oip):
+    for method, path in (("POST", "/v2"), ("POST", "/v2/health/live"), ("PUT", "/v2/health/ready"),
+                         ("POST", "/v2/models/stats"), ("POST", "/v2/models/mlp"), ("POST", "/v2/models/mlp/ready"),
+                         ("DELETE", "/v2/models/mlp/versions/2/config"), ("POST", "/v2/models/mlp/stats"),
+                         ("GET", "/v2/models/mlp/infer"), ("GET", "/v2/repository/index"),
+                         ("GET", "/v2/repository/models/mlp/load"), ("POST", "/v2/systemsharedmemory/status"),
+                         ("GET", "/v2/systemsharedmemory/region/r/register"),
+                         ("GET", "/v2/cudasharedmemory/unregister"), ("OPTIONS", "/v2/models/nope/infer")):
+        answer = requests.request(method, f"http://{url(oip)}{path}", timeout=20)
+        allowed = "POST" if path.endswith(("/infer", "/index", "/load", "/register", "/unregister")) else "GET"
+        assert answer.status_code == 405 and answer.headers["allow"] == allowed, (method, path, answer.status_code)
+        assert answer.json()["error"] == f"{path!r} takes {allowed}, not {method}"
+    status, answer, _ = get(oip, "/v2/nowhere")
+    assert status == 404 and answer["error"] == "no such endpoint: GET '/v2/nowhere'"
+
+
+def test_an_error_quotes_at_most_200_characters_of_what_the_client_sent(oip):
+    # Ten million dims: 20 MB of JSON, 20 KiB gzipped; the error once repeated the shape (30 MB).
+    dims = [0] * 10_000_000
+    body = gzip.compress(json.dumps({"inputs": [{**ONE, "shape": dims}]}, separators=(",", ":")).encode())
+    answer = requests.post(f"http://{url(oip)}/v2/models/mlp/infer", data=body, timeout=60,
+                           headers={"Content-Encoding": "gzip"})
+    shown = ("[" + ", ".join("0" * 100))[:200]
+    assert answer.status_code == 400 and len(answer.content) < 1024
+    assert answer.json()["error"] == (f"input 'INPUT__0' has shape {shown}... (cut at 200 characters): a list of "
+                                      "1 to 8 integers, batch dim first")
+    name = "x" * (1 << 20)
+    status, refused = post(oip, "/v2/models/mlp/infer", json.dumps({"inputs": [{**ONE, "name": name}]}).encode())
+    assert status == 400 and refused["error"] == ("mlp has no input '" + "x" * 199 + "... (cut at 200 characters); "
+                                                  "it takes INPUT__0")
 
 
 def test_statistics_list_each_ready_version_from_the_start_with_its_number(oip):

@@ -13,7 +13,7 @@ import msgspec
 
 from inferd import protocol
 from inferd.config.schema import ModelConfig
-from inferd.errors import InvalidRequest
+from inferd.errors import InvalidRequest, quoted
 from inferd.oip import tensors
 from inferd.oip.shm import EXTENSION, InRegion
 from inferd.oip.upstream import Control
@@ -98,9 +98,9 @@ def priority_level(priority: Any, levels: int) -> int | None:
         return None
     if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
         raise InvalidRequest(f"parameters.priority must be a whole number, 0 (the default) or 1 (the most "
-                             f"urgent) and up; got {priority!r}")
+                             f"urgent) and up; got {quoted(priority)}")
     if priority > levels:
-        raise InvalidRequest(f"parameters.priority {priority} is not a level; this daemon takes 1 (the most "
+        raise InvalidRequest(f"parameters.priority {quoted(priority)} is not a level; this daemon takes 1 (the most "
                              f"urgent) to {levels}, or 0 for its default")
     return None if priority == 0 else priority - 1
 
@@ -184,9 +184,9 @@ class ModelView:
         for entry in given:
             if not isinstance(entry.name, str):
                 raise InvalidRequest("each input is an object with a name")
-            what = f"input {entry.name!r}"
+            what = f"input {quoted(entry.name)}"
             if entry.name not in self.inputs:
-                raise InvalidRequest(f"{self.name} has no input {entry.name!r}; it takes {', '.join(self.inputs)}")
+                raise InvalidRequest(f"{self.name} has no {what}; it takes {', '.join(self.inputs)}")
             if entry.name in by_name:
                 raise InvalidRequest(f"{what} is given twice")
             spec = self.config.inputs[self.inputs.index(entry.name)]
@@ -220,7 +220,7 @@ class ModelView:
         needed = 0 if -1 in shape else samples * protocol.tensor_bytes(dtype, shape)
         if region.byte_size < needed:
             raise InvalidRequest(f"output {name!r} is {needed} bytes, but its shared_memory_byte_size is "
-                                 f"{region.byte_size}")
+                                 f"{quoted(region.byte_size)}")
         return protocol.OutputPlace(region.region, region.offset)
 
     def check_output(self, name: Any) -> str:
@@ -228,7 +228,7 @@ class ModelView:
         if not isinstance(name, str):
             raise InvalidRequest("each requested output is an object with a name")
         if name not in self.output_names:
-            raise InvalidRequest(f"{self.name} has no output {name!r}; it has {', '.join(self.output_names)}")
+            raise InvalidRequest(f"{self.name} has no output {quoted(name)}; it has {', '.join(self.output_names)}")
         return name
 
 
@@ -250,11 +250,11 @@ class Catalog:
         view = known[0] if known is not None and time.monotonic() - known[1] <= FRESH_S else await self._read(name)
         if view is None:
             # Triton's words, which its users and clients look for.
-            raise NotFound(f"Request for unknown model: {name!r} is not found; the model repository index "
+            raise NotFound(f"Request for unknown model: {quoted(name)} is not found; the model repository index "
                            "lists the models served")
         if view.named(version) not in (None, view.version, view.canary):
-            raise NotFound(f"Request for unknown model: {name!r} version {version!r} is not found; the live "
-                           f"version is {view.version!r} (number {view.number(view.version)})")
+            raise NotFound(f"Request for unknown model: {quoted(name)} version {quoted(version)} is not found; the "
+                           f"live version is {view.version!r} (number {view.number(view.version)})")
         return view
 
     async def _read(self, name: str) -> ModelView | None:

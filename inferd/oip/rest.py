@@ -33,7 +33,7 @@ import numpy as np
 from msgspec import UNSET, UnsetType
 
 from inferd import __version__, addresses, protocol
-from inferd.errors import InvalidRequest
+from inferd.errors import InvalidRequest, cut, quoted
 from inferd.oip import tensors
 from inferd.oip.body_guard import BodyGuard, BodyRefused
 from inferd.oip.catalog import (
@@ -57,16 +57,20 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
-# Each status as the HTTP status google.rpc.Code gives its gRPC twin (rpc.GRPC_STATUS). `cancelled` is
-# 499 (CANCELLED's, "Client Closed Request"): the gateway cancels a request only once its client has
-# gone, so a client that still reads it should never see one.
+# Each status as the HTTP status google.rpc.Code gives its gRPC twin (rpc.GRPC_STATUS). `overloaded` is
+# Triton's 503 with Retry-After (OVERLOAD_HEADERS), never 429: 503 is what retry policies such as
+# `retry_on: [502, 503, 504]` retry. `cancelled` is 499 (CANCELLED's, "Client Closed Request"): the
+# gateway cancels a request only once its client has gone, so a client that still reads it should
+# never see one.
 HTTP_STATUS = {
-    protocol.INVALID: 400, protocol.OVERLOADED: 429, protocol.TIMEOUT: 504,
+    protocol.INVALID: 400, protocol.OVERLOADED: 503, protocol.TIMEOUT: 504,
     protocol.UNAVAILABLE: 503, protocol.INTERNAL: 500, protocol.CANCELLED: 499,
 }
+OVERLOAD_HEADERS = [(b"retry-after", b"1")]
 MAX_HEADER_JSON = 1 << 20  # the JSON part of a binary request: names, shapes and parameters, never data
 _ROUTE = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(?:/(ready|infer|config|stats))?$")
 _REPOSITORY_ROUTE = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
+_GET_ENDPOINTS = frozenset({"/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/stats"})
 _SHM_ROUTE = re.compile(r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(status|register|unregister)$")
 T = TypeVar("T")
 _json = msgspec.json.Decoder()
@@ -139,7 +143,7 @@ Answer = tuple[int, bytes, list[tuple[bytes, bytes]]]  # status, body, headers (
 
 
 class HttpError(Exception):
-    """An error reply: HTTP status and one sentence (and headers, for 429's Retry-After)."""
+    """An error reply: HTTP status and one sentence (and headers, for an overload's Retry-After)."""
 
     def __init__(self, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
         super().__init__(message)
@@ -187,7 +191,7 @@ def _inflate(body: Buffer, encoding: str, limit: int, guard: BodyGuard) -> bytea
     held from the gateway's budget: a body is counted by what it inflates to."""
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(encoding)
     if wbits is None:
-        raise HttpError(415, f"Content-Encoding {encoding!r} is not supported; use gzip, deflate or none")
+        raise HttpError(415, f"Content-Encoding {quoted(encoding)} is not supported; use gzip, deflate or none")
     inflater = zlib.decompressobj(wbits)
     data = bytearray()
     pending: Buffer = body
@@ -251,23 +255,24 @@ class RestApp:
             return
         host = addresses.host_of_header(value.decode("latin-1"))
         if not addresses.loopback_host(host) and host not in self.allowed_hosts:
-            raise HttpError(403, f"Host {host!r} is not a name of this server, which listens on loopback only; "
+            raise HttpError(403, f"Host {quoted(host)} is not a name of this server, which listens on loopback only; "
                                  "add it to server.http_allowed_hosts if clients reach the server by it")
 
     async def _route(self, scope: Scope, receive: Receive) -> Answer:
         # Readiness answers carry KServe's JSON body; Triton's clients read only the status.
-        path, method = scope["path"], scope["method"]
-        if path == "/v2/health/live" and method == "GET":
+        path = _endpoint(scope["path"])
+        _check_method(scope["method"], path)
+        if path == "/v2/health/live":
             await self.control.call("status")
             return 200, _encode({"live": True}), []
-        if path == "/v2/health/ready" and method == "GET":
+        if path == "/v2/health/ready":
             ready = (await self.control.call("health"))["healthy"]
             return (200, _encode({"ready": True}), []) if ready else \
                 (400, _encode({"ready": False, "error": "the daemon is not ready"}), [])
-        if path == "/v2" and method == "GET":
+        if path == "/v2":
             return 200, _encode({"name": "inferd", "version": __version__,
                                  "extensions": server_extensions(self.shared_memory.enabled)}), []
-        if path == "/v2/models/stats" and method == "GET":
+        if path == "/v2/models/stats":
             return 200, _encode(await self.catalog.statistics(None, None)), []
         if path == "/v2/repository/index" or _REPOSITORY_ROUTE.match(path):
             return await self._repository(scope, receive, _REPOSITORY_ROUTE.match(path))
@@ -275,11 +280,10 @@ class RestApp:
         if shm is not None:
             kind, region, action = shm.groups()
             if kind == "cuda":
-                return _cuda_shared_memory(method, region, action)
+                return _cuda_shared_memory(region, action)
             return await self._shared_memory(scope, receive, region, action)
         match = _ROUTE.match(path)
-        if match is None:
-            raise HttpError(404, f"no such endpoint: {method} {path}")
+        assert match is not None  # _check_method found the endpoint
         name, version, action = match.groups()
         try:
             model = await (self.catalog.for_infer if action == "infer" else self.catalog.model)(name, version)
@@ -288,11 +292,7 @@ class RestApp:
         except Refused as exc:
             raise HttpError(503, str(exc)) from None
         if action == "infer":
-            if method != "POST":
-                raise HttpError(405, "infer takes POST")
             return await self._infer(scope, receive, model, model.named(version))
-        if method != "GET":
-            raise HttpError(405, f"{path} takes GET")
         if action is None:
             return 200, _encode(model.metadata()), []
         if action == "ready":
@@ -304,8 +304,6 @@ class RestApp:
 
     async def _repository(self, scope: Scope, receive: Receive, action: re.Match[str] | None) -> Answer:
         """The model repository extension: the index of the models, and loading or unloading one."""
-        if scope["method"] != "POST":
-            raise HttpError(405, f"{scope['path']} takes POST")
         if action is None:
             raw = await _read_body(receive, scope, MAX_HEADER_JSON)
             try:
@@ -314,7 +312,7 @@ class RestApp:
                 raise HttpError(400, exc.message) from None
             ready = body.get("ready", False)
             if not isinstance(ready, bool):
-                raise HttpError(400, f"'ready' must be true or false, not {ready!r}")
+                raise HttpError(400, f"'ready' must be true or false, not {quoted(ready)}")
             return 200, _encode(await self.catalog.index(ready)), []
         name, verb = action.groups()
         try:
@@ -325,8 +323,7 @@ class RestApp:
 
     async def _shared_memory(self, scope: Scope, receive: Receive, region: str | None, action: str) -> Answer:
         """The system shared-memory extension: a region's (or every region's) status, register, unregister."""
-        method, peer = scope["method"], self.shared_memory.http_peer(_peer(scope))
-        _check_method(method, action)
+        peer = self.shared_memory.http_peer(_peer(scope))
         try:
             if action == "status":
                 return 200, _encode(await self.shared_memory.status(peer, region)), []
@@ -338,7 +335,7 @@ class RestApp:
             body = _json_object(await _read_body(receive, scope, MAX_HEADER_JSON))
             unknown = sorted(set(body) - {"key", "offset", "byte_size"})
             if unknown:
-                raise InvalidRequest(f"the register request has unknown field {unknown[0]!r}")
+                raise InvalidRequest(f"the register request has unknown field {quoted(unknown[0])}")
             await self.shared_memory.register(peer, region, body.get("key"), body.get("offset", 0),
                                               body.get("byte_size"))
             return 200, b"", []
@@ -356,7 +353,7 @@ class RestApp:
             model.name, version, requested.inputs, requested.timeout_ms, places,
             self.shared_memory.http_peer(_peer(scope)) if places or requested.in_regions else None, requested.level))
         if reply.status != protocol.OK:
-            extra = [(b"retry-after", b"1")] if reply.status == protocol.OVERLOADED else []
+            extra = OVERLOAD_HEADERS if reply.status == protocol.OVERLOADED else []
             raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
         json_part, binary = parsed.response(model, reply, outputs)
         encoded = _encode(json_part)
@@ -377,8 +374,8 @@ class RestApp:
         json_length = headers.get(b"inference-header-content-length")
         if json_length is not None:
             if not json_length.isdigit() or int(json_length) > len(body) or int(json_length) > MAX_HEADER_JSON:
-                raise HttpError(400, f"Inference-Header-Content-Length {json_length.decode('latin-1')!r} is not "
-                                     f"a length within the body's {len(body)} bytes")
+                raise HttpError(400, f"Inference-Header-Content-Length {quoted(json_length.decode('latin-1'))} is "
+                                     f"not a length within the body's {len(body)} bytes")
             split = int(json_length)
         else:
             split = len(body)
@@ -397,9 +394,9 @@ def _not_json(exc: Exception, text: memoryview) -> str:
     where = re.search(r"\(byte (\d+)\)", str(exc))
     at = bytes(text[int(where[1]):int(where[1]) + 9]) if where else b""
     if at.lstrip(b"-").startswith((b"NaN", b"Infinity")):
-        return (f"the request is not JSON: {exc}; NaN and Infinity are not JSON numbers, so no tensor may hold "
-                "them as JSON data (send finite numbers, or the tensor's bytes with the binary tensor extension)")
-    return f"the request is not JSON: {exc}"
+        return (f"the request is not JSON: {cut(str(exc))}; NaN and Infinity are not JSON numbers, so no tensor may "
+                "hold them as JSON data (send finite numbers, or the tensor's bytes with the binary tensor extension)")
+    return f"the request is not JSON: {cut(str(exc))}"
 
 
 def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
@@ -421,17 +418,34 @@ def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
                         "shape": [size // sample, *spec.shape], "parameters": {"binary_data_size": size}}]}
 
 
-def _check_method(method: str, action: str) -> None:
-    """A shared-memory call's status takes GET, the others POST."""
-    if action == "status" and method != "GET":
-        raise HttpError(405, "status takes GET")
-    if action != "status" and method != "POST":
-        raise HttpError(405, f"{action} takes POST")
+def _endpoint(path: str) -> str:
+    """The endpoint a request's path names: a trailing slash is no part of it (`/v2/` is `/v2`)."""
+    return path.rstrip("/") or "/"
 
 
-def _cuda_shared_memory(method: str, region: str | None, action: str) -> Answer:
+def _method_of(path: str) -> str | None:
+    """The one method the endpoint at `path` takes; None where there is no such endpoint."""
+    if path in _GET_ENDPOINTS:
+        return "GET"
+    if path == "/v2/repository/index" or _REPOSITORY_ROUTE.match(path):
+        return "POST"
+    action = _SHM_ROUTE.match(path) or _ROUTE.match(path)
+    if action is None:
+        return None
+    return "POST" if action.group(3) in ("register", "unregister", "infer") else "GET"
+
+
+def _check_method(method: str, path: str) -> None:
+    """404 for a path that names no endpoint; 405, with the method it takes in Allow, for a wrong method."""
+    allowed = _method_of(path)
+    if allowed is None:
+        raise HttpError(404, f"no such endpoint: {method} {quoted(path)}")
+    if method != allowed:
+        raise HttpError(405, f"{quoted(path)} takes {allowed}, not {method}", [(b"allow", allowed.encode())])
+
+
+def _cuda_shared_memory(region: str | None, action: str) -> Answer:
     """Triton's CUDA shared-memory extension, as a server that has no CUDA region."""
-    _check_method(method, action)
     if action == "register":
         raise HttpError(400, CUDA_REFUSED)
     if action == "status" and region is not None:
@@ -469,7 +483,7 @@ def _json_object(body: Buffer) -> dict[str, Any]:
     try:
         value = _json.decode(body)
     except (msgspec.DecodeError, RecursionError) as exc:
-        raise InvalidRequest(f"the request is not JSON: {exc}") from None
+        raise InvalidRequest(f"the request is not JSON: {cut(str(exc))}") from None
     if not isinstance(value, dict):
         raise InvalidRequest("the request is not a JSON object")
     return value
@@ -518,7 +532,7 @@ class JsonRequest(NamedTuple):
         for entry in given:
             if not isinstance(entry, dict):
                 raise InvalidRequest("each input is an object with a name")
-            what = f"input {entry.get('name')!r}"
+            what = f"input {quoted(entry.get('name'))}"
             given_parameters = _parameters(entry, what)
             size = given_parameters.get("binary_data_size")
             region = region_parameters(given_parameters, what)
@@ -528,7 +542,7 @@ class JsonRequest(NamedTuple):
                     raise InvalidRequest(f"{what} is in a shared-memory region and also has data")
             elif size is not None:
                 if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(binary):
-                    raise InvalidRequest(f"{what} has binary_data_size {size!r}, but {len(binary) - offset} "
+                    raise InvalidRequest(f"{what} has binary_data_size {quoted(size)}, but {len(binary) - offset} "
                                          "bytes of binary data are left")
                 if "data" in entry:
                     raise InvalidRequest(f"{what} has both data and binary_data_size")

@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 
 from inferd import __version__, protocol
 from inferd.config.schema import ServerConfig
-from inferd.errors import InvalidRequest
+from inferd.errors import InvalidRequest, quoted
 from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
 from inferd.oip.budget import BodyBudget, Hold
@@ -34,8 +34,10 @@ log = logging.getLogger("inferd.oip.grpc")
 
 SERVICE = "inference.GRPCInferenceService"
 Call: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"  # what each method is given besides its request
+# `overloaded` is UNAVAILABLE, as Triton answers and clients retry; RESOURCE_EXHAUSTED is grpc's own, for
+# a message over server.max_message_mb only.
 GRPC_STATUS = {
-    protocol.INVALID: grpc.StatusCode.INVALID_ARGUMENT, protocol.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    protocol.INVALID: grpc.StatusCode.INVALID_ARGUMENT, protocol.OVERLOADED: grpc.StatusCode.UNAVAILABLE,
     protocol.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED, protocol.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     protocol.INTERNAL: grpc.StatusCode.INTERNAL, protocol.CANCELLED: grpc.StatusCode.CANCELLED,
 }
@@ -69,7 +71,7 @@ def _parameters(parameters: Any) -> dict[str, Any]:
 
 
 def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
-    regions = [region_parameters(_parameters(t.parameters), f"input {t.name!r}") for t in request.inputs]
+    regions = [region_parameters(_parameters(t.parameters), f"input {quoted(t.name)}") for t in request.inputs]
     raw = list(request.raw_input_contents)
     inline = sum(region is None for region in regions)
     if raw and len(raw) != inline:
@@ -77,19 +79,20 @@ def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
                              "raw_input_contents")
     given = []
     for tensor, region in zip(request.inputs, regions):
+        what = f"input {quoted(tensor.name)}"
         if region is not None:
             given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), None, None, region))
             continue
         if raw:
             if tensor.HasField("contents"):
-                raise InvalidRequest(f"input {tensor.name!r} has contents, but the request has raw_input_contents")
+                raise InvalidRequest(f"{what} has contents, but the request has raw_input_contents")
             given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), raw.pop(0)))
             continue
         field = CONTENTS.get(tensor.datatype)
         if not tensor.HasField("contents"):
-            raise InvalidRequest(f"input {tensor.name!r} has neither contents nor raw_input_contents")
+            raise InvalidRequest(f"{what} has neither contents nor raw_input_contents")
         if field is None:
-            raise InvalidRequest(f"input {tensor.name!r} is {tensor.datatype}, which has no typed contents; "
+            raise InvalidRequest(f"{what} is {quoted(tensor.datatype)}, which has no typed contents; "
                                  "send it in raw_input_contents")
         # The typed list itself, not a list of it: converted element by element, as a Python list it
         # would take some 32 bytes an element.

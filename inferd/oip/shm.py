@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from inferd import addresses, protocol
-from inferd.errors import InvalidRequest
+from inferd.errors import InvalidRequest, quoted
 from inferd.oip.upstream import Upstream
 
 log = logging.getLogger("inferd.oip.shm")
@@ -58,7 +58,7 @@ def region_parameters(parameters: Mapping[str, Any], what: str) -> InRegion | No
         raise InvalidRequest(f"{what} has a shared_memory_region that is not a name")
     for key, value in (("shared_memory_byte_size", size), ("shared_memory_offset", offset)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidRequest(f"{what} has {key} {value!r}; it must be a number of bytes")
+            raise InvalidRequest(f"{what} has {key} {quoted(value)}; it must be a number of bytes")
     assert isinstance(size, int) and isinstance(offset, int)
     return InRegion(region, offset, size)
 
@@ -72,7 +72,7 @@ def region_response(meta: protocol.TensorMeta) -> dict[str, Any]:
 
 def cuda_region_missing(name: str) -> str:
     """The sentence for a CUDA region asked for by name: there is none."""
-    return f"no CUDA shared-memory region {name!r} is registered ({CUDA_REFUSED})"
+    return f"no CUDA shared-memory region {quoted(name)} is registered ({CUDA_REFUSED})"
 
 
 def peer_name(host: str, port: int) -> str:
@@ -153,7 +153,7 @@ class SharedMemory:
     async def _call(self, kind: type[protocol.RegionOp], peer: str, **fields: Any) -> tuple[protocol.RegionInfo, ...]:
         name = fields.get("name")
         if name is not None and not protocol.REGION_NAME.match(name):
-            raise InvalidRequest(f"{name!r} is not a region name: letters, digits, '_', '.', '-', at most 200")
+            raise InvalidRequest(f"{quoted(name)} is not a region name: letters, digits, '_', '.', '-', at most 200")
         reply = await self._upstream.region(kind, peer, **fields)
         if reply.status == protocol.INVALID:
             raise InvalidRequest(reply.error or reply.status)

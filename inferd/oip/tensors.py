@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from inferd.errors import InvalidRequest
+from inferd.errors import InvalidRequest, quoted
 from inferd.protocol import DTYPES, Buffer, tensor_bytes
 
 # The protocol's datatype names and inferd's wire dtypes, one to one.
@@ -31,18 +31,18 @@ def wire_dtype(datatype: Any, what: str) -> str:
     known = ", ".join(DATATYPES)
     if datatype == "BYTES":
         raise InvalidRequest(f"{what} is BYTES, which inferd does not serve; use one of {known}")
-    raise InvalidRequest(f"{what} has datatype {datatype!r}; use one of {known}")
+    raise InvalidRequest(f"{what} has datatype {quoted(datatype)}; use one of {known}")
 
 
 def check_shape(shape: Any, what: str) -> tuple[int, ...]:
     """A shape of positive ints of bounded size, or InvalidRequest naming `what`."""
     if not isinstance(shape, (list, tuple)) or not shape or len(shape) > 8 or \
             not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise InvalidRequest(f"{what} has shape {shape!r}: a list of 1 to 8 integers, batch dim first")
+        raise InvalidRequest(f"{what} has shape {quoted(shape)}: a list of 1 to 8 integers, batch dim first")
     if any(d < 1 for d in shape):
-        raise InvalidRequest(f"{what} has shape {list(shape)}: every dim must be at least 1")
+        raise InvalidRequest(f"{what} has shape {quoted(list(shape))}: every dim must be at least 1")
     if math.prod(shape) > MAX_ELEMENTS:
-        raise InvalidRequest(f"{what} has shape {list(shape)}: more than {MAX_ELEMENTS} elements")
+        raise InvalidRequest(f"{what} has shape {quoted(list(shape))}: more than {MAX_ELEMENTS} elements")
     return tuple(shape)
 
 
