@@ -94,6 +94,17 @@ def test_bf16_travels_as_binary_and_comes_back_as_json_numbers_too(oip, repo):
     assert client(oip).get_model_config("bf16")["input"][0]["data_type"] == "TYPE_BF16"
 
 
+def test_half_precision_inputs_are_taken_as_json_numbers_where_triton_refuses_them(oip, repo):
+    # docs/protocols/oip.md lists it among the differences from Triton: each number rounded to the datatype.
+    x = np.random.default_rng(13).standard_normal((2, models.BF16_FEATURES))
+    request = {"inputs": [{"name": "INPUT__0", "datatype": "BF16", "shape": list(x.shape), "data": x.ravel().tolist()}],
+               "outputs": [{"name": "OUTPUT__0", "parameters": {"binary_data": True}}]}
+    answer, data = binary_answer(requests.post(f"http://{url(oip)}/v2/models/bf16/infer", json=request, timeout=20))
+    assert answer["outputs"][0]["datatype"] == "BF16"
+    expected = reference(repo, "bf16", "v1")(x.astype(ml_dtypes.bfloat16))[0]
+    assert data == expected.tobytes()
+
+
 def test_a_pinned_version_gzip_bodies_and_a_deadline(oip, repo):
     x = np.random.default_rng(1).standard_normal((3, models.MLP_IN), dtype=np.float32)
     given = httpclient.InferInput("INPUT__0", list(x.shape), "FP32")
@@ -369,13 +380,23 @@ def test_fields_the_protocol_does_not_name_are_left_alone_as_kserves_client_send
     np.testing.assert_allclose(answer["outputs"][0]["data"], expected.ravel(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_raw_binary_request_is_the_one_inputs_bytes(oip, repo):
+def binary_answer(response: requests.Response) -> tuple[dict, bytes]:
+    """A binary inference response's JSON part and the bytes after it."""
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/octet-stream"
+    split = int(response.headers["inference-header-content-length"])
+    return json.loads(response.content[:split]), response.content[split:]
+
+
+def test_a_raw_binary_request_is_the_one_inputs_bytes_and_is_answered_in_binary(oip, repo):
+    # As Triton's binary tensor extension says, and its test_raw_binary reads: every output in binary.
     x = np.random.default_rng(7).standard_normal((3, models.MLP_IN), dtype=np.float32)
-    status, answer = post(oip, "/v2/models/mlp/infer", x.tobytes(), {"Inference-Header-Content-Length": "0"})
-    assert status == 200, answer
+    answer, data = binary_answer(requests.post(f"http://{url(oip)}/v2/models/mlp/infer", data=x.tobytes(),
+                                               headers={"Inference-Header-Content-Length": "0"}, timeout=20))
     [output] = answer["outputs"]
-    assert output["shape"] == [3, models.MLP_OUT]
-    np.testing.assert_allclose(np.array(output["data"]).reshape(3, -1), reference(repo, "mlp", "v2")(x),
+    assert output["shape"] == [3, models.MLP_OUT] and output["parameters"] == {"binary_data_size": len(data)}
+    assert "data" not in output
+    np.testing.assert_allclose(np.frombuffer(data, dtype=np.float32).reshape(3, -1), reference(repo, "mlp", "v2")(x),
                                rtol=1e-5, atol=1e-6)
     status, answer = post(oip, "/v2/models/mlp/infer", x.tobytes()[:-4], {"Inference-Header-Content-Length": "0"})
     assert status == 400 and "not a whole number of samples of 'INPUT__0' (FP32 [16], 64 bytes each)" in \

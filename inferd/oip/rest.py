@@ -401,7 +401,8 @@ def _not_json(exc: Exception, text: memoryview) -> str:
 
 def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
     """The request a raw binary body stands for (Inference-Header-Content-Length 0: the body is the one
-    input's bytes, as many samples as they hold), in the JSON form JsonRequest parses."""
+    input's bytes, as many samples as they hold), in the JSON form JsonRequest parses: every output is
+    answered in binary, as Triton's binary tensor extension says."""
     if len(model.inputs) != 1:
         raise InvalidRequest(f"a raw binary request (Inference-Header-Content-Length 0) is for a model of one "
                              f"input; {model.name} takes {', '.join(model.inputs)}: send JSON naming each")
@@ -415,7 +416,8 @@ def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
                              f"{model.inputs[0]!r} ({tensors.WIRE_TO_DATATYPE[spec.dtype]} {list(spec.shape)}, "
                              f"{sample} bytes each)")
     return {"inputs": [{"name": model.inputs[0], "datatype": tensors.WIRE_TO_DATATYPE[spec.dtype],
-                        "shape": [size // sample, *spec.shape], "parameters": {"binary_data_size": size}}]}
+                        "shape": [size // sample, *spec.shape], "parameters": {"binary_data_size": size}}],
+            "parameters": {"binary_data_output": True}}
 
 
 def _endpoint(path: str) -> str:
