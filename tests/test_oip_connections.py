@@ -19,8 +19,9 @@ import models
 import numpy as np
 import psutil
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
-from conftest import MLP, Daemon, wait_for
+from conftest import MLP, Daemon, reference, wait_for
 from tritonclient.utils import InferenceServerException
 
 from inferd.harness import free_port
@@ -256,3 +257,72 @@ def test_several_gateway_processes_share_each_port_and_the_kernel_spreads_connec
     assert {g["name"]: g for g in daemon.status()["gateways"]}["http 2"]["pid"] == gateways["http 2"]["pid"]
     wait_for(lambda: served("http", daemon.config["server"]["http"]), timeout=30, what="HTTP served")
     assert "gateway http 1 died (killed by signal 9" in daemon.log()
+
+
+def read_responses(connection: socket.socket) -> list[tuple[int, dict[str, str], bytes]]:
+    """Every response the server sends on `connection` until it closes it: status, headers, body."""
+    connection.settimeout(30)
+    raw = b""
+    while chunk := connection.recv(65536):
+        raw += chunk
+    responses = []
+    while raw:
+        head, _, raw = raw.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+        length = int(headers["content-length"])
+        responses.append((int(status_line.split()[1]), headers, raw[:length]))
+        raw = raw[length:]
+    return responses
+
+
+def infer_request(x: np.ndarray) -> bytes:
+    """An HTTP/1.1 request for mlp with `x` as JSON, bytes as they go on the wire."""
+    body = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": list(x.shape),
+                                   "data": x.ravel().tolist()}]}).encode()
+    return (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n" % len(body)) + body
+
+
+@pytest.mark.parametrize("malformed, sentence", [
+    (b"NOT HTTP AT ALL\r\n\r\n", b"Invalid HTTP request received."),
+    (b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n",
+     b"Invalid HTTP request received."),
+    (b"GET /v2/health/live HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101)) + b"\r\n",
+     b"The request was refused: more than 100 headers."),
+], ids=["malformed head", "malformed body", "too many headers"])
+def test_pipelined_requests_are_answered_in_order_before_the_400_of_a_malformed_one(oip_daemon, repo, malformed,
+                                                                                    sentence):
+    xs = np.random.default_rng(11).standard_normal((2, 1, models.MLP_IN), dtype=np.float32)
+    with socket.create_connection(address(oip_daemon.config["server"]["http"])) as connection:
+        connection.sendall(infer_request(xs[0]) + infer_request(xs[1]) + malformed)  # in one write
+        answers = read_responses(connection)
+    assert [status for status, _, _ in answers] == [200, 200, 400], answers
+    expected = reference(repo, "mlp", "v2")
+    for x, (_, _, body) in zip(xs, answers):
+        np.testing.assert_allclose(np.array(json.loads(body)["outputs"][0]["data"]).reshape(1, -1), expected(x),
+                                   rtol=1e-5, atol=1e-6)
+    assert answers[2][1]["connection"] == "close" and answers[2][2] == sentence
+    assert http_infer(f"http://{oip_daemon.config['server']['http']}") == 200
+
+
+def test_a_body_framed_by_both_content_length_and_chunks_is_read_by_its_chunks_then_the_connection_closes(
+        oip_daemon, repo):
+    # Triton's test_content_encoding_chunked_manually: `requests` adds Content-Length to the body its caller
+    # chunk-framed and marked Transfer-Encoding: chunked.
+    x = np.random.default_rng(12).standard_normal((2, models.MLP_IN), dtype=np.float32)
+    data = x.tobytes()
+    framed = b"%X\r\n%s\r\n0\r\n\r\n" % (len(data), data)
+    answer = requests.post(f"http://{oip_daemon.config['server']['http']}/v2/models/mlp/infer", data=framed,
+                           timeout=20, headers={"Inference-Header-Content-Length": "0", "Transfer-Encoding": "chunked"})
+    assert answer.request.headers["content-length"] == str(len(framed)), "sent as Triton's test sends it"
+    assert answer.status_code == 200, answer.text
+    split = int(answer.headers["inference-header-content-length"])
+    np.testing.assert_allclose(np.frombuffer(answer.content[split:], dtype=np.float32).reshape(2, -1),
+                               reference(repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+    assert answer.headers["connection"] == "close"
+    # Content-Length with any Transfer-Encoding not ending in chunked is still refused, as llhttp refuses it.
+    with socket.create_connection(address(oip_daemon.config["server"]["http"])) as connection:
+        connection.sendall(b"POST /v2/models/mlp/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n"
+                           b"Transfer-Encoding: gzip\r\n\r\n%s" % (len(framed), framed))
+        [(status, _, body)] = read_responses(connection)
+    assert status == 400 and b"Content-Length with a Transfer-Encoding that does not end in chunked" in body

@@ -10,6 +10,12 @@ HEAD_TIMEOUT_S, or body_guard.PACE_WINDOW_S once its body comes slower than serv
 It also tells a request whose answer is awaited that its connection ended (Watch, in its scope), so
 the request can be taken out of the daemon's queue: nobody is left to read its answer; and it sends
 a response's head and body in one write (CorkedWrites).
+
+Where uvicorn answers a malformed request 400 at once, the guard first lets the requests pipelined
+before it be answered, in order (a client reads the first answer as its first request's), then
+answers 400 and closes. A request framed by both Content-Length and Transfer-Encoding: chunked
+(`requests` sends one when its caller chunked the body) is read by its chunks and its connection
+closed after its answer, as RFC 9112 section 6.3 allows and requires; llhttp refuses it otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from inferd import addresses
 from inferd.config.schema import ServerConfig, client_shm_protocols
@@ -133,6 +139,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)  # checked in _chunked_with_length
+        self._held_400: str | None = None  # a 400 waiting for the answers to the requests before it
+        self._before: RequestResponseCycle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._refusal: str | None = None
@@ -162,6 +171,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self.closed(self._name)
 
     def on_message_begin(self) -> None:
+        self._before = self.cycle  # the latest request before this one, should this one's body fail to parse
         super().on_message_begin()
         self.scope[CONNECTION] = self._name  # type: ignore[literal-required] # an extension of this server
         self.scope[WATCH] = self._watch  # type: ignore[literal-required]
@@ -180,13 +190,15 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        chunked_with_length = self._chunked_with_length()
         self._set_timer(None)
-        headers = dict(self.headers)
-        length = headers.get(b"content-length", b"")
-        chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        length = next((value for name, value in self.headers if name == b"content-length"), b"")
+        chunked = any(name == b"transfer-encoding" for name, _ in self.headers)  # else llhttp refused it
         guard = BodyGuard(self.budget, int(length) if length.isdigit() else None, chunked, self.max_body_bytes)
         self.scope[BODY] = guard  # type: ignore[literal-required]
         super().on_headers_complete()
+        if chunked_with_length:
+            self.cycle.keep_alive = False
         self._guards.add(guard)
         answered = self.cycle.on_response
 
@@ -245,8 +257,52 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refusal = f"The request was refused: {what}."
         raise ValueError(what)
 
+    def _chunked_with_length(self) -> bool:
+        """Whether the request has both Content-Length and Transfer-Encoding, chunked last (RFC 9112
+        section 6.3): its body is its chunks, so its Content-Length goes, and its connection closes after
+        its answer (a proxy before it may have read another request's start into it). With any other
+        Transfer-Encoding as well as Content-Length, it is refused."""
+        codings = [value for name, value in self.headers if name == b"transfer-encoding"]
+        if not codings or all(name != b"content-length" for name, _ in self.headers):
+            return False
+        if b",".join(codings).rsplit(b",", 1)[-1].strip().lower() != b"chunked":
+            self._refuse("Content-Length with a Transfer-Encoding that does not end in chunked")
+        self.headers[:] = [(name, value) for name, value in self.headers if name != b"content-length"]
+        return True
+
+    def data_received(self, data: bytes) -> None:
+        if self._held_400 is None:  # past a malformed request, nothing more is read
+            super().data_received(data)
+
     def send_400_response(self, msg: str) -> None:
-        super().send_400_response(self._refusal or msg)
+        """Answer a malformed request 400 and close, once the requests before it are answered."""
+        self._body_ended()  # nothing more is read
+        failed = self.cycle if self.cycle is not None and self.cycle.scope is self.scope else None
+        if failed is not None:  # its head was read, its body is what failed: the 400 answers it, unrun
+            if failed.response_complete:  # answered before its body was read: that was its one answer
+                self.transport.close()
+                return
+            failed.disconnected = True
+            failed.message_event.set()
+            if self.pipeline and self.pipeline[0][0] is failed:
+                self.pipeline.popleft()
+            self.cycle = self._before  # type: ignore[assignment] # as if it had never begun
+        self._held_400 = self._refusal or msg
+        self._set_timer(None)
+        self._answer_400_in_turn()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._answer_400_in_turn()
+
+    def _answer_400_in_turn(self) -> None:
+        """Send the held 400 unless a request before it still awaits its answer: one queued (pipelined),
+        or the latest one, which runs when none is queued (or unless the connection is closing)."""
+        if self._held_400 is None or self.pipeline or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete and not self.cycle.disconnected:
+            return
+        super().send_400_response(self._held_400)
 
     def _set_timer(self, seconds: float | None, what: str = "") -> None:
         """Close the connection in `seconds` unless the next step of the request comes first (None: none)."""
