@@ -78,12 +78,19 @@ def to_toml(config: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# `inferd serve` without its console script; -P keeps the current folder off sys.path, as for the console script.
+SERVE = (sys.executable, "-P", "-m", "inferd.cli", "serve")
+
+
 class DaemonProcess:
-    """`inferd serve` as a child process, with its config and log in `workdir`."""
+    """`inferd serve` as a child process, with its config and log in `workdir`; `command` runs it (by default
+    SERVE), from the folder `cwd` (by default this process's)."""
 
     def __init__(self, workdir: Path, config: dict[str, Any] | None, control: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, command: tuple[str, ...] = SERVE,
+                 cwd: Path | None = None) -> None:
         self.workdir = Path(workdir)
+        self.command, self.cwd = command, cwd
         self.config = config
         self.config_path: Path | None = None
         if config is not None:
@@ -110,12 +117,12 @@ class DaemonProcess:
             listen[0] = self.endpoint
             assert self.config is not None and self.config_path is not None
             self.config_path.write_text(to_toml(self.config))
-        argv = [sys.executable, "-m", "inferd.cli", "serve"]
+        argv = list(self.command)
         if self.config_path is not None:
             argv += ["--config", str(self.config_path)]
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(argv, stdout=log, stderr=log, start_new_session=True,
-                                            env={**os.environ, **(self.env or {})})
+                                            cwd=self.cwd, env={**os.environ, **(self.env or {})})
         if wait:
             self.wait_healthy(timeout)
         return self

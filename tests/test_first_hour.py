@@ -7,19 +7,20 @@ import json
 import shlex
 import socket
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import models
 import numpy as np
 import pytest
 import torch
-from conftest import MLP, PAIR, Daemon, base_config, wait_for
+from conftest import MLP, PAIR, Daemon, base_config, reference, wait_for
 from test_cli import BIN, assert_one_sentence, inferctl, run
 
 from inferd import config as config_module
 from inferd.client import Client
 from inferd.errors import InvalidRequest
-from inferd.harness import to_toml
+from inferd.harness import SERVE, free_port, to_toml
 
 MLP_V1 = {**MLP, "version": "v1"}
 
@@ -139,6 +140,44 @@ def test_a_data_endpoint_in_use_names_its_config_key(workdir, repo):
     assert result.returncode != 0 and "Traceback" not in result.stderr
     sentence = f"cannot listen at tcp://127.0.0.1:{port} (Address already in use); change server.listen"
     assert f"ERROR inferd.supervisor: {sentence}" in result.stderr, result.stderr
+
+
+# An `inferd` package in the folder the daemon is started from, whose import leaves a note and fails.
+DECOY = """\
+import os, pathlib
+with open(pathlib.Path(__file__).parent.parent / "imported", "a") as note:
+    note.write(f"{os.getpid()}\\n")
+raise ImportError("the decoy inferd package of the current folder was imported")
+"""
+
+
+def http_ready(address: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{address}/v2/health/ready", timeout=5) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("command", [(str(BIN / "inferd"), "serve"), SERVE], ids=["console-script", "harness"])
+def test_a_daemon_started_above_a_folder_named_inferd_imports_nothing_from_it(workdir, repo, command):
+    above = workdir / "above"  # the folder above a clone named `inferd`
+    (above / "inferd").mkdir(parents=True)
+    (above / "inferd" / "__init__.py").write_text(DECOY)
+    http = f"127.0.0.1:{free_port()}"
+    daemon = Daemon(workdir, base_config(workdir, repo, {"mlp": MLP}, server={"http": http}), command=command,
+                    cwd=above)
+    try:
+        daemon.start()
+        x = np.random.default_rng(5).standard_normal((3, models.MLP_IN), dtype=np.float32)
+        with daemon.client() as client:
+            np.testing.assert_allclose(client.infer("mlp", x), reference(repo, "mlp", "v2")(x), rtol=1e-5,
+                                       atol=1e-6)
+        wait_for(lambda: http_ready(http), what="the HTTP gateway ready")
+    finally:
+        daemon.kill_all()
+    note = above / "imported"
+    assert not note.exists(), f"processes {note.read_text().split()} imported the decoy package"
 
 
 def test_inferctl_without_a_daemon_says_how_to_point_it_at_one(workdir):

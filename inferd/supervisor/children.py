@@ -36,6 +36,17 @@ FORKED = multiprocessing.get_context("forkserver")
 WORKER_PRELOAD = "inferd.worker.preload"
 
 
+def leave_out_current_folder() -> None:
+    """Have the interpreters started for children from now on keep the current folder off their sys.path.
+
+    multiprocessing starts each (`python -c ...`, the fork server too) as Python starts any `-c`: with the
+    current folder first on sys.path. Run from the folder above a clone named `inferd`, the fork server then
+    imports the clone's folder as the package, and every worker dies on its first import. PYTHONSAFEPATH
+    (Python's -P) drops only that implicit entry: a PYTHONPATH still counts."""
+    if not os.environ.get("PYTHONSAFEPATH"):
+        os.environ["PYTHONSAFEPATH"] = "1"
+
+
 def fork_server_folder() -> Path:
     """The private folder the fork server's socket goes in: made now, removed when this process exits (or by the
     reaper, if it is killed)."""
@@ -45,6 +56,7 @@ def fork_server_folder() -> Path:
 def start_fork_server() -> None:
     """Start the workers' fork server now, so that its import of torch runs while the supervisor starts the rest;
     the first worker's start waits for what is left of it."""
+    leave_out_current_folder()
     FORKED.set_forkserver_preload([WORKER_PRELOAD])
     multiprocessing.forkserver.ensure_running()
 
@@ -72,6 +84,7 @@ class ChildProcess:
 
     def spawn(self, target: Callable[[bytes], None], spec: bytes, name: str) -> int:
         """Start a process that runs `target(spec)`; its pid."""
+        leave_out_current_folder()  # the fork server too, started again here if it died
         process = self.starter.Process(target=target, args=(spec,), name=name)
         process.start()
         self.process = process
