@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -18,6 +19,9 @@ import pytest
 import torch
 from conftest import RELOAD_MLP, Daemon, base_config, held_reload_repo, hold_boots, module_daemon, wait_for
 from wire import RawPeer
+
+from inferd import AsyncClient
+from inferd.client import Reply
 
 BIN = Path(sys.executable).parent
 MLP = RELOAD_MLP
@@ -127,6 +131,38 @@ def test_reload_prints_its_progress_and_timings(reload_daemon):
     assert any("switched mlp from v1 to v2" in line for line in lines)
     assert lines[-1].startswith("mlp v2 is live (was v1): load ")
     assert daemon.status()["models"]["mlp"]["live_version"] == "v2"
+
+
+def assert_timing_sane(reply: Reply, elapsed_s: float) -> None:
+    """The daemon's timing of a call that took the client `elapsed_s`: its parts in order, within the whole."""
+    timing = reply.timing_us
+    assert timing.queue >= 0 and timing.compute > 0, timing
+    assert timing.queue + timing.compute <= timing.total <= elapsed_s * 1e6, (timing, elapsed_s)
+
+
+def test_the_python_clients_tell_which_version_answered_and_its_timing(reload_daemon, references):
+    daemon = reload_daemon()
+    x = np.random.default_rng(7).standard_normal((3, models.MLP_IN), dtype=np.float32)
+
+    async def call_async() -> tuple[Reply, float]:
+        async with AsyncClient(daemon.endpoint, timeout=20) as client:
+            began = time.monotonic()
+            reply = await client.submit("mlp", x, details=True)
+            return reply, time.monotonic() - began
+
+    with daemon.client() as client:
+        for version in ("v1", "v2"):
+            if version != "v1":
+                daemon.call("reload", timeout=60, version=version)
+            plain = client.infer("mlp", x)  # what infer returns is unchanged
+            np.testing.assert_allclose(plain, expected(references, version, x), rtol=1e-5, atol=1e-6)
+            began = time.monotonic()
+            replies = [(client.submit("mlp", x, details=True).result(), time.monotonic() - began),
+                       asyncio.run(call_async())]
+            for reply, elapsed in replies:
+                assert reply.version == version
+                np.testing.assert_allclose(reply.outputs, expected(references, version, x), rtol=1e-5, atol=1e-6)
+                assert_timing_sane(reply, elapsed)
 
 
 REFUSALS = [

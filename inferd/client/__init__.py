@@ -14,7 +14,8 @@ cancel, which takes the request out of its queue or drops its result.
 """
 
 from inferd.client.async_client import AsyncClient
+from inferd.client.call import Reply
 from inferd.client.client import Client
 from inferd.client.retry import RetryPolicy
 
-__all__ = ["AsyncClient", "Client", "RetryPolicy"]
+__all__ = ["AsyncClient", "Client", "Reply", "RetryPolicy"]

@@ -43,10 +43,11 @@ class AsyncClient:
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
-               priority: int | None = None) -> asyncio.Future:
-        """Send a request and return the future of its outputs; cancelling it cancels the request."""
+               priority: int | None = None, details: bool = False) -> asyncio.Future:
+        """Send a request and return the future of its outputs (with `details`, of its Reply: see
+        Client.submit); cancelling it cancels the request."""
         return asyncio.wrap_future(self._client.submit(model, inputs, timeout=timeout, version=version, out=out,
-                                                       priority=priority))
+                                                       priority=priority, details=details))
 
     @property
     def client(self) -> Client:

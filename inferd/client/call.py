@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -19,15 +19,32 @@ Encode = Callable[[int], list[protocol.Buffer]]  # the time left in ms -> the me
 Result = Callable[[protocol.ReplyHeader, list[np.ndarray]], Any]  # an `ok` reply -> what the caller gets
 
 
-def _outputs(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Outputs:
+class Reply(NamedTuple):
+    """A request's answer in full (`details=True`): its outputs as `infer` returns them, the version that
+    computed them (a pipeline's names its steps' versions), and the daemon's timing of it in microseconds:
+    `queue` from arrival to dispatch, `compute` the worker's time for the whole batch, `total` from arrival
+    to reply."""
+
+    outputs: Outputs
+    version: str
+    timing_us: protocol.Timing
+
+
+def outputs_of(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Outputs:
+    """What `infer` returns: the one output, or a tuple of several."""
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
+def reply_of(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Reply:
+    """What `infer(..., details=True)` returns. Every `ok` reply of inferd carries a version and a timing."""
+    return Reply(outputs_of(header, outputs), header.version or "", header.timing_us or protocol.Timing(0, 0, 0))
 
 
 class Call:
     """One logical request across its attempts: what to send, and what each answer means."""
 
     def __init__(self, request_id: int, encode: Encode, timeout: float, policy: RetryPolicy,
-                 result: Result = _outputs) -> None:
+                 result: Result = outputs_of) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.endpoint: Endpoint | None = None  # where the current attempt is in flight
         self.avoid: Endpoint | None = None  # where the last attempt failed: elsewhere first

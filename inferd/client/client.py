@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 
 from inferd import curve, protocol
-from inferd.client.call import Call, Outputs
+from inferd.client.call import Call, Outputs, outputs_of, reply_of
 from inferd.client.engine import IOLoop
 from inferd.client.inputs import Array, as_inputs
 from inferd.client.mailbox import Cancel, Mailbox
@@ -96,8 +96,10 @@ class Client:
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
                version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
-               priority: int | None = None) -> concurrent.futures.Future:
+               priority: int | None = None, details: bool = False) -> concurrent.futures.Future:
         """Send a request and return a future of its outputs; do not change `inputs` until it is done.
+        With `details`, the future gives a Reply: the outputs, the version that computed them and the
+        daemon's timing.
 
         An input that lies in a region registered by this client travels as a reference to it, not as
         bytes; `out` (one array, or one per output, None for those sent back in the reply) asks outputs
@@ -119,7 +121,8 @@ class Client:
         def encode(left_ms: int) -> list[protocol.Buffer]:
             return protocol.encode_request(call_id, model, arrays, version, left_ms, places, level)
 
-        future = self._post(Call(call_id, encode, self.timeout if timeout is None else timeout, self.retry))
+        future = self._post(Call(call_id, encode, self.timeout if timeout is None else timeout, self.retry,
+                                 reply_of if details else outputs_of))
 
         def tell_if_cancelled(done: concurrent.futures.Future) -> None:
             if done.cancelled():
