@@ -16,17 +16,23 @@ $(PY):
 # as an ERROR line: the demo does not install it.)
 # torch==2.13.0 only where none is importable: the CPU build where pip finds a local CPU wheel; from PyPI on
 # Linux x86-64 it is the multi-GB CUDA build (docs/getting-started.md says how to get the CPU one).
-TORCH := $(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+# Then the torch found or installed is pinned in $(CONSTRAINTS), which every install into the venv takes
+# (`.venv/bin/pip install -c .venv/constraints.txt torchvision`): pip would otherwise replace it with whatever
+# torch a new package asks for, on Linux x86-64 PyPI's CUDA build and its NVIDIA libraries.
+CONSTRAINTS := $(VENV)/constraints.txt
+$(CONSTRAINTS): | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS)
+
 RUNTIME := $(VENV)/.installed-runtime
-$(RUNTIME): pyproject.toml | $(PY)
-	$(TORCH)
-	$(PY) -m pip install -q -e .
+$(RUNTIME): pyproject.toml | $(CONSTRAINTS)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e .
 	touch $(RUNTIME)
 
 # The test tools come with the runtime in one install (not after it: a second build of the package).
-$(STAMP): pyproject.toml | $(PY)
-	$(TORCH)
-	$(PY) -m pip install -q -e ".[test]"
+$(STAMP): pyproject.toml | $(CONSTRAINTS)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[test]"
 	touch $(RUNTIME) $(STAMP)
 
 THIRD_PARTY := $(VENV)/.third-party
@@ -69,7 +75,7 @@ bench-many: $(STAMP)
 
 # max_wait_ms 0, 2, 5 and "auto", concurrency 1..128, per model (about 3 minutes each).
 bench-curve: $(STAMP)
-	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -e ".[bench]"
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[bench]"
 	$(PY) -m bench.curve --model mlp
 	$(PY) -m bench.curve --model cnn
 
@@ -107,7 +113,7 @@ proto: $(STAMP)
 # build, which fails on a broken link or anchor. docs-check, which CI runs, rewrites nothing: a stale reference fails.
 DOCS_TOOLS := $(VENV)/.docs-tools
 $(DOCS_TOOLS): pyproject.toml | $(STAMP)
-	$(PY) -m pip install -q -e ".[docs]"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[docs]"
 	touch $(DOCS_TOOLS)
 
 docs: $(DOCS_TOOLS)

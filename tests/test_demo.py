@@ -38,3 +38,23 @@ def test_demo_runs_answers_correctly_and_stops_cleanly_leaving_no_state(tmp_path
     assert Path(control).is_relative_to(tempfile.gettempdir()) and not Path(control).parent.exists()
     assert not (tmp_path / ".local").exists() and system_state.exists() == was_there
     assert "ERROR" not in result.stdout + result.stderr
+
+
+def test_the_set_up_pins_its_torch_so_that_pip_cannot_replace_it(tmp_path):
+    import torch
+
+    # The Makefile's own target, on this venv's Python (which imports torch, so nothing is installed).
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    made = subprocess.run(["make", "-C", str(Path(__file__).parent.parent), f"VENV={venv}", f"PY={sys.executable}",
+                           str(venv / "constraints.txt")], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stdout + made.stderr
+    pin = f"torch=={torch.__version__}"
+    assert (venv / "constraints.txt").read_text().split() == [pin]
+    # Something that asks for another torch is refused, not installed (--dry-run: nothing is, either way).
+    asked = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "-c",
+                            str(venv / "constraints.txt"), f"torch!={torch.__version__}"],
+                           capture_output=True, text=True, timeout=120)
+    assert asked.returncode != 0 and "ResolutionImpossible" in asked.stderr, asked.stdout + asked.stderr
+    constraint = next(line for line in asked.stdout.splitlines() if "The user requested (constraint) torch" in line)
+    assert f"=={torch.__version__}" in constraint, asked.stdout
