@@ -6,6 +6,8 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
+import secrets
 import shutil
 import sys
 import tempfile
@@ -78,25 +80,71 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# This run's mark, in the environment of every process it starts (pytest-xdist's workers, the daemons, and
+# theirs, which inherit it): the leak check counts what carries it, not a daemon someone else starts meanwhile.
+# SPT_NOENV keeps setproctitle from writing a daemon process's title over its environment, where the check reads
+# the mark (the title then has its command line's room, which holds every title inferd gives).
+RUN_MARKER = "INFERD_TEST_RUN"
+os.environ.setdefault(RUN_MARKER, secrets.token_hex(8))
+os.environ["SPT_NOENV"] = "1"
+# The pid in a name: an arena's supervisor, a client region's maker, a daemon with a tcp:// control's runtime files.
+OWNER_IN_NAME = re.compile(r"^inferd-(?:client-)?(\d+)-")
+
+
+def _started_by_this_run(pid: int | None) -> bool:
+    """Whether process `pid` is this run's: this process, or one whose environment carries the run's mark. What
+    a process that is gone left (or a file that names none) counts: nothing tells whose it was."""
+    if pid is None or pid == os.getpid():
+        return True
+    try:
+        return psutil.Process(pid).environ().get(RUN_MARKER) == os.environ[RUN_MARKER]
+    except psutil.NoSuchProcess:  # a zombie too
+        return True
+    except psutil.AccessDenied:  # another user's
+        return False
+
+
+def _owners(folder: Path, pattern: str) -> dict[str, int | None]:
+    """The files of `folder` that match `pattern`, each with the pid of the process that made it: named in it, or
+    in the BASE.pid file whose BASE its name starts with (the files beside a daemon's ipc:// control socket)."""
+    names = [p.name for p in folder.glob(pattern)] if folder.is_dir() else []
+    pids: dict[str, int] = {}
+    for name in names:
+        if name.endswith(".pid"):
+            with contextlib.suppress(OSError, ValueError):
+                pids[name.removesuffix(".pid")] = int((folder / name).read_text())
+
+    def owner(name: str) -> int | None:
+        if named := OWNER_IN_NAME.match(name):
+            return int(named.group(1))
+        return next((pid for base, pid in pids.items() if name == base or name.startswith(base + ".")), None)
+
+    return {name: owner(name) for name in names}
+
+
 def _inferd_processes() -> set[int]:
     return {p.pid for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("inferd:")}
 
 
-def _present() -> dict[str, set]:
+def _present() -> dict[str, dict[str, int | None]]:
+    """The daemons' traces, by place: each with the pid of the process that made it (None: unknown)."""
     runtime = paths.runtime_dir()
     return {
-        "/dev/shm": {p.name for p in SHM_DIR.glob("inferd-*")},
-        str(runtime): {p.name for p in runtime.glob("*")} if runtime.is_dir() else set(),
-        "processes": _inferd_processes(),
+        "/dev/shm": _owners(SHM_DIR, "inferd-*"),
+        str(runtime): _owners(runtime, "*"),
+        "processes": {str(pid): pid for pid in _inferd_processes()},
     }
 
 
-def _leftovers(before: dict[str, set]) -> list[str]:
-    return [f"{where}: {sorted(map(str, found - before.get(where, set())))}"
-            for where, found in _present().items() if found - before.get(where, set())]
+def _leftovers(before: dict[str, dict[str, int | None]]) -> dict[str, list[str]]:
+    """What this run's processes made since `before` and left, by place (those with nothing left are left out)."""
+    left = {where: sorted(what for what, pid in found.items()
+                          if what not in before.get(where, {}) and _started_by_this_run(pid))
+            for where, found in _present().items()}
+    return {where: what for where, what in left.items() if what}
 
 
-_BEFORE = pytest.StashKey[dict[str, set]]()
+_BEFORE = pytest.StashKey[dict[str, dict[str, int | None]]]()
 
 
 def _runs_tests_itself(config: pytest.Config) -> bool:
@@ -122,7 +170,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if left:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
-            reporter.write_sep("=", "the tests left these behind: " + "; ".join(left), red=True)
+            reporter.write_sep("=", "the tests left these behind: " + "; ".join(
+                f"{where}: {what}" for where, what in left.items()), red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
