@@ -83,6 +83,31 @@ def test_a_canary_takes_its_weight_and_requests_that_name_a_version_keep_it(relo
     assert {h["version"] for h, _ in send_each(daemon, rows(40, seed=3))} == {"v1"}
 
 
+def test_a_refused_request_that_named_a_version_counts_against_that_version(reload_daemon):
+    daemon = reload_daemon()
+    wrong = [np.zeros((1, models.MLP_IN + 1), dtype=np.float32)] * 5  # a shape mlp does not take: invalid
+    assert daemon.call("reload", timeout=60, version="v2", canary=20)["mode"] == "canary"
+    assert {h["status"] for h, _ in send_each(daemon, rows(2), version="v2")} == {"ok"}
+    refused = send_each(daemon, wrong[:3], version="v2") + send_each(daemon, wrong[:2], version="v1")
+    assert result_of(inferctl(daemon, "promote")).startswith("mlp v2 is live (was v1)")
+    # v1 is no longer live: the frontend refuses a request that names it; v9 never was, and makes no row.
+    refused += send_each(daemon, rows(4), version="v1") + send_each(daemon, rows(1), version="v9")
+    assert {h["status"] for h, _ in refused} == {"invalid"}
+    versions = daemon.call("stats")["models"]["mlp"]["versions"]
+    assert set(versions) == {"v1", "v2"}
+    assert versions["v1"]["requests"] == {"invalid": 2 + 4}
+    assert versions["v2"]["requests"] == {"ok": 2, "invalid": 3 + 1}
+    table = inferctl(daemon, "stats").stdout
+    assert "not ok, by kind (since start):\nmlp v1: 6 invalid\nmlp v2: 4 invalid\n" in table, table
+    counted = {line.split()[0]: line.split()[1:3] for line in table.splitlines() if line.startswith("  ")}
+    assert counted == {"v1": ["6", "6"], "v2*": ["6", "4"]}, table  # requests, not ok
+
+
+def result_of(done) -> str:
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
 def test_trial_commands_refuse_what_does_not_fit_in_one_sentence(reload_daemon):
     daemon = reload_daemon()
     for argv, sentence in [  # refused by inferctl itself

@@ -20,6 +20,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import Daemon, module_daemon, pipeline_held, reference, wait_for
 from gates import Gate
+from test_cli import inferctl
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
@@ -155,6 +156,12 @@ def test_stats_count_each_shapes_batches_and_the_padding_computed(daemon, gates)
     labels = f'{{model="padded",shape="2x{models.RAGGED_MAX}"}}'
     for name, value in zip(("batches_by_shape", "input_elements", "padding_elements"), after):
         assert f"inferd_{name}_total{labels} {float(value)}" in scraped, scraped
+    # The text says what padding_share is: elements of padding per element requested (this test's batch alone
+    # computed about two for each).
+    batches_, elements, padding = after
+    table = inferctl(daemon, "stats").stdout
+    assert (f"padded shape 2x{models.RAGGED_MAX}: {batches_} batch(es), {elements} input elements requested, {padding} "
+            f"of padding ({padding / elements:.2f} per element requested)") in table, table
 
 
 @pytest.mark.parametrize("shape, sentence", [

@@ -91,6 +91,29 @@ def _trial_lines(stats: dict[str, Any]) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def _error_lines(stats: dict[str, Any]) -> list[str]:
+    """The replies that were not `ok`, by kind, of each version of each model (since start)."""
+    lines = []
+    for name, model in stats["models"].items():
+        for version, part in model["versions"].items():
+            kinds = [f"{n} {status}" for status, n in sorted(part["requests"].items()) if status != "ok" and n]
+            if kinds:
+                lines.append(f"{name} {version}: {', '.join(kinds)}")
+    return ["", "not ok, by kind (since start):", *lines] if lines else []
+
+
+def _shape_lines(stats: dict[str, Any]) -> list[str]:
+    """The batches of each model with inputs of any size, by shape, and the padding they computed (since start):
+    padding_share is elements of padding per element the requests brought, so over 1 where padding outweighs them."""
+    lines = []
+    for name, model in stats["models"].items():
+        for shape, part in model["shapes"].items():
+            lines.append(f"{name} shape {shape}: {part['batches']} batch(es), {part['elements']} input elements "
+                         f"requested, {part['padding_elements']} of padding ({part['padding_share']:.2f} per "
+                         "element requested)")
+    return ["", *lines] if lines else []
+
+
 def stats_table(stats: dict[str, Any]) -> str:
     """The stats object as a few aligned lines a person reads in a terminal."""
     lines = [f"inferd {stats['state']}, up {stats['uptime_s']:.0f} s; latencies over the last minute, "
@@ -117,6 +140,8 @@ def stats_table(stats: dict[str, Any]) -> str:
                 + (f"{model['queue_depth']:>7}{part['queue_depth_peak_60s']:>6}" if version == "all" else "")
             )
     lines += _scheduling_lines(stats)
+    lines += _error_lines(stats)
+    lines += _shape_lines(stats)
     lines += _trial_lines(stats)
     lines += ["", f"{'worker':<8}{'pid':>8}  {'device':<8}{'state':<10}{'busy':>5}{'batches':>9}{'restarts':>9}"
                   f"{'rss MiB':>9}{'cpu %':>7}{'growth MiB':>11}  gpu"]

@@ -265,7 +265,7 @@ class Frontend:
         `first`: the body's first frame as received, which names its connection (for a region message).
         """
         now = time.monotonic()
-        name = None
+        name = named = None  # the model and version it asks for, once read
         try:
             message = protocol.decode_message(body, self.max_message_bytes)
             if isinstance(message, protocol.Cancel):
@@ -286,7 +286,7 @@ class Frontend:
                     f"unknown model {header.model!r}; this daemon serves {', '.join(sorted(self.config.models))}",
                     header.id,
                 )
-            name = header.model
+            name, named = header.model, header.version
             live = self.live.get(name, "")
             if header.version is not None and header.version != live:
                 canary = self.candidates.canary_version(name)
@@ -315,7 +315,7 @@ class Frontend:
                 self._check_room_for_outputs(header, name, model, samples, places)
         except InvalidRequest as exc:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
-            self.replies.refuse(reply_to, exc.request_id, protocol.INVALID, exc.message, name)
+            self.replies.refuse(reply_to, exc.request_id, protocol.INVALID, exc.message, name, named=named)
             return
         timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
         if self.refusal is not None or name in self.unloadable or (
@@ -325,7 +325,8 @@ class Frontend:
                 f"{self.back_why}" if self.back_at is not None else
                 f"no worker has {name} {self.live.get(name)} loaded yet" if self.any_ready else
                 f"no worker serves {name} {self.live.get(name)}, and none is coming back: every worker was given up")
-            self.replies.refuse(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority)
+            self.replies.refuse(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority,
+                                named=named)
             return
         client = reply_to.connection
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,

@@ -75,19 +75,31 @@ class Replies:
     def refuse(
         self, reply_to: ReplyTo, request_id: protocol.RequestId | None, status: str, error: str,
         model: str | None = None, version: str | None = None, priority: int | None = None,
+        named: str | None = None,
     ) -> None:
         """Send an error reply, and count it (against its model when the model is one this daemon serves,
-        and its priority level once it has one)."""
-        served = model in self.live
-        counted = version or (self.live[model] if model is not None and served else None)
+        and its priority level once it has one). `version`: the one that handled it, if one did; `named`:
+        the one the request asked for, if it did."""
+        served = model is not None and model in self.live
+        counted = self._counted_version(model, version, named) if model is not None and served else None
         self.stats.reply(time.monotonic(), model if served else None, counted, status,
                          self.protocols.get(reply_to.socket), priority)
         self.send(reply_to, [protocol.error_reply(request_id, status, error, model, version)])
 
+    def _counted_version(self, model: str, version: str | None, named: str | None) -> str:
+        """The version an error reply of `model` is counted against: the one the request named, where the
+        daemon knows that one (live, live before the last reload, or counted against already: never a name
+        a client made up, which would make a row of the stats and a series of the metrics of its own), else
+        the one that handled it, else the live one."""
+        if named is not None and (named in (self.live[model], self.live.previous(model))
+                                  or (model, named) in self.stats.since_start):
+            return named
+        return version or self.live[model]
+
     def error(self, request: QueuedRequest, status: str, error: str, version: str | None = None) -> None:
         """Answer a queued request with an error status; `version`: the one that handled it, if one did."""
         self.refuse(request.reply_to, request.header.id, status, error, request.header.model, version,
-                    request.priority)
+                    request.priority, request.header.version)
 
     def timed_out(self, request: QueuedRequest, version: str | None = None) -> None:
         """Answer a request whose deadline passed before it ran: in the queue, or (with the `version`
