@@ -36,7 +36,7 @@ def outputs_of(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Outpu
 
 
 def reply_of(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Reply:
-    """What `infer(..., details=True)` returns. Every `ok` reply of inferd carries a version and a timing."""
+    """What a call with `details` gives. Every `ok` reply of inferd carries a version and a timing."""
     return Reply(outputs_of(header, outputs), header.version or "", header.timing_us or protocol.Timing(0, 0, 0))
 
 

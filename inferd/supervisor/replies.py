@@ -80,10 +80,9 @@ class Replies:
         """Send an error reply, and count it (against its model when the model is one this daemon serves,
         and its priority level once it has one). `version`: the one that handled it, if one did; `named`:
         the one the request asked for, if it did."""
-        served = model is not None and model in self.live
-        counted = self._counted_version(model, version, named) if model is not None and served else None
-        self.stats.reply(time.monotonic(), model if served else None, counted, status,
-                         self.protocols.get(reply_to.socket), priority)
+        served = model if model is not None and model in self.live else None
+        counted = self._counted_version(served, version, named) if served is not None else None
+        self.stats.reply(time.monotonic(), served, counted, status, self.protocols.get(reply_to.socket), priority)
         self.send(reply_to, [protocol.error_reply(request_id, status, error, model, version)])
 
     def _counted_version(self, model: str, version: str | None, named: str | None) -> str:
