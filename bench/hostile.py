@@ -130,9 +130,7 @@ class PartialGrpcCall:
                 piece = view[self.sent_bytes:self.sent_bytes + window]
                 self._h2.send_data(self._stream, piece.tobytes())
                 self.sent_bytes += len(piece)
-                try:
-                    self._socket.sendall(self._h2.data_to_send())
-                except OSError:
+                if not self._send():
                     return
                 continue
             try:
@@ -150,7 +148,16 @@ class PartialGrpcCall:
                     self.status = status or self.status
                 elif isinstance(event, h2.events.StreamReset):
                     self.status = self.status or f"reset {event.error_code}"
+            if not self._send():
+                return
+
+    def _send(self) -> bool:
+        """Send what h2 has to; False once the connection is gone."""
+        try:
             self._socket.sendall(self._h2.data_to_send())
+        except OSError:
+            return False
+        return True
 
     def wait_sent(self, timeout: float, stalled_after: float = 1.0) -> int:
         """Wait until everything is sent, the call ended, or nothing more went for `stalled_after` seconds

@@ -209,8 +209,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
         self.cycle.on_response = on_response
         if guard.refusal is None and (chunked or guard.expected):
-            self._arriving = guard
-            self._pace = self.loop.call_later(1, self._pace_tick)
+            self._arriving = guard  # paced once a read ends with its body unfinished (data_received)
 
     def on_body(self, body: bytes) -> None:
         guard = self._arriving
@@ -273,6 +272,8 @@ class GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._held_400 is None:  # past a malformed request, nothing more is read
             super().data_received(data)
+        if self._arriving is not None and self._pace is None:
+            self._pace = self.loop.call_later(1, self._pace_tick)
 
     def send_400_response(self, msg: str) -> None:
         """Answer a malformed request 400 and close, once the requests before it are answered."""
