@@ -39,8 +39,8 @@ from inferd.paths import RuntimeFiles
 from inferd.repository import NUMBERS_FILE, SavedVersions, VersionNumbers, config_name
 from inferd.supervisor.candidates import Candidate, Candidates, Mode
 from inferd.supervisor.children import MAX_BACKOFF_S, ChildProcess
+from inferd.supervisor.compute_times import ComputeTimes
 from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.forecast import ComputeTimes
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.reload import ReloadManager

@@ -25,7 +25,7 @@ from typing import Any
 from inferd.config.schema import CanaryGuard, Config
 from inferd.repository import RepositoryError, model_file
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, weight_problem
-from inferd.supervisor.control_server import LoggedReply, Reply
+from inferd.supervisor.command_replies import LoggedReply, Reply
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.reload import Reload, ReloadManager

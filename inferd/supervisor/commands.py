@@ -19,7 +19,8 @@ import msgspec
 from inferd import __version__
 from inferd.repository import MODEL_FILES, RepositoryError, describe_versions, folders_without_model
 from inferd.supervisor.candidates import Mode
-from inferd.supervisor.control_server import ControlReply, Then, deferred
+from inferd.supervisor.command_replies import Then
+from inferd.supervisor.control_server import ControlReply, deferred
 from inferd.supervisor.report import candidate_status, stats_report, worker_summary
 from inferd.supervisor.state import DaemonState
 

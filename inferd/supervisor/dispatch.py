@@ -21,7 +21,6 @@ import logging
 import math
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass
 
 import zmq
 
@@ -32,9 +31,10 @@ from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place
 from inferd.supervisor import padding
 from inferd.supervisor.backstop import failure
+from inferd.supervisor.batch import Batch
 from inferd.supervisor.batcher import Capacity
 from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
-from inferd.supervisor.forecast import ComputeTimes
+from inferd.supervisor.compute_times import ComputeTimes
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.regions import RegionSlice
@@ -51,30 +51,6 @@ SLOW_WARN_EVERY_S = 10.0
 # ... and took at least this long: a batch of a few ms is never worth a line, however many medians it is
 # (on an idle CPU a cold cache makes a 1 ms batch 3 ms).
 SLOW_MIN_S = 0.05
-
-
-@dataclass(eq=False)
-class Batch:
-    """A batch in flight: its requests, where it runs, and which slot holds it."""
-
-    id: int
-    model: str
-    version: str
-    requests: list[QueuedRequest]
-    executor: ExecutorHandle
-    slot: int
-    started: float
-    samples: int
-    inputs: tuple[TensorRef, ...] = ()
-    deadline: float = math.inf  # the soonest deadline of its requests not answered yet
-    cuts: tuple[unpad.Cut, ...] = ()  # its outputs cut back to each request's size (its inputs were padded)
-    elements: int | None = None  # input elements of each of its samples, where the model takes inputs of any size
-    copy_for_shadow: bool = False  # a live batch the shadow candidate computes again once it is answered
-    shadow_job: ShadowJob | None = None  # a shadow batch: that copy, computed again; nobody waits for it
-
-    def describe(self) -> str:
-        """How the log and error sentences name it."""
-        return f"batch {self.id} of {self.model} {self.version}"
 
 
 class SlotOverflow(Exception):

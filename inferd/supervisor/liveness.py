@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 
 from inferd.ipc import messages
+from inferd.supervisor.batch import Batch
 from inferd.supervisor.children import STOP_TIMEOUT_S
-from inferd.supervisor.dispatch import Batch, Dispatcher
+from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.workers import ABORT_GRACE_S, WorkerHandle, WorkerState, WorkerTable
 

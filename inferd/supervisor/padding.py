@@ -76,24 +76,6 @@ def output_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], index: int, 
     return samples * tensor_bytes(spec.dtype, tuple(sizes.get(dim, size) for dim, size in enumerate(spec.shape)))
 
 
-def unpad_problem(name: str, model: ModelConfig, outputs: Sequence[TensorSpec]) -> str | None:
-    """Why a version's outputs cannot be cut back to each request's size; None when they can."""
-    if not model.padded:
-        return None
-    names = model.input_names()
-    for index, spec in enumerate(outputs):
-        output = model.outputs[index] if index < len(model.outputs) else None
-        follows = output.follows(model.inputs, names) if output is not None else None
-        if spec.varies and follows is None:
-            return (f"output {index} of {name} has dims {list(spec.varies)} whose size follows the inputs', and its "
-                    f"padding would reach the replies: say which input dims they follow with unpad in "
-                    f"models.{name}.outputs (e.g. unpad = \"{names[0]}\")")
-        if follows is not None and len(follows[1]) != len(spec.varies):
-            return (f"output {index} of {name} varies in {len(spec.varies)} dim(s) {list(spec.varies)}, but its unpad "
-                    f"names {len(follows[1])} input dim(s)")
-    return None
-
-
 def cut_rows(rows: Buffer, dtype: str, shape: tuple[int, ...], cut: Cut,
              request: QueuedRequest) -> tuple[TensorMeta, memoryview]:
     """A request's rows of a padded output (`shape`, batch dim first) cut back to its own size."""

@@ -30,10 +30,11 @@ from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.children import STOP_TIMEOUT_S, fork_server_folder, start_fork_server
 from inferd.supervisor.commands import Commands
+from inferd.supervisor.compute_times import ComputeTimes
 from inferd.supervisor.control_server import ControlServer
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.forecast import ComputeTimes, Forecast
+from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.frontend import Frontend
 from inferd.supervisor.gateway_processes import configured_gateways
 from inferd.supervisor.live import LiveVersions

@@ -27,7 +27,7 @@ from typing import Any
 from inferd import protocol
 from inferd.config.schema import Config
 from inferd.repository import RepositoryError, model_file
-from inferd.supervisor.control_server import Reply
+from inferd.supervisor.command_replies import Reply
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import RequestQueue

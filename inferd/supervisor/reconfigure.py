@@ -21,7 +21,7 @@ from inferd.config import loading
 from inferd.config.schema import SECTIONS, Config, ModelConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
 from inferd.repository import RepositoryError, resolve_version
-from inferd.supervisor.control_server import LoggedReply
+from inferd.supervisor.command_replies import LoggedReply
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.workers import WorkerTable

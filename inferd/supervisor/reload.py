@@ -33,7 +33,7 @@ from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.repository import RepositoryError, SavedVersions, model_file
 from inferd.supervisor.candidates import Candidates
-from inferd.supervisor.control_server import Reply
+from inferd.supervisor.command_replies import Reply
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.workers import WorkerHandle, WorkerState, WorkerTable

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import zmq
 
@@ -25,13 +25,11 @@ from inferd.ipc.messages import BatchDone
 from inferd.ipc.sockets import send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader, TensorMeta, Timing
 from inferd.supervisor import padding
+from inferd.supervisor.batch import Batch
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import QueuedRequest
 from inferd.supervisor.regions import Region
 from inferd.supervisor.stats import Stats
-
-if TYPE_CHECKING:  # the dispatcher makes batches and hands them here
-    from inferd.supervisor.dispatch import Batch
 
 log = logging.getLogger("inferd.replies")
 

@@ -25,6 +25,7 @@ from typing import ClassVar
 import msgspec
 import zmq
 
+from inferd import unpad
 from inferd.config import loading
 from inferd.config.schema import Config
 from inferd.ipc import messages
@@ -33,7 +34,6 @@ from inferd.ipc.messages import LoadedModel
 from inferd.ipc.slots import SlotPool, slot_shortfall
 from inferd.ipc.sockets import send_parts
 from inferd.paths import RuntimeFiles
-from inferd.supervisor import padding
 from inferd.supervisor.children import CRASH_WINDOW_S, FORKED, ChildProcess
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.state import StartupError
@@ -447,7 +447,7 @@ class WorkerTable:
         otherwise return why not (and record nothing)."""
         spec = self.config.models[model]
         problem = slot_shortfall(model, spec, loaded.outputs, worker.slots.slot_size) or \
-            padding.unpad_problem(model, spec, loaded.outputs)
+            unpad.unpad_problem(model, spec, loaded.outputs)
         if problem is None and len(spec.outputs) > len(loaded.outputs):
             problem = (f"models.{model}.outputs names {len(spec.outputs)} outputs, but {model} {loaded.version} "
                        f"returns {len(loaded.outputs)}")

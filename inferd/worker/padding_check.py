@@ -54,7 +54,7 @@ def difference(name: str, version: str, model: ModelConfig, outputs: Sequence[Te
     """The sentence refusing `version` where its answers to `sample` at its own size (`own`) and padded
     (`padded`) differ beyond models.NAME.padding_rtol and padding_atol; None where they agree. An output of
     the inputs' size is cut back to the sample's own first (unpad); one without unpad is left to the
-    supervisor, which refuses the version for it (padding.unpad_problem)."""
+    supervisor, which refuses the version for it (unpad.unpad_problem)."""
     of_output = {cut.output: cut for cut in cuts(model, outputs)}
     for index, (spec, want, answer) in enumerate(zip(outputs, own, padded)):
         cut = of_output.get(index)
