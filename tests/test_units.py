@@ -43,6 +43,7 @@ from inferd.supervisor.compute_times import ComputeTimes
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.queue import QueuedRequest
+from inferd.supervisor.receive_limits import receive_mark
 from inferd.supervisor.reload import ReloadManager
 from inferd.supervisor.replies import Replies, ReplyTo
 from inferd.supervisor.stats import Stats
@@ -803,3 +804,20 @@ def test_compute_times_are_learned_per_size_of_sample_where_inputs_vary():
     assert times.batch_s("m", 2, 500) is None, "no smaller batch measured"
     times.observe("m", "v2", 4, 0.5)  # a new version starts afresh; a model of fixed shapes has one size
     assert times.batch_s("m", 4, 500) == 0.5 and times.batch_s("m", 8) == 0.5
+
+
+@pytest.mark.parametrize("inputs, batch, max_bytes, mark", [
+    ([{"dtype": "float32", "shape": [16]}], 16, 1 << 30, 64),  # the mlp: 1 KiB a batch, never deeper than 64
+    ([{"dtype": "float32", "shape": [1 << 20]}], 1, 64 << 20, 3),  # 4 MiB: 16 MiB of budget holds 3 and a header
+    ([{"dtype": "float32", "shape": [1 << 20]}], 1, 1 << 30, 15),  # the budget: a quarter of max_bytes_per_client
+    ([{"dtype": "int64", "shape": [-1], "max_shape": [1 << 16]}], 8, 64 << 20, 3),  # variable: at its max_shape
+    ([{"dtype": "float32", "shape": [100 << 20]}], 1, 1 << 30, 1),  # past max_message_mb: that bounds it, at 1
+])
+def test_a_client_socket_s_receive_mark_is_its_byte_budget_over_the_largest_request_the_models_take(
+        inputs, batch, max_bytes, mark):
+    config = config_module.parse({"models": {"m": {"repository": "/nowhere", "inputs": inputs,
+                                                   "max_batch_size": batch},
+                                             "mlp": {"repository": "/nowhere", "max_batch_size": 16,
+                                                     "inputs": [{"dtype": "float32", "shape": [16]}]}},
+                                  "queue": {"max_bytes": max_bytes}})
+    assert receive_mark(config) == mark

@@ -8,7 +8,8 @@ requests at all, which models no worker serves yet, the bounds of the queue
 could still finish before its deadline. A cancel takes its request out of the
 queue, or marks it in its running batch (through the dispatcher's
 `cancel_running`). Region messages and requests that name clients'
-shared-memory regions go to client_regions.py.
+shared-memory regions go to client_regions.py; what ZeroMQ may hold of a
+connection's requests before they are read, to receive_limits.py.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.padding import output_bytes
 from inferd.supervisor.queue import QueuedRequest, Refusal, RequestQueue, Shapes
+from inferd.supervisor.receive_limits import largest_message, receive_mark
 from inferd.supervisor.regions import Regions, RegionSlice
 from inferd.supervisor.replies import Replies, ReplyTo
 from inferd.supervisor.state import DaemonState, StartupError
@@ -50,27 +52,7 @@ BURST = 256  # messages read per readiness, so one busy socket cannot starve the
 # dropped (and counted): its memory cost to the daemon is bounded.
 SEND_HWM = 1000
 MAX_RECV_HWM = 1000  # and a client that floods small requests gets TCP backpressure, not daemon memory
-MIN_RECV_HWM = 64
 SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
-
-
-def receive_limits(config: Config) -> tuple[int, int]:
-    """(largest message ZeroMQ receives, messages it may hold per connection); so one connection can
-    make ZeroMQ hold at most (hwm + 1) x largest bytes (docs/operations/memory.md).
-
-    Between server.max_message_mb and `largest` a message is received and answered
-    `invalid` with its size; a larger one makes ZeroMQ drop the connection. The number
-    of messages held is what the per-connection byte share allows, but at least
-    MIN_RECV_HWM, the depth a client pipelines on one connection (the benchmark's load
-    generator and inferd's Client keep up to 64 in flight): with fewer, ZeroMQ's I/O
-    thread stops and waits for the loop every few small requests (measured: 2 to 5 us
-    more supervisor CPU per request at 32 and 16, a quarter of the throughput at 2).
-    The operator's bound is server.max_message_mb: the largest request it must take.
-    """
-    limit = int(config.server.max_message_mb * (1 << 20))
-    largest = limit + max(1 << 20, limit // 4)
-    hwm = max(MIN_RECV_HWM, min(MAX_RECV_HWM, config.queue.max_bytes_per_client // largest))
-    return largest, hwm
 
 
 def check_against_model(header: protocol.RequestHeader, name: str,
@@ -152,6 +134,7 @@ class Frontend:
         self._signature = signature  # a version's outputs, once a worker has loaded it
         self._context = context
         self._curve = curve
+        self._receive_mark: int | None = None  # the client sockets' mark, once they are bound
         self.configure(config)
         self.client_regions = ClientRegions(regions, config.server)
 
@@ -160,6 +143,11 @@ class Frontend:
         self.config = config
         self.max_message_bytes = int(config.server.max_message_mb * (1 << 20))
         self.default_timeout_s = config.queue.default_timeout_ms / 1000
+        mark = receive_mark(config)
+        if self._receive_mark is not None and mark != self._receive_mark:
+            log.warning("ZeroMQ's receive high-water mark stays %d messages per connection until a restart; the "
+                        "queue's bounds and the models now give %d (docs/operations/memory.md)",
+                        self._receive_mark, mark)
         # (model, inputs) -> what check_against_model found, for signatures that passed it: clients
         # send the same few again and again, and the check is pure Python.
         self._checked: dict[tuple[str, tuple[protocol.TensorMeta, ...]], tuple[int, Shapes, int | None]] = {}
@@ -180,8 +168,10 @@ class Frontend:
             os.chmod(self._internal_paths[-1], 0o600)
             self.client_regions.add(socket, protocol_name, getattr(self.config.server, protocol_name), protocol_name,
                                     gateway=True)
+        self._receive_mark = receive_mark(self.config)
         for endpoint in self.config.server.listen:
             socket = self._router()
+            socket.setsockopt(zmq.RCVHWM, self._receive_mark)  # before it binds: see receive_limits.py
             tcp = endpoint.startswith("tcp://")
             if tcp and self._curve.enabled:
                 self._curve.secure(socket)
@@ -200,12 +190,10 @@ class Frontend:
             self.client_regions.add(socket, bound, bound, "zmq", gateway=False)
 
     def _router(self) -> zmq.Socket:
-        largest, recv_hwm = receive_limits(self.config)
         socket = self._context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         socket.setsockopt(zmq.SNDHWM, SEND_HWM)
-        socket.setsockopt(zmq.RCVHWM, recv_hwm)
-        socket.setsockopt(zmq.MAXMSGSIZE, largest)
+        socket.setsockopt(zmq.MAXMSGSIZE, largest_message(self.config))
         socket.linger = 0
         return socket
 
