@@ -84,11 +84,12 @@ SERVE = (sys.executable, "-P", "-m", "inferd.cli", "serve")
 
 class DaemonProcess:
     """`inferd serve` as a child process, with its config and log in `workdir`; `command` runs it (by default
-    SERVE), from the folder `cwd` (by default this process's)."""
+    SERVE), from the folder `cwd` (by default this process's), under `open_files`, the (soft, hard) limit on
+    open files it starts with (prlimit sets it, as a shell's ulimit would; None: this process's)."""
 
     def __init__(self, workdir: Path, config: dict[str, Any] | None, control: str | None = None,
                  env: dict[str, str] | None = None, command: tuple[str, ...] = SERVE,
-                 cwd: Path | None = None) -> None:
+                 cwd: Path | None = None, open_files: tuple[int, int] | None = None) -> None:
         self.workdir = Path(workdir)
         self.command, self.cwd = command, cwd
         self.config = config
@@ -100,6 +101,7 @@ class DaemonProcess:
         self.endpoint = config["server"]["listen"][0] if config else "tcp://127.0.0.1:5555"
         self.control = control or (config["server"]["control"] if config else None)
         self.env = env
+        self.open_files = open_files
         self.log_path = self.workdir / "daemon.log"
         self._process: subprocess.Popen | None = None
 
@@ -118,6 +120,8 @@ class DaemonProcess:
             assert self.config is not None and self.config_path is not None
             self.config_path.write_text(to_toml(self.config))
         argv = list(self.command)
+        if self.open_files is not None:  # prlimit sets the limit, then runs the daemon in its place (same pid)
+            argv = ["prlimit", f"--nofile={self.open_files[0]}:{self.open_files[1]}", "--", *argv]
         if self.config_path is not None:
             argv += ["--config", str(self.config_path)]
         with open(self.log_path, "ab") as log:

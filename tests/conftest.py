@@ -396,8 +396,9 @@ def start_daemon(workdir: Path, repo: Path):
     """Start daemons in this test; every one is killed (with its workers) at the end."""
     started: list[Daemon] = []
 
-    def start(models_: dict[str, dict[str, Any]], wait: bool = True, **sections: dict[str, Any]) -> Daemon:
-        daemon = Daemon(workdir, base_config(workdir, repo, models_, **sections))
+    def start(models_: dict[str, dict[str, Any]], wait: bool = True, open_files: tuple[int, int] | None = None,
+              **sections: dict[str, Any]) -> Daemon:
+        daemon = Daemon(workdir, base_config(workdir, repo, models_, **sections), open_files=open_files)
         started.append(daemon)
         return daemon.start(wait=wait)
 

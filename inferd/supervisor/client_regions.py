@@ -3,9 +3,10 @@ may use, region messages, a request's references resolved, and regions dropped w
 
 A region's owner is its connection: a ZeroMQ peer's routing id on its socket, and for a gateway's
 socket also the gateway's client (`peer`). Each registration is also filed under the transport
-connection it came over (its descriptor, zmq.SRCFD), which the socket's monitor names when it drops. With
-server.client_shm_scope "server", every gateway client's regions have one owner (SERVER_OWNER), filed
-under no connection: they stay until unregistered, whichever connection or protocol uses them.
+connection it came over (its descriptor, zmq.SRCFD), which the socket's monitor (connections.py) names
+when it drops. With server.client_shm_scope "server", every gateway client's regions have one owner
+(SERVER_OWNER), filed under no connection: they stay until unregistered, whichever connection or protocol
+uses them.
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ import logging
 from collections.abc import Sequence
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from inferd import protocol
 from inferd.addresses import loopback
 from inferd.config.schema import ServerConfig, client_shm_protocols
 from inferd.errors import InvalidRequest
 from inferd.protocol import Buffer, RegionInfo
+from inferd.supervisor.connections import Connections
 from inferd.supervisor.regions import Region, Regions, RegionSlice
 
 log = logging.getLogger("inferd.frontend")
@@ -33,10 +34,10 @@ SERVER_OWNER: Owner = (0, b"", "server")
 class ClientRegions:
     """Clients' regions as the frontend's sockets see them."""
 
-    def __init__(self, regions: Regions, server: ServerConfig) -> None:
+    def __init__(self, regions: Regions, server: ServerConfig, connections: Connections) -> None:
         self.regions = regions
-        self.monitors: dict[zmq.Socket, zmq.Socket] = {}  # a monitor -> the socket whose disconnects it reports
-        self._monitor_of: dict[zmq.Socket, zmq.Socket] = {}
+        self._connections = connections
+        self._allowed: set[zmq.Socket] = set()  # the sockets regions are allowed on
         self._names: dict[zmq.Socket, str] = {}
         self._gateways: dict[zmq.Socket, str] = {}
         self._protocols = client_shm_protocols(server)
@@ -53,21 +54,15 @@ class ClientRegions:
         if not (address.startswith("ipc://") or loopback(address)):
             log.warning("client shared memory stays off on %s %s: it is reachable beyond this machine", name, address)
             return
-        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.monitors[monitor] = socket
-        self._monitor_of[socket] = monitor
+        self._allowed.add(socket)
+        self._connections.on_drop(socket, lambda fd: self._dropped(socket, fd))
         log.info("client shared memory allowed on %s", name)
 
-    def on_monitor(self, monitor: zmq.Socket) -> None:
-        """Close the regions of the connections `monitor` says dropped."""
-        socket = self.monitors[monitor]
-        while monitor.poll(0):
-            event = parse_monitor_message(monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                dropped = self.regions.drop_link((id(socket), event["value"]))
-                if dropped:
-                    log.info("a connection to %s dropped: its %d region(s) unregistered", self._names[socket],
-                             dropped)
+    def _dropped(self, socket: zmq.Socket, fd: int) -> None:
+        """Close the regions of the connection of `socket` on descriptor `fd`, which dropped."""
+        dropped = self.regions.drop_link((id(socket), fd))
+        if dropped:
+            log.info("a connection to %s dropped: its %d region(s) unregistered", self._names[socket], dropped)
 
     def message(self, socket: zmq.Socket, identity: bytes, op: protocol.RegionOp,
                 first: zmq.Frame | None) -> tuple[RegionInfo, ...]:
@@ -78,7 +73,7 @@ class ClientRegions:
                 # A connection is known by its descriptor, which the next connection may reuse; ZeroMQ
                 # reports a disconnect before it closes the descriptor, so before a later connection on
                 # it can send anything: taking the reports first keeps an old drop off the new connection.
-                self.on_monitor(self._monitor_of[socket])
+                self._connections.take(socket)
                 link = (id(socket), first.get(zmq.SRCFD)) if first is not None and owner is not SERVER_OWNER \
                     else None
                 who = (f"{self._gateways[socket]} client {op.peer}" if op.peer is not None
@@ -130,16 +125,12 @@ class ClientRegions:
         return resolved, tuple(places)
 
     def close(self) -> None:
-        """Stop the monitors and close every region."""
-        for monitor, socket in self.monitors.items():
-            socket.disable_monitor()
-            monitor.close(linger=0)
-        self.monitors, self._monitor_of = {}, {}
+        """Close every region."""
         self.regions.close()
 
     def _owner(self, socket: zmq.Socket, identity: bytes, peer: str | None,
                request_id: protocol.RequestId) -> Owner:
-        if socket not in self._monitor_of:
+        if socket not in self._allowed:
             where = "" if self._protocols else " (server.allow_client_shm is off)"
             raise InvalidRequest(f"client shared memory is not allowed on {self._names[socket]}{where}; "
                                  "it is only ever allowed over ipc:// and loopback endpoints", request_id)

@@ -9,7 +9,9 @@ could still finish before its deadline. A cancel takes its request out of the
 queue, or marks it in its running batch (through the dispatcher's
 `cancel_running`). Region messages and requests that name clients'
 shared-memory regions go to client_regions.py; what ZeroMQ may hold of a
-connection's requests before they are read, to receive_limits.py.
+connection's requests before they are read, to receive_limits.py; the sockets'
+monitors (connections open, and those that cannot be accepted), to
+connections.py.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from inferd.protocol import Buffer, ReplyHeader
 from inferd.supervisor.backstop import failure
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.client_regions import ClientRegions, Places
+from inferd.supervisor.connections import Connections
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.live import LiveVersions
 from inferd.supervisor.padding import output_bytes
@@ -136,7 +139,8 @@ class Frontend:
         self._curve = curve
         self._receive_mark: int | None = None  # the client sockets' mark, once they are bound
         self.configure(config)
-        self.client_regions = ClientRegions(regions, config.server)
+        self.connections = Connections()
+        self.client_regions = ClientRegions(regions, config.server, self.connections)
 
     def configure(self, config: Config) -> None:
         """Take a new config: models and their limits, the default deadline."""
@@ -176,6 +180,7 @@ class Frontend:
             if tcp and self._curve.enabled:
                 self._curve.secure(socket)
             self.sockets.append(socket)
+            self.connections.count(socket)
             try:
                 socket.bind(endpoint)
             except zmq.ZMQError as exc:
@@ -199,6 +204,7 @@ class Frontend:
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every client socket, letting queued replies leave for at most `linger_ms`."""
+        self.connections.close()
         self.client_regions.close()
         for socket in self.sockets:
             socket.close(linger=linger_ms)

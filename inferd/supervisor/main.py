@@ -104,7 +104,7 @@ class Supervisor(Parts):
         self.files.pid.write_text(f"{os.getpid()}\n")
         self.metrics.start(self.config.server.metrics)
         self.wakeup.install(SIGNALS)
-        monitors = self.frontend.client_regions.monitors
+        monitors = self.frontend.connections.monitors
         for sock in [*self.frontend.sockets, *monitors, self.control.socket, self.workers.backend]:
             self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.wakeup.fileno(), zmq.POLLIN)
@@ -186,8 +186,8 @@ class Supervisor(Parts):
             self._on_wakeup()
         elif target in self._children:
             self._on_child_exit(target)
-        elif target in self.frontend.client_regions.monitors:
-            self.frontend.client_regions.on_monitor(target)
+        elif target in self.frontend.connections.monitors:
+            self.frontend.connections.on_monitor(target)
             return False
         else:
             self.frontend.on_readable(target)
@@ -238,6 +238,7 @@ class Supervisor(Parts):
             self.workers.trim_memory(f"the pod annotation {TRIM_ANNOTATION}={request}")
         self._check_stopped()
         self.frontend.admit(self.state, self.workers, self.placement.refusals(now))
+        self.frontend.connections.check(now)
         heap.give_back()  # what requests' buffers took, once they are gone
 
     def _check_stopped(self) -> None:

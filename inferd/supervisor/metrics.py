@@ -90,7 +90,21 @@ def build_families(daemon: DaemonView) -> list[Metric]:
     undelivered = CounterMetricFamily("inferd_replies_undelivered", "Replies whose client had gone or stopped reading.")
     undelivered.add_metric([], daemon.stats.undelivered)
     families.append(undelivered)
+    families += _connection_families(daemon)
     return families
+
+
+def _connection_families(daemon: DaemonView) -> list[Metric]:
+    """Client connections open, and those that could not be accepted."""
+    connections = daemon.connections
+    open_ = GaugeMetricFamily("inferd_connections", "Client connections open, by protocol.", labels=["protocol"])
+    open_.add_metric(["zmq"], connections.open)
+    refused = CounterMetricFamily("inferd_connections_refused", "Client connections that could not be accepted, by "
+                                  "protocol and reason (descriptors: the open-files limit), counted as they are "
+                                  "logged: once a minute at most while it goes on.", labels=["protocol", "reason"])
+    for reason, count in sorted(connections.refused.items()):
+        refused.add_metric(["zmq", reason], count)
+    return [open_, refused]
 
 
 def _loading_families(daemon: DaemonView) -> list[Metric]:

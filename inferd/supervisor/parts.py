@@ -25,12 +25,14 @@ from inferd.oip.spec import PROTOCOLS
 from inferd.paths import RuntimeFiles
 from inferd.repository import RepositoryError, SavedVersions, VersionNumbers, config_name
 from inferd.shm_names import SHM_DIR
+from inferd.supervisor import descriptors
 from inferd.supervisor.batcher import Batcher, queue_settings
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
 from inferd.supervisor.children import STOP_TIMEOUT_S, fork_server_folder, start_fork_server
 from inferd.supervisor.commands import Commands
 from inferd.supervisor.compute_times import ComputeTimes
+from inferd.supervisor.connections import Connections
 from inferd.supervisor.control_server import ControlServer
 from inferd.supervisor.devices import resolve_devices
 from inferd.supervisor.dispatch import Dispatcher
@@ -63,6 +65,7 @@ class Parts:
 
     def __init__(self, config: Config) -> None:
         """Build every part; StartupError when a model has no version to serve."""
+        descriptors.raise_limit()  # before any child process starts: they inherit it
         self.config = config
         self.state = DaemonState.STARTING  # the loop's to change; read by commands and admission
         self.started = time.monotonic()
@@ -128,6 +131,11 @@ class Parts:
         self.metrics = MetricsServer(self)
         self.gateways = configured_gateways(config, devices, config.server.control or "",
                                              lambda name: f"ipc://{self.files.upstream(name)}")
+
+    @property
+    def connections(self) -> Connections:
+        """The client connections the frontend's sockets have."""
+        return self.frontend.connections
 
     @property
     def listening(self) -> list[str]:

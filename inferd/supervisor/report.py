@@ -7,6 +7,7 @@ Prometheus endpoint reads the same measurements (see metrics.py).
 
 from __future__ import annotations
 
+import resource
 import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
@@ -191,6 +192,14 @@ def requests_by_protocol(replies: Counter[str],
     return result
 
 
+def connections_report(daemon: DaemonView) -> dict[str, Any]:
+    """ZeroMQ client connections open now and those that could not be accepted, by reason; and the limit
+    on open files they count against."""
+    connections = daemon.connections
+    return {"zmq": {"open": connections.open, "refused": dict(connections.refused)},
+            "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}
+
+
 def systemd_status(daemon: DaemonView) -> tuple[str, int]:
     """The one-line summary systemd shows, and the replies so far (for the rate)."""
     workers = daemon.workers.workers
@@ -251,4 +260,5 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
         "workers": worker_report(daemon),
         "undelivered_replies": daemon.stats.undelivered,
         "regions": daemon.regions.status(),
+        "connections": connections_report(daemon),
     }

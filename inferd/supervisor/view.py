@@ -13,6 +13,7 @@ from inferd.config.schema import Config
 from inferd.repository import VersionNumbers
 from inferd.supervisor.canary import CanaryManager
 from inferd.supervisor.candidates import Candidates
+from inferd.supervisor.connections import Connections
 from inferd.supervisor.dispatch import Dispatcher
 from inferd.supervisor.forecast import Forecast
 from inferd.supervisor.gateway_processes import Gateway
@@ -70,6 +71,10 @@ class DaemonView(Protocol):
     @property
     def gateways(self) -> list[Gateway]:
         """The Open Inference Protocol's gateway processes."""
+
+    @property
+    def connections(self) -> Connections:
+        """The client connections the frontend's sockets have."""
 
     @property
     def regions(self) -> Regions:
