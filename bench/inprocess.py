@@ -79,7 +79,7 @@ def measure(path: str, shape: tuple[int, ...], threads: int, max_batch: int, sec
 def load(path: str, device: str = "cpu") -> Any:
     """The model in `path`, ready to call on `device`, whatever format the file holds (an AOTInductor
     package runs where it was compiled for)."""
-    from inferd import model_files
+    from inferd.models import model_files
 
     found = model_files.inspect(Path(path))
     if found.format == model_files.AOTI:

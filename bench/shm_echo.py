@@ -45,7 +45,7 @@ from bench.loadgen import percentiles
 from bench.run import model_configs
 from inferd.client.client import Client
 from inferd.harness import free_port
-from inferd.shm_names import CLIENT_PREFIX, SHM_DIR
+from inferd.system.shm_names import CLIENT_PREFIX, SHM_DIR
 
 CONCURRENCY = 4
 SIZES = {"echo1m": models.ECHO_SIZES["1MB"], "echo16m": models.ECHO_SIZES["16MB"]}  # model -> request bytes

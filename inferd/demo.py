@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from inferd.repository import MODEL_FILES
+from inferd.models.repository import MODEL_FILES
 
 DEMO_MODEL = "mlp"
 DEMO_VERSIONS = {"v1": 1, "v2": 2}  # version -> weight seed

@@ -157,7 +157,7 @@ class DaemonProcess:
 
     def call(self, command: str, timeout: float = 10.0, **args: Any) -> Any:
         """One control command."""
-        from inferd import paths
+        from inferd.system import paths
 
         with ControlClient(self.control or paths.find_control(), timeout=timeout) as ctl:
             return ctl.call(command, **args)

@@ -27,10 +27,10 @@ import models
 from gates import Gate
 from wire import RawPeer, ScriptedServer
 
-from inferd import paths
 from inferd.arrays import from_numpy, to_numpy
 from inferd.harness import DaemonProcess, local_config
-from inferd.shm_names import SHM_DIR
+from inferd.system import paths
+from inferd.system.shm_names import SHM_DIR
 
 START_TIMEOUT_S = 90
 

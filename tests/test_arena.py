@@ -13,7 +13,7 @@ import pytest
 
 from inferd.ipc.arena import Arena, ArenaError, arena_name, sweep_stale
 from inferd.ipc.slots import SlotPool, align_up
-from inferd.shm_names import SHM_DIR
+from inferd.system.shm_names import SHM_DIR
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferd.protocol import RequestHeader, TensorMeta
-from inferd.supervisor.batcher import (
+from inferd.supervisor.queueing.batcher import (
     AUTO_LEAD_S,
     NO_TIMES,
     Batcher,
@@ -15,7 +15,7 @@ from inferd.supervisor.batcher import (
     Capacity,
     ModelPolicy,
 )
-from inferd.supervisor.queue import (
+from inferd.supervisor.queueing.queue import (
     EXPIRED,
     REMOVED,
     TAKEN,

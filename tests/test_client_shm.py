@@ -26,7 +26,7 @@ from wire import RawPeer
 from inferd import RetryPolicy, Unavailable, protocol
 from inferd.harness import free_port
 from inferd.protocol import OutputPlace, RegionStatus, RegisterRegion, TensorMeta, UnregisterRegion
-from inferd.shm_names import SHM_DIR
+from inferd.system.shm_names import SHM_DIR
 
 # The module's daemon takes every name under "inferd-": the widest prefix the config allows, so
 # that only the arena rule, not the prefix, stands between a client and the daemon's own arenas.

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from inferd import config, paths
+from inferd import config
+from inferd.system import paths
 
 MINIMAL = {"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4]}]}}}
 
@@ -200,7 +201,7 @@ def test_example_config_is_valid():
 
 
 def test_a_sighup_plan_applies_live_keys_and_keeps_the_rest():
-    from inferd.supervisor.reconfigure import plan
+    from inferd.supervisor.control.reconfigure import plan
 
     def model(shape: int, **knobs) -> dict:
         return {"inputs": [{"dtype": "float32", "shape": [shape]}], **knobs}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from inferd import paths
 from inferd.demo import DEMO_ENDPOINT
+from inferd.system import paths
 
 
 def port_in_use(port: int) -> bool:

@@ -23,12 +23,14 @@ import pytest
 import torch
 import yaml
 
-from inferd import config, paths, repository
+from inferd import config
 from inferd.cli.daemon import inferd
 from inferd.cli.inferctl import inferctl
 from inferd.fleet.decisions import FRAGMENTED_LABEL, version_label
 from inferd.fleet.main import fleet
 from inferd.harness import DaemonProcess, free_port
+from inferd.models import repository
+from inferd.system import paths
 
 KUBERNETES = "1.30.0"  # the oldest release still widely run; the manifests use nothing newer
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"

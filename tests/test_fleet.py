@@ -37,7 +37,7 @@ from inferd.fleet.decisions import (
 )
 from inferd.fleet.scrape import parse_metrics
 from inferd.harness import free_port
-from inferd.supervisor.trim_requests import TRIM_ANNOTATION, TrimRequests, parse_annotations
+from inferd.supervisor.control.trim_requests import TRIM_ANNOTATION, TrimRequests, parse_annotations
 
 GIB = 2**30
 FLEET = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes" / "fleet"

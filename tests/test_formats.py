@@ -21,8 +21,8 @@ from conftest import MLP, module_daemon, wait_for
 from test_reload import Traffic, inferctl
 
 from inferd import config as config_module
-from inferd import model_files
 from inferd.harness import to_toml
+from inferd.models import model_files
 from inferd.worker.runner import ModelError, ModelRunner
 
 FORMATS = {"v1": "torchscript", "v2": "exported", "v3": "aoti"}

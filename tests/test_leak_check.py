@@ -8,7 +8,7 @@ import secrets
 import psutil
 from conftest import MLP, RUN_MARKER, Daemon, _leftovers, _present, base_config, wait_for
 
-from inferd import paths
+from inferd.system import paths
 
 
 def traces(daemon: Daemon) -> dict[str, set[str]]:

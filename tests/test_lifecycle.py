@@ -24,7 +24,7 @@ from wire import RawPeer
 
 from inferd import Client, RetryPolicy
 from inferd.harness import free_port
-from inferd.shm_names import SHM_DIR
+from inferd.system.shm_names import SHM_DIR
 
 ONE_SLOW = {**SLOW, "max_batch_size": 1, "warmup_batch_sizes": [1]}
 X_SLOW = np.ones((1, models.SLOW_FEATURES), dtype=np.float32)

@@ -26,7 +26,7 @@ from tritonclient.utils import InferenceServerException
 
 from inferd.harness import free_port
 
-HEAD_TIMEOUT_S = 10.0  # inferd/oip/http_server.py (BODY_IDLE_S too), and the gRPC handshake timeout in rpc.py
+HEAD_TIMEOUT_S = 10.0  # inferd/oip/http/server.py, and the gRPC handshake timeout in rpc.py
 ONE = json.dumps({"inputs": [{"name": "INPUT__0", "datatype": "FP32", "shape": [1, models.MLP_IN],
                               "data": [0.5] * models.MLP_IN}]}).encode()
 

@@ -1,4 +1,4 @@
-"""Clients' shared-memory regions in the supervisor's store (inferd/supervisor/regions.py), on real files
+"""Clients' shared-memory regions in the supervisor's store (inferd/supervisor/shared/regions.py), on real files
 in /dev/shm: a region is read and written only through its descriptor, only by the connection that
 registered it, and closed with it. What may be registered is tried against the real daemon
 (tests/test_client_shm.py, tests/test_oip_shm.py)."""
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from inferd.errors import InvalidRequest
-from inferd.shm_names import SHM_DIR
-from inferd.supervisor.regions import Regions
+from inferd.supervisor.shared.regions import Regions
+from inferd.system.shm_names import SHM_DIR
 
 PREFIX = "inferd-client-"
 

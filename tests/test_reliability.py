@@ -26,7 +26,7 @@ from wire import RawPeer
 from inferd import protocol
 from inferd.harness import to_toml
 from inferd.protocol import OutputPlace, TensorMeta
-from inferd.shm_names import SHM_DIR
+from inferd.system.shm_names import SHM_DIR
 
 # `variable` computes about 1.7 us a step (measured here): 3,000 steps are a batch of ~5 ms.
 VARIABLE = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 4, "warmup_batch_sizes": [1]}

@@ -20,7 +20,7 @@ from conftest import MLP, RELOAD_MLP, Daemon, base_config, gated_reload_repo, wa
 from wire import error, ok
 
 from inferd import Client, RetryPolicy, Timeout
-from inferd.endpoints import resolve
+from inferd.client.endpoints import resolve
 from inferd.harness import free_port
 
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
@@ -306,7 +306,7 @@ def test_a_long_run_of_failures_keeps_the_rest_bounded(server_factory):
 def test_a_name_that_resolves_differently_adds_and_retires_endpoints():
     import zmq
 
-    from inferd.endpoints import EndpointPool
+    from inferd.client.endpoints import EndpointPool
 
     context = zmq.Context()
     pool = EndpointPool(context, ["tcp://localhost:5999"], lambda socket: None)
@@ -328,7 +328,7 @@ def test_a_name_that_resolves_differently_adds_and_retires_endpoints():
 def test_an_address_given_as_such_outlives_the_names_that_resolved_to_it():
     import zmq
 
-    from inferd.endpoints import EndpointPool
+    from inferd.client.endpoints import EndpointPool
 
     context = zmq.Context()
     pool = EndpointPool(context, ["tcp://127.0.0.1:5998", "tcp://localhost:5998"], lambda socket: None)

@@ -15,7 +15,7 @@ from test_notify import FakeSystemd
 from wire import RawPeer
 
 from inferd.harness import to_toml
-from inferd.shm_names import SHM_DIR
+from inferd.system.shm_names import SHM_DIR
 
 ROOT = Path(__file__).parent.parent
 SLEEPY = {"inputs": [{"dtype": "float32", "shape": [2]}], "max_batch_size": 8, "warmup_batch_sizes": [1]}

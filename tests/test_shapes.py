@@ -24,12 +24,13 @@ from test_cli import inferctl
 from tritonclient.utils import InferenceServerException
 from wire import RawPeer
 
-from inferd import config, model_files, protocol
-from inferd.convert import convert
+from inferd import config, protocol
 from inferd.harness import free_port, to_toml
 from inferd.ipc.control import ControlError
+from inferd.models import model_files
+from inferd.models.convert import convert
 from inferd.protocol import TensorMeta
-from inferd.shm_names import SHM_DIR
+from inferd.system.shm_names import SHM_DIR
 
 RAGGED = {"inputs": [{"dtype": "float32", "shape": [2, -1], "max_shape": [2, models.RAGGED_MAX], "name": "x"}],
           "outputs": [{"name": "running"}, {"name": "pooled"}], "max_batch_size": 8,

@@ -9,9 +9,9 @@ import types
 import numpy as np
 import pytest
 
-from inferd.supervisor.devices import resolve_devices
-from inferd.supervisor.probes import Probes
-from inferd.supervisor.stats import BOUNDS, PROMETHEUS_BOUNDS, Histogram, Stats
+from inferd.supervisor.processes.devices import resolve_devices
+from inferd.supervisor.processes.probes import Probes
+from inferd.supervisor.shared.stats import BOUNDS, PROMETHEUS_BOUNDS, Histogram, Stats
 
 
 def test_quantiles_are_within_a_bucket_of_the_truth():

@@ -9,10 +9,10 @@ from click.exceptions import BadParameter
 from inferd.cli.common import Duration
 from inferd.config import CanaryGuard
 from inferd.ipc.messages import TensorRef
-from inferd.supervisor.canary import P99_MIN_OK, judge
-from inferd.supervisor.candidates import Candidate, Mode, Split
-from inferd.supervisor.shadow import compare
-from inferd.supervisor.stats import Series
+from inferd.supervisor.dispatch.shadow import compare
+from inferd.supervisor.shared.candidates import Candidate, Mode, Split
+from inferd.supervisor.shared.stats import Series
+from inferd.supervisor.versions.canary import P99_MIN_OK, judge
 
 
 @pytest.mark.parametrize("weight", [0, 3, 10, 50, 97, 100])

@@ -30,24 +30,24 @@ import torch
 import zmq
 from conftest import wait_for
 
-from inferd import addresses, protocol
 from inferd import config as config_module
-from inferd.ipc import messages
+from inferd import protocol
+from inferd.ipc import addresses, messages
 from inferd.ipc.arena import Arena, arena_name, new_instance
 from inferd.ipc.slots import batch_bytes, place, slot_shortfall
-from inferd.paths import RuntimeFiles
-from inferd.repository import NUMBERS_FILE, SavedVersions, VersionNumbers, config_name
-from inferd.supervisor.candidates import Candidate, Candidates, Mode
-from inferd.supervisor.children import MAX_BACKOFF_S, ChildProcess
-from inferd.supervisor.compute_times import ComputeTimes
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.queue import QueuedRequest
-from inferd.supervisor.receive_limits import receive_mark
-from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.replies import Replies, ReplyTo
-from inferd.supervisor.stats import Stats
-from inferd.supervisor.workers import ExecutorHandle, WorkerState, WorkerTable
+from inferd.models.repository import NUMBERS_FILE, SavedVersions, VersionNumbers, config_name
+from inferd.supervisor.dispatch.compute_times import ComputeTimes
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.dispatch.replies import Replies, ReplyTo
+from inferd.supervisor.intake.receive_limits import receive_mark
+from inferd.supervisor.processes.children import MAX_BACKOFF_S, ChildProcess
+from inferd.supervisor.processes.workers import ExecutorHandle, WorkerState, WorkerTable
+from inferd.supervisor.queueing.queue import QueuedRequest
+from inferd.supervisor.shared.candidates import Candidate, Candidates, Mode
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.stats import Stats
+from inferd.supervisor.versions.reload import ReloadManager
+from inferd.system.paths import RuntimeFiles
 from inferd.worker.executor import Executor, Overlap, arena_tensor, is_out_of_memory, is_sticky_cuda_error
 from inferd.worker.exits import WorkerExit
 from inferd.worker.main import IdleTrim
@@ -751,14 +751,14 @@ def test_version_numbers_another_config_saved_are_not_taken_and_a_file_naming_no
     assert json.loads((state / NUMBERS_FILE).read_text()) == {"config": first, "numbers": {"m": {"v1": 7, "v2": 3}}}
     assert VersionNumbers(state, first).of_all({"m": str(repository)}) == {"m": {"v1": 7, "v2": 3}}
     # Another config sharing the folder numbers the versions anew, and says why.
-    with caplog.at_level(logging.WARNING, logger="inferd.repository"):
+    with caplog.at_level(logging.WARNING, logger="inferd.models.repository"):
         assert VersionNumbers(state, second).of_all({"m": str(repository)}) == {"m": {"v1": 1, "v2": 2}}
     assert f"ignoring {state / NUMBERS_FILE}: the daemon of {first} saved it, and this one runs {second}; it " \
            "numbers the versions anew" in caplog.text
 
 
 def test_corked_writes_send_a_turns_writes_together_in_order_and_a_large_one_at_once():
-    from inferd.oip.http_server import CORK_BYTES, CorkedWrites
+    from inferd.oip.http.server import CORK_BYTES, CorkedWrites
 
     async def exchange() -> tuple[bytes, list[int]]:
         loop = asyncio.get_running_loop()

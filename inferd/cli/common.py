@@ -33,7 +33,7 @@ def run_command(command: click.Command, prog: str) -> None:
 
 def check_config(path: str) -> tuple[Config | None, list[str]]:
     """The config at `path` and every problem with it, its models' repositories included, in one pass."""
-    from inferd import repository
+    from inferd.models import repository
 
     try:
         config = loading.load(path)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import click
 import msgspec
 
-from inferd import __version__, paths
+from inferd import __version__
 from inferd.cli import common
 from inferd.cli.common import CliError, load_config, run_command
 from inferd.config import loading
+from inferd.system import paths
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,9 +25,9 @@ def inferd() -> None:
 def serve(config_path: str | None, log_level: str | None) -> int:
     """Run the daemon in the foreground (what systemd starts)."""
     from inferd import demo
-    from inferd.logs import set_level, setup_logging
     from inferd.supervisor.main import Supervisor
-    from inferd.supervisor.state import StartupError
+    from inferd.supervisor.shared.state import StartupError
+    from inferd.system.logs import set_level, setup_logging
 
     setup_logging("inferd")
     if config_path is None:
@@ -77,8 +78,8 @@ def convert(config_path: str, model: str, source: str, target: str, format_: str
     """
     import warnings
 
-    from inferd.convert import ConvertError, default_format, timed
-    from inferd.convert import convert as make_version
+    from inferd.models.convert import ConvertError, default_format, timed
+    from inferd.models.convert import convert as make_version
 
     warnings.simplefilter("ignore", FutureWarning)  # torch's notes to its own developers, not to this command's user
 

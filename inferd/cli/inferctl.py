@@ -12,13 +12,14 @@ from typing import Any
 import click
 import numpy as np
 
-from inferd import paths, protocol
+from inferd import protocol
 from inferd.cli.common import CliError, Duration, load_config, run_command
 from inferd.cli.render import models_text, stats_table, status_table, switch_outcome, versions_text
 from inferd.cli.stacks import signalled_stacks
 from inferd.errors import ERROR_BY_STATUS, InferdError
 from inferd.ipc.control import ControlClient, ControlError, NoDaemon, encode_command
-from inferd.paths import RuntimeFiles
+from inferd.system import paths
+from inferd.system.paths import RuntimeFiles
 
 DEFAULT_TIMEOUT_S = 5.0
 

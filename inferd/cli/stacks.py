@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from inferd.cli.common import CliError
-from inferd.paths import RuntimeFiles
+from inferd.system.paths import RuntimeFiles
 
 SIGNALLED_WAIT_S = 2.0
 

@@ -12,7 +12,7 @@ from inferd.client.call import Outputs
 from inferd.client.client import Client
 from inferd.client.inputs import Array
 from inferd.client.retry import RetryPolicy
-from inferd.curve import KeyFile
+from inferd.ipc.curve import KeyFile
 
 
 class AsyncClient:

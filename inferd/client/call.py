@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from inferd import protocol
+from inferd.client.endpoints import Endpoint
 from inferd.client.retry import RETRY_STATUSES, Retry, RetryPolicy, retry_after
-from inferd.endpoints import Endpoint
 from inferd.errors import ERROR_BY_STATUS, InferdError, Timeout, Unavailable
 
 Outputs = np.ndarray | tuple[np.ndarray, ...]

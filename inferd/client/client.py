@@ -11,17 +11,18 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import zmq
 
-from inferd import curve, protocol
+from inferd import protocol
 from inferd.client.call import Call, Outputs, outputs_of, reply_of
+from inferd.client.endpoints import EndpointPool, Resolver
 from inferd.client.engine import IOLoop
 from inferd.client.inputs import Array, as_inputs
 from inferd.client.mailbox import Cancel, Mailbox
 from inferd.client.retry import RetryPolicy
-from inferd.curve import KeyFile
-from inferd.endpoints import EndpointPool, Resolver
+from inferd.client.shared_memory import SharedMemoryRegion
 from inferd.errors import InvalidRequest, Unavailable
-from inferd.shared_memory import SharedMemoryRegion
-from inferd.shm_names import CLIENT_PREFIX
+from inferd.ipc import curve
+from inferd.ipc.curve import KeyFile
+from inferd.system.shm_names import CLIENT_PREFIX
 
 
 def _curve(server_key: KeyFile | None, client_key: KeyFile | None) -> Callable[[zmq.Socket], None]:

@@ -17,11 +17,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from inferd import protocol
 from inferd.client.call import Call, Outputs
+from inferd.client.endpoints import Endpoint, EndpointPool
 from inferd.client.mailbox import Cancel, Mailbox
 from inferd.client.retry import Retry
-from inferd.endpoints import Endpoint, EndpointPool
+from inferd.client.shared_memory import SharedMemoryRegion
 from inferd.errors import InferdError, Unavailable
-from inferd.shared_memory import SharedMemoryRegion
 
 RESEND_S = 0.005  # how soon a send that found every connected endpoint's queue full is tried again
 FromRegion = Callable[[protocol.TensorMeta], np.ndarray]  # an output written to a region -> a view of it

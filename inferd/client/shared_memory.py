@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 
 from inferd import protocol
-from inferd.shm_names import CLIENT_PREFIX, SHM_DIR
+from inferd.system.shm_names import CLIENT_PREFIX, SHM_DIR
 
 
 class SharedMemoryRegion:

@@ -14,7 +14,6 @@ from typing import Any
 
 import msgspec
 
-from inferd import paths
 from inferd.config.schema import (
     CHECKS,
     MODEL_NAME,
@@ -25,6 +24,7 @@ from inferd.config.schema import (
     ModelConfig,
     padding_problem,
 )
+from inferd.system import paths
 
 NAME_RULE = "a model name is letters, digits, '_', '.' or '-' (at most 64)"
 

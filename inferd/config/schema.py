@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from inferd.protocol import DEFAULT_MAX_MESSAGE_MB, DTYPES
-from inferd.shm_names import ARENA_PREFIX, CLIENT_PREFIX
+from inferd.system.shm_names import ARENA_PREFIX, CLIENT_PREFIX
 
 MODEL_TOML = "model.toml"  # what makes a folder of server.model_root a model
 MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")

@@ -29,7 +29,7 @@ from inferd.fleet.decisions import (
 )
 from inferd.fleet.metrics import FleetMetrics
 from inferd.fleet.scrape import scrape
-from inferd.supervisor.trim_requests import TRIM_ANNOTATION
+from inferd.supervisor.control.trim_requests import TRIM_ANNOTATION
 
 log = logging.getLogger("inferd.fleet")
 

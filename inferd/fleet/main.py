@@ -8,10 +8,10 @@ import sys
 
 import click
 
-from inferd import addresses
 from inferd.cli.common import CliError, Duration, run_command
 from inferd.fleet.decisions import Policy
-from inferd.logs import setup_logging
+from inferd.ipc import addresses
+from inferd.system.logs import setup_logging
 
 log = logging.getLogger("inferd.fleet")
 

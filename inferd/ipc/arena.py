@@ -4,7 +4,7 @@ Only the supervisor creates and unlinks an arena; a worker attaches to it by
 name. Segments live in /dev/shm as plain files opened directly (what shm_open
 does on Linux), so no resource tracker is involved and cleanup never depends on
 a finalizer: the supervisor unlinks on every exit it survives, its reaper
-(supervisor/reaper.py) on every exit it does not, and a start sweeps whatever
+(supervisor/processes/reaper.py) on every exit it does not, and a start sweeps whatever
 a supervisor that is gone still left.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from inferd.shm_names import ARENA_NAME, ARENA_PREFIX, SHM_DIR
+from inferd.system.shm_names import ARENA_NAME, ARENA_PREFIX, SHM_DIR
 
 log = logging.getLogger("inferd.arena")
 

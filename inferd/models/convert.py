@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from inferd import model_files
 from inferd.config.schema import CANARY_ATOL, CANARY_RTOL, ModelConfig, version_problem
-from inferd.repository import RepositoryError, model_file, writable_by_others
+from inferd.models import model_files
+from inferd.models.repository import RepositoryError, model_file, writable_by_others
 from inferd.worker.runner import TORCH_DTYPES, as_outputs, describe_error
 
 SEED = 0

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from inferd import model_files
 from inferd.config.schema import ModelConfig, version_problem
+from inferd.models import model_files
 
-log = logging.getLogger("inferd.repository")
+log = logging.getLogger("inferd.models.repository")
 
 MODEL_FILES = ("model.pt", "model.pt2")
 LIVE_FILE = "live_versions.json"

@@ -1,7 +1,7 @@
 """The Open Inference Protocol (KServe v2, as Triton serves it) in front of inferd.
 
 A gateway process per protocol (gateway.py), spawned and supervised by the
-supervisor like a worker, serves it over HTTP (rest.py on http_server.py) or
+supervisor like a worker, serves it over HTTP (http/: rest.py on server.py) or
 gRPC (rpc.py, messages from inference.proto); each request becomes one request
 of inferd's own wire protocol on an ipc:// socket of the supervisor's
 (upstream.py), so it goes through the same queue, batcher, deadlines, stats and

@@ -1,7 +1,7 @@
 """A gateway process: one of the Open Inference Protocol's front ends (HTTP or gRPC), in front of the
 supervisor.
 
-Spawned by the supervisor (supervisor/gateway_processes.py), which restarts it when it
+Spawned by the supervisor (supervisor/processes/gateway_processes.py), which restarts it when it
 dies and stops it at the end of a drain. It serves its protocol on its own
 asyncio loop and sends every inference request to the supervisor's ipc://
 endpoint for that protocol, in inferd's own wire protocol; it reads the models'
@@ -21,15 +21,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from inferd import addresses, heap
-from inferd.child import begin_child
 from inferd.config import loading
 from inferd.config.schema import Config, client_shm_protocols
+from inferd.ipc import addresses
 from inferd.oip.budget import MIB, BodyBudget
 from inferd.oip.catalog import Catalog
 from inferd.oip.shm import SharedMemory
 from inferd.oip.spec import GatewaySpec
 from inferd.oip.upstream import Control, Upstream
+from inferd.system import heap
+from inferd.system.child import begin_child
 from inferd.worker.exits import WorkerExit
 
 log = logging.getLogger("inferd.oip.gateway")
@@ -66,8 +67,8 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
                                  server_wide=server.client_shm_scope == "server")
     # Each front end imports only its own server.
     if spec.protocol == "http":
-        from inferd.oip.http_server import HttpServer
-        from inferd.oip.rest import RestApp
+        from inferd.oip.http.rest import RestApp
+        from inferd.oip.http.server import HttpServer
 
         allowed = frozenset(h.lower() for h in server.http_allowed_hosts) if addresses.loopback(address) else None
         front: FrontEnd = HttpServer(RestApp(catalog, upstream, control, max_message_bytes, shared_memory, allowed),
@@ -101,7 +102,7 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
 
 async def _give_back_freed_memory() -> None:
     """Hand the system, each GIVE_BACK_S, what the requests freed: glibc keeps freed memory for the process, and
-    after a flood of large requests a gateway would keep the flood's size (heap.py)."""
+    after a flood of large requests a gateway would keep the flood's size (system/heap.py)."""
     while True:
         await asyncio.sleep(GIVE_BACK_S)
         heap.give_back()

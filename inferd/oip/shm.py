@@ -25,8 +25,9 @@ from typing import Any, NamedTuple
 
 import psutil
 
-from inferd import addresses, protocol
+from inferd import protocol
 from inferd.errors import InvalidRequest, quoted
+from inferd.ipc import addresses
 from inferd.oip.upstream import Upstream
 
 log = logging.getLogger("inferd.oip.shm")

@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 
 from inferd.ipc import messages
-from inferd.supervisor.batch import Batch
-from inferd.supervisor.children import STOP_TIMEOUT_S
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.workers import ABORT_GRACE_S, WorkerHandle, WorkerState, WorkerTable
+from inferd.supervisor.dispatch.batch import Batch
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.processes.children import STOP_TIMEOUT_S
+from inferd.supervisor.processes.workers import ABORT_GRACE_S, WorkerHandle, WorkerState, WorkerTable
+from inferd.supervisor.versions.reload import ReloadManager
 
 log = logging.getLogger("inferd.liveness")
 

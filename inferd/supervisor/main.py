@@ -27,22 +27,23 @@ from typing import Any
 import setproctitle
 import zmq
 
-from inferd import __version__, heap, protocol
+from inferd import __version__, protocol
 from inferd.config.schema import Config
 from inferd.ipc.arena import sweep_stale
-from inferd.paths import runtime_dir
-from inferd.shm_names import SHM_DIR
-from inferd.supervisor.backstop import failure
-from inferd.supervisor.batcher import Capacity
-from inferd.supervisor.children import ChildProcess
-from inferd.supervisor.gateway_processes import Gateway
+from inferd.supervisor.control.report import systemd_status
+from inferd.supervisor.control.trim_requests import TRIM_ANNOTATION
 from inferd.supervisor.parts import Parts
-from inferd.supervisor.report import systemd_status
-from inferd.supervisor.state import DaemonState, StartupError
-from inferd.supervisor.trim_requests import TRIM_ANNOTATION
+from inferd.supervisor.processes.children import ChildProcess
+from inferd.supervisor.processes.gateway_processes import Gateway
+from inferd.supervisor.processes.workers import WorkerHandle, WorkerState
+from inferd.supervisor.queueing.batcher import Capacity
+from inferd.supervisor.shared.backstop import failure
+from inferd.supervisor.shared.state import DaemonState, StartupError
 from inferd.supervisor.worker_messages import WorkerMessages
-from inferd.supervisor.workers import WorkerHandle, WorkerState
-from inferd.systemd import notify
+from inferd.system import heap
+from inferd.system.paths import runtime_dir
+from inferd.system.shm_names import SHM_DIR
+from inferd.system.systemd import notify
 
 log = logging.getLogger("inferd.supervisor")
 

@@ -17,45 +17,45 @@ from collections.abc import Callable
 import zmq
 
 from inferd.config.schema import Config
-from inferd.curve import CurveServer
 from inferd.ipc import messages
 from inferd.ipc.arena import arena_name, new_instance
-from inferd.logs import set_level
+from inferd.ipc.curve import CurveServer
+from inferd.models.repository import RepositoryError, SavedVersions, VersionNumbers, config_name
 from inferd.oip.spec import PROTOCOLS
-from inferd.paths import RuntimeFiles
-from inferd.repository import RepositoryError, SavedVersions, VersionNumbers, config_name
-from inferd.shm_names import SHM_DIR
-from inferd.supervisor import descriptors
-from inferd.supervisor.batcher import Batcher, queue_settings
-from inferd.supervisor.canary import CanaryManager
-from inferd.supervisor.candidates import Candidates
-from inferd.supervisor.children import STOP_TIMEOUT_S, fork_server_folder, start_fork_server
-from inferd.supervisor.commands import Commands
-from inferd.supervisor.compute_times import ComputeTimes
-from inferd.supervisor.connections import Connections
-from inferd.supervisor.control_server import ControlServer
-from inferd.supervisor.devices import resolve_devices
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.forecast import Forecast
-from inferd.supervisor.frontend import Frontend
-from inferd.supervisor.gateway_processes import configured_gateways
-from inferd.supervisor.live import LiveVersions
+from inferd.supervisor.control.commands import Commands
+from inferd.supervisor.control.control_server import ControlServer
+from inferd.supervisor.control.metrics import MetricsServer
+from inferd.supervisor.control.reconfigure import Reconfigurer
+from inferd.supervisor.control.trim_requests import TrimRequests
+from inferd.supervisor.dispatch.compute_times import ComputeTimes
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.dispatch.replies import Replies
+from inferd.supervisor.intake import descriptors
+from inferd.supervisor.intake.connections import Connections
+from inferd.supervisor.intake.forecast import Forecast
+from inferd.supervisor.intake.frontend import Frontend
 from inferd.supervisor.liveness import Liveness
-from inferd.supervisor.metrics import MetricsServer
-from inferd.supervisor.placement import Placement
-from inferd.supervisor.probes import Probes
-from inferd.supervisor.queue import RequestQueue
-from inferd.supervisor.reaper import Reaper
-from inferd.supervisor.reconfigure import Reconfigurer
-from inferd.supervisor.regions import Regions
-from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.replies import Replies
-from inferd.supervisor.state import DaemonState, StartupError
-from inferd.supervisor.stats import Stats
-from inferd.supervisor.trim_requests import TrimRequests
+from inferd.supervisor.processes.children import STOP_TIMEOUT_S, fork_server_folder, start_fork_server
+from inferd.supervisor.processes.devices import resolve_devices
+from inferd.supervisor.processes.gateway_processes import configured_gateways
+from inferd.supervisor.processes.probes import Probes
+from inferd.supervisor.processes.reaper import Reaper
+from inferd.supervisor.processes.workers import WorkerTable
+from inferd.supervisor.queueing.batcher import Batcher, queue_settings
+from inferd.supervisor.queueing.queue import RequestQueue
+from inferd.supervisor.shared.candidates import Candidates
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.regions import Regions
+from inferd.supervisor.shared.state import DaemonState, StartupError
+from inferd.supervisor.shared.stats import Stats
+from inferd.supervisor.versions.canary import CanaryManager
+from inferd.supervisor.versions.placement import Placement
+from inferd.supervisor.versions.reload import ReloadManager
 from inferd.supervisor.wakeup import Wakeup
-from inferd.supervisor.workers import WorkerTable
-from inferd.systemd import StatusReport
+from inferd.system.logs import set_level
+from inferd.system.paths import RuntimeFiles
+from inferd.system.shm_names import SHM_DIR
+from inferd.system.systemd import StatusReport
 
 REPLY_FLUSH_MS = 1000  # at exit, how long replies still queued to clients may take to leave
 

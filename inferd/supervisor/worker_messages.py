@@ -14,11 +14,11 @@ import zmq
 
 from inferd.ipc import messages
 from inferd.ipc.sockets import recv_parts
-from inferd.supervisor.backstop import failure
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.state import StartupError
-from inferd.supervisor.workers import WorkerTable
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.processes.workers import WorkerTable
+from inferd.supervisor.shared.backstop import failure
+from inferd.supervisor.shared.state import StartupError
+from inferd.supervisor.versions.reload import ReloadManager
 
 log = logging.getLogger("inferd.supervisor")
 

@@ -12,9 +12,9 @@ import threading
 
 import setproctitle
 
-from inferd.logs import setup_logging
+from inferd.system.logs import setup_logging
 
-log = logging.getLogger("inferd.child")
+log = logging.getLogger("inferd.system.child")
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 

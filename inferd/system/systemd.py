@@ -10,7 +10,7 @@ import os
 import socket
 from collections.abc import Callable
 
-log = logging.getLogger("inferd.systemd")
+log = logging.getLogger("inferd.system.systemd")
 
 
 def notify(*fields: str) -> bool:

@@ -20,12 +20,12 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from inferd.child import begin_child
 from inferd.config import loading
 from inferd.config.schema import Config
 from inferd.ipc import messages
-from inferd.logs import set_level
-from inferd.paths import COMPILE_CACHE
+from inferd.system.child import begin_child
+from inferd.system.logs import set_level
+from inferd.system.paths import COMPILE_CACHE
 from inferd.worker.exits import WorkerExit
 
 log = logging.getLogger("inferd.worker")

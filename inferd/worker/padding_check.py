@@ -18,8 +18,8 @@ import numpy as np
 
 from inferd.config.schema import InputSpec, ModelConfig
 from inferd.ipc.messages import TensorSpec
+from inferd.models.unpad import cuts
 from inferd.protocol import DTYPES
-from inferd.unpad import cuts
 
 SEED = 49
 

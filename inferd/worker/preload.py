@@ -16,7 +16,7 @@ import os
 
 import setproctitle
 
-from inferd import child
+from inferd.system import child
 
 setproctitle.setproctitle("inferd: fork server")
 child.fork_server = os.getpid()

@@ -21,12 +21,12 @@ import numpy as np
 import psutil
 import torch
 
-from inferd import model_files
 from inferd.arrays import from_numpy, to_numpy
 from inferd.config.schema import CANARY_ATOL, CANARY_RTOL, ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
+from inferd.models import model_files
+from inferd.models.repository import model_file, writable_by_others
 from inferd.protocol import DTYPES, tensor_bytes
-from inferd.repository import model_file, writable_by_others
 from inferd.worker import padding_check
 from inferd.worker.graphs import Capture, CudaCapture, Graph, Graphs
 

@@ -32,10 +32,10 @@ import msgspec
 import numpy as np
 from msgspec import UNSET, UnsetType
 
-from inferd import __version__, addresses, protocol
+from inferd import __version__, protocol
 from inferd.errors import InvalidRequest, cut, quoted
+from inferd.ipc import addresses
 from inferd.oip import tensors
-from inferd.oip.body_guard import BodyGuard, BodyRefused
 from inferd.oip.catalog import (
     GATEWAY_BUG,
     Catalog,
@@ -46,12 +46,13 @@ from inferd.oip.catalog import (
     Requested,
     server_extensions,
 )
-from inferd.oip.http_server import BODY, CONNECTION, WATCH, Watch
+from inferd.oip.http.body_guard import BodyGuard, BodyRefused
+from inferd.oip.http.server import BODY, CONNECTION, WATCH, Watch
 from inferd.oip.shm import CUDA_REFUSED, InRegion, SharedMemory, cuda_region_missing, region_parameters
 from inferd.oip.upstream import Control, Upstream
 from inferd.protocol import Buffer, ReplyHeader
 
-log = logging.getLogger("inferd.oip.rest")
+log = logging.getLogger("inferd.oip.http.rest")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

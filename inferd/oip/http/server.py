@@ -3,7 +3,7 @@ without finishing a request, or send more header than any request of the protoco
 
 uvicorn closes a connection that idles between requests (keep-alive), but not one that never
 finishes its request head or body, and it keeps every header it is sent. The guard adds a deadline
-for each request head, bounds on its headers and target, and a BodyGuard on its body (oip/body_guard.py:
+for each request head, bounds on its headers and target, and a BodyGuard on its body (body_guard.py:
 a share of the process's buffer, and a pace), so a slow-loris client costs one socket for at most
 HEAD_TIMEOUT_S, or body_guard.PACE_WINDOW_S once its body comes slower than server.min_body_kib_s.
 
@@ -31,10 +31,10 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from inferd import addresses
 from inferd.config.schema import ServerConfig, client_shm_protocols
-from inferd.oip.body_guard import BodyGuard
+from inferd.ipc import addresses
 from inferd.oip.budget import MIB, BodyBudget
+from inferd.oip.http.body_guard import BodyGuard
 from inferd.oip.shm import peer_name
 
 log = logging.getLogger("inferd.oip.http")

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from inferd import __version__
-from inferd.repository import MODEL_FILES, RepositoryError, describe_versions, folders_without_model
-from inferd.supervisor.candidates import Mode
-from inferd.supervisor.command_replies import Then
-from inferd.supervisor.control_server import ControlReply, deferred
-from inferd.supervisor.report import candidate_status, stats_report, worker_summary
-from inferd.supervisor.state import DaemonState
+from inferd.models.repository import MODEL_FILES, RepositoryError, describe_versions, folders_without_model
+from inferd.supervisor.control.control_server import ControlReply, deferred
+from inferd.supervisor.control.report import candidate_status, stats_report, worker_summary
+from inferd.supervisor.shared.candidates import Mode
+from inferd.supervisor.shared.command_replies import Then
+from inferd.supervisor.shared.state import DaemonState
 
 if TYPE_CHECKING:
-    from inferd.supervisor.view import DaemonView
+    from inferd.supervisor.control.view import DaemonView
 
 
 STACKS_WAIT_S = 0.5

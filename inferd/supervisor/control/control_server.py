@@ -1,7 +1,7 @@
 """The control server: the socket `inferctl` talks to.
 
 Each command maps to a `command_<name>` method of a handler object
-(supervisor/commands.py), so a command and a signal that mean the same thing
+(commands.py), so a command and a signal that mean the same thing
 run the same code. `infer` hands its wire-format request to the frontend, so it is
 validated, batched and answered exactly like a request from a client.
 """
@@ -18,13 +18,13 @@ from typing import Any
 import msgspec
 import zmq
 
-from inferd.curve import CurveServer
 from inferd.ipc.control import Answer, ControlClient, ControlError, decode_command, encode_answer
+from inferd.ipc.curve import CurveServer
 from inferd.ipc.sockets import bind_error
-from inferd.supervisor.backstop import failure
-from inferd.supervisor.frontend import Frontend
-from inferd.supervisor.replies import ReplyTo
-from inferd.supervisor.state import StartupError
+from inferd.supervisor.dispatch.replies import ReplyTo
+from inferd.supervisor.intake.frontend import Frontend
+from inferd.supervisor.shared.backstop import failure
+from inferd.supervisor.shared.state import StartupError
 
 log = logging.getLogger("inferd.control")
 

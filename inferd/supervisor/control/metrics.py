@@ -20,13 +20,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from inferd import addresses
-from inferd.supervisor.report import admission_estimate_s, gateway_replies, requests_by_protocol, worker_report
-from inferd.supervisor.state import StartupError
-from inferd.supervisor.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
+from inferd.ipc import addresses
+from inferd.supervisor.control.report import admission_estimate_s, gateway_replies, requests_by_protocol, worker_report
+from inferd.supervisor.shared.state import StartupError
+from inferd.supervisor.shared.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
 
 if TYPE_CHECKING:
-    from inferd.supervisor.view import DaemonView
+    from inferd.supervisor.control.view import DaemonView
 
 log = logging.getLogger("inferd.metrics")
 

@@ -20,11 +20,11 @@ import msgspec
 from inferd.config import loading
 from inferd.config.schema import SECTIONS, Config, ModelConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
-from inferd.repository import RepositoryError, resolve_version
-from inferd.supervisor.command_replies import LoggedReply
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.workers import WorkerTable
+from inferd.models.repository import RepositoryError, resolve_version
+from inferd.supervisor.processes.workers import WorkerTable
+from inferd.supervisor.shared.command_replies import LoggedReply
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.versions.reload import ReloadManager
 
 log = logging.getLogger("inferd.reconfigure")
 

@@ -12,13 +12,13 @@ import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
-from inferd.supervisor.candidates import Candidate, Mode
-from inferd.supervisor.stats import LoadSeries, Series
-from inferd.supervisor.workers import WorkerState
+from inferd.supervisor.processes.workers import WorkerState
+from inferd.supervisor.shared.candidates import Candidate, Mode
+from inferd.supervisor.shared.stats import LoadSeries, Series
 
 if TYPE_CHECKING:
-    from inferd.supervisor.view import DaemonView
-    from inferd.supervisor.workers import WorkerHandle
+    from inferd.supervisor.control.view import DaemonView
+    from inferd.supervisor.processes.workers import WorkerHandle
 
 
 def _latency(series: Series) -> dict[str, dict[str, float]]:

@@ -10,23 +10,23 @@ from collections.abc import Callable
 from typing import Protocol
 
 from inferd.config.schema import Config
-from inferd.repository import VersionNumbers
-from inferd.supervisor.canary import CanaryManager
-from inferd.supervisor.candidates import Candidates
-from inferd.supervisor.connections import Connections
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.forecast import Forecast
-from inferd.supervisor.gateway_processes import Gateway
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.placement import Placement
-from inferd.supervisor.probes import Probes
-from inferd.supervisor.queue import RequestQueue
-from inferd.supervisor.reconfigure import Reconfigurer
-from inferd.supervisor.regions import Regions
-from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.state import DaemonState
-from inferd.supervisor.stats import Stats
-from inferd.supervisor.workers import WorkerTable
+from inferd.models.repository import VersionNumbers
+from inferd.supervisor.control.reconfigure import Reconfigurer
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.intake.connections import Connections
+from inferd.supervisor.intake.forecast import Forecast
+from inferd.supervisor.processes.gateway_processes import Gateway
+from inferd.supervisor.processes.probes import Probes
+from inferd.supervisor.processes.workers import WorkerTable
+from inferd.supervisor.queueing.queue import RequestQueue
+from inferd.supervisor.shared.candidates import Candidates
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.regions import Regions
+from inferd.supervisor.shared.state import DaemonState
+from inferd.supervisor.shared.stats import Stats
+from inferd.supervisor.versions.canary import CanaryManager
+from inferd.supervisor.versions.placement import Placement
+from inferd.supervisor.versions.reload import ReloadManager
 
 
 class DaemonView(Protocol):

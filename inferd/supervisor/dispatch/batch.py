@@ -5,11 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from inferd import unpad
 from inferd.ipc.messages import TensorRef
-from inferd.supervisor.queue import QueuedRequest
-from inferd.supervisor.shadow import ShadowJob
-from inferd.supervisor.workers import ExecutorHandle
+from inferd.models import unpad
+from inferd.supervisor.dispatch.shadow import ShadowJob
+from inferd.supervisor.processes.workers import ExecutorHandle
+from inferd.supervisor.queueing.queue import QueuedRequest
 
 
 @dataclass(eq=False)

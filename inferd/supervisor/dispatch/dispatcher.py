@@ -24,24 +24,25 @@ from collections.abc import Hashable
 
 import zmq
 
-from inferd import protocol, unpad
+from inferd import protocol
 from inferd.config.schema import Config
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place
-from inferd.supervisor import padding
-from inferd.supervisor.backstop import failure
-from inferd.supervisor.batch import Batch
-from inferd.supervisor.batcher import Capacity
-from inferd.supervisor.candidates import Candidate, Candidates, Mode, Split
-from inferd.supervisor.compute_times import ComputeTimes
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.queue import QueuedRequest
-from inferd.supervisor.regions import RegionSlice
-from inferd.supervisor.replies import CANCELLED_ERROR, Replies
-from inferd.supervisor.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare
-from inferd.supervisor.stats import Stats
-from inferd.supervisor.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
+from inferd.models import unpad
+from inferd.supervisor.dispatch.batch import Batch
+from inferd.supervisor.dispatch.compute_times import ComputeTimes
+from inferd.supervisor.dispatch.replies import CANCELLED_ERROR, Replies
+from inferd.supervisor.dispatch.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare
+from inferd.supervisor.processes.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
+from inferd.supervisor.queueing import padding
+from inferd.supervisor.queueing.batcher import Capacity
+from inferd.supervisor.queueing.queue import QueuedRequest
+from inferd.supervisor.shared.backstop import failure
+from inferd.supervisor.shared.candidates import Candidate, Candidates, Mode, Split
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.regions import RegionSlice
+from inferd.supervisor.shared.stats import Stats
 
 log = logging.getLogger("inferd.dispatch")
 

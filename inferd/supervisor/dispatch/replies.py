@@ -24,12 +24,12 @@ from inferd.errors import InvalidRequest
 from inferd.ipc.messages import BatchDone
 from inferd.ipc.sockets import send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader, TensorMeta, Timing
-from inferd.supervisor import padding
-from inferd.supervisor.batch import Batch
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.queue import QueuedRequest
-from inferd.supervisor.regions import Region
-from inferd.supervisor.stats import Stats
+from inferd.supervisor.dispatch.batch import Batch
+from inferd.supervisor.queueing import padding
+from inferd.supervisor.queueing.queue import QueuedRequest
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.regions import Region
+from inferd.supervisor.shared.stats import Stats
 
 log = logging.getLogger("inferd.replies")
 

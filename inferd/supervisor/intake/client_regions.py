@@ -17,12 +17,12 @@ from collections.abc import Sequence
 import zmq
 
 from inferd import protocol
-from inferd.addresses import loopback
 from inferd.config.schema import ServerConfig, client_shm_protocols
 from inferd.errors import InvalidRequest
+from inferd.ipc.addresses import loopback
 from inferd.protocol import Buffer, RegionInfo
-from inferd.supervisor.connections import Connections
-from inferd.supervisor.regions import Region, Regions, RegionSlice
+from inferd.supervisor.intake.connections import Connections
+from inferd.supervisor.shared.regions import Region, Regions, RegionSlice
 
 log = logging.getLogger("inferd.frontend")
 

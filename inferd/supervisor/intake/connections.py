@@ -21,7 +21,7 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from inferd.supervisor import descriptors
+from inferd.supervisor.intake import descriptors
 
 log = logging.getLogger("inferd.frontend")
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
-from inferd.supervisor.compute_times import ComputeTimes
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.queue import RequestQueue
-from inferd.supervisor.workers import PIPELINE_DEPTH, WorkerTable
+from inferd.supervisor.dispatch.compute_times import ComputeTimes
+from inferd.supervisor.processes.workers import PIPELINE_DEPTH, WorkerTable
+from inferd.supervisor.queueing.queue import RequestQueue
+from inferd.supervisor.shared.live import LiveVersions
 
 
 class Forecast:

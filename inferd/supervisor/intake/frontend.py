@@ -26,27 +26,27 @@ from pathlib import Path
 import zmq
 
 from inferd import protocol
-from inferd.addresses import loopback
 from inferd.config.schema import Config, ModelConfig
-from inferd.curve import CurveServer
 from inferd.errors import InvalidRequest
+from inferd.ipc.addresses import loopback
+from inferd.ipc.curve import CurveServer
 from inferd.ipc.messages import TensorSpec
 from inferd.ipc.sockets import bind_error, recv_routed
 from inferd.protocol import Buffer, ReplyHeader
-from inferd.supervisor.backstop import failure
-from inferd.supervisor.candidates import Candidates
-from inferd.supervisor.client_regions import ClientRegions, Places
-from inferd.supervisor.connections import Connections
-from inferd.supervisor.forecast import Forecast
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.padding import output_bytes
-from inferd.supervisor.queue import QueuedRequest, Refusal, RequestQueue, Shapes
-from inferd.supervisor.receive_limits import largest_message, receive_mark
-from inferd.supervisor.regions import Regions, RegionSlice
-from inferd.supervisor.replies import Replies, ReplyTo
-from inferd.supervisor.state import DaemonState, StartupError
-from inferd.supervisor.stats import Stats
-from inferd.supervisor.workers import WorkerState, WorkerTable
+from inferd.supervisor.dispatch.replies import Replies, ReplyTo
+from inferd.supervisor.intake.client_regions import ClientRegions, Places
+from inferd.supervisor.intake.connections import Connections
+from inferd.supervisor.intake.forecast import Forecast
+from inferd.supervisor.intake.receive_limits import largest_message, receive_mark
+from inferd.supervisor.processes.workers import WorkerState, WorkerTable
+from inferd.supervisor.queueing.padding import output_bytes
+from inferd.supervisor.queueing.queue import QueuedRequest, Refusal, RequestQueue, Shapes
+from inferd.supervisor.shared.backstop import failure
+from inferd.supervisor.shared.candidates import Candidates
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.regions import Regions, RegionSlice
+from inferd.supervisor.shared.state import DaemonState, StartupError
+from inferd.supervisor.shared.stats import Stats
 
 log = logging.getLogger("inferd.frontend")
 

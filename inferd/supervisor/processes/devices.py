@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from inferd.supervisor.nvml import cuda_devices, open_nvml
+from inferd.supervisor.processes.nvml import cuda_devices, open_nvml
 
 log = logging.getLogger("inferd.devices")
 

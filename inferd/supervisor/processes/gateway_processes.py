@@ -17,12 +17,12 @@ from collections.abc import Callable
 
 import msgspec
 
-from inferd import addresses
 from inferd.config import loading
 from inferd.config.schema import Config
+from inferd.ipc import addresses
 from inferd.oip.spec import PROTOCOLS, GatewaySpec
-from inferd.supervisor.children import CRASH_WINDOW_S, STOP_TIMEOUT_S, ChildProcess
-from inferd.supervisor.state import StartupError
+from inferd.supervisor.processes.children import CRASH_WINDOW_S, STOP_TIMEOUT_S, ChildProcess
+from inferd.supervisor.shared.state import StartupError
 from inferd.worker.exits import describe_exit
 
 log = logging.getLogger("inferd.gateway")

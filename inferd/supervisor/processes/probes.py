@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from inferd.supervisor.nvml import NvmlId, cuda_devices, open_nvml
+from inferd.supervisor.processes.nvml import NvmlId, cuda_devices, open_nvml
 
 log = logging.getLogger("inferd.probes")
 

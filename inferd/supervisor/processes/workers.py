@@ -25,7 +25,6 @@ from typing import ClassVar
 import msgspec
 import zmq
 
-from inferd import unpad
 from inferd.config import loading
 from inferd.config.schema import Config
 from inferd.ipc import messages
@@ -33,10 +32,11 @@ from inferd.ipc.arena import Arena, ArenaError, arena_name
 from inferd.ipc.messages import LoadedModel
 from inferd.ipc.slots import SlotPool, slot_shortfall
 from inferd.ipc.sockets import send_parts
-from inferd.paths import RuntimeFiles
-from inferd.supervisor.children import CRASH_WINDOW_S, FORKED, ChildProcess
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.state import StartupError
+from inferd.models import unpad
+from inferd.supervisor.processes.children import CRASH_WINDOW_S, FORKED, ChildProcess
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.state import StartupError
+from inferd.system.paths import RuntimeFiles
 from inferd.worker.exits import WorkerExit, describe_exit
 from inferd.worker.main import WorkerSpec, worker_main
 

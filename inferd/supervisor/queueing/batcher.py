@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from inferd.config.schema import Config
-from inferd.supervisor.queue import Bounds, Lane, Levels, QueuedRequest, RequestQueue, Shapes
+from inferd.supervisor.queueing.queue import Bounds, Lane, Levels, QueuedRequest, RequestQueue, Shapes
 
 # The "auto" window sends a batch this long before its executor is expected to be free: the time to
 # stack it and for the worker to pick it up, so the executor never waits for it.

@@ -17,10 +17,10 @@ import numpy as np
 from inferd.config.schema import ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import TensorSpec
+from inferd.models.unpad import Cut, cuts
 from inferd.protocol import DTYPES, Buffer, TensorMeta, tensor_bytes
-from inferd.supervisor.queue import QueuedRequest
-from inferd.supervisor.regions import RegionSlice
-from inferd.unpad import Cut, cuts
+from inferd.supervisor.queueing.queue import QueuedRequest
+from inferd.supervisor.shared.regions import RegionSlice
 
 
 def batch_shapes(model: ModelConfig, requests: Sequence[QueuedRequest]) -> list[tuple[int, ...]]:

@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from inferd.protocol import Buffer, RequestHeader, RequestId
-from inferd.supervisor.regions import Region, RegionSlice
+from inferd.supervisor.shared.regions import Region, RegionSlice
 
 # Each input's per-sample shape, for a request of a model that takes inputs of any size in some dim.
 Shapes = tuple[tuple[int, ...], ...]

@@ -6,9 +6,9 @@ import logging
 from typing import Any, NoReturn
 
 from inferd.config.schema import Config
-from inferd.repository import LIVE_FILE, RepositoryError, resolve_version
+from inferd.models.repository import LIVE_FILE, RepositoryError, resolve_version
 
-log = logging.getLogger("inferd.supervisor.live")
+log = logging.getLogger("inferd.supervisor.shared.live")
 
 # Where a live version came from: the config's `version`, the live versions saved in state_dir
 # (a reload before a restart), or a reload of this run.

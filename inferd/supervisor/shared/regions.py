@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from inferd.errors import InvalidRequest
-from inferd.shm_names import ARENA_NAME, SHM_DIR
+from inferd.system.shm_names import ARENA_NAME, SHM_DIR
 
 KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 MAX_REGIONS_PER_CONNECTION = 64

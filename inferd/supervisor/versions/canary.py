@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from inferd.config.schema import CanaryGuard, Config
-from inferd.repository import RepositoryError, model_file
-from inferd.supervisor.candidates import Candidate, Candidates, Mode, weight_problem
-from inferd.supervisor.command_replies import LoggedReply, Reply
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.reload import Reload, ReloadManager
-from inferd.supervisor.stats import Series, Stats
-from inferd.supervisor.workers import WorkerTable
+from inferd.models.repository import RepositoryError, model_file
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.processes.workers import WorkerTable
+from inferd.supervisor.shared.candidates import Candidate, Candidates, Mode, weight_problem
+from inferd.supervisor.shared.command_replies import LoggedReply, Reply
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.stats import Series, Stats
+from inferd.supervisor.versions.reload import Reload, ReloadManager
 
 log = logging.getLogger("inferd.canary")
 

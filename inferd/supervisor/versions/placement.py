@@ -26,15 +26,15 @@ from typing import Any
 
 from inferd import protocol
 from inferd.config.schema import Config
-from inferd.repository import RepositoryError, model_file
-from inferd.supervisor.command_replies import Reply
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.queue import RequestQueue
-from inferd.supervisor.reload import ReloadManager
-from inferd.supervisor.replies import Replies
-from inferd.supervisor.stats import Stats
-from inferd.supervisor.workers import WorkerHandle, WorkerState, WorkerTable
+from inferd.models.repository import RepositoryError, model_file
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.dispatch.replies import Replies
+from inferd.supervisor.processes.workers import WorkerHandle, WorkerState, WorkerTable
+from inferd.supervisor.queueing.queue import RequestQueue
+from inferd.supervisor.shared.command_replies import Reply
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.stats import Stats
+from inferd.supervisor.versions.reload import ReloadManager
 
 log = logging.getLogger("inferd.placement")
 

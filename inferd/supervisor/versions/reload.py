@@ -28,16 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferd import model_files
 from inferd.config.schema import Config
 from inferd.ipc import messages
-from inferd.repository import RepositoryError, SavedVersions, model_file
-from inferd.supervisor.candidates import Candidates
-from inferd.supervisor.command_replies import Reply
-from inferd.supervisor.dispatch import Dispatcher
-from inferd.supervisor.live import LiveVersions
-from inferd.supervisor.workers import WorkerHandle, WorkerState, WorkerTable
-from inferd.systemd import notify
+from inferd.models import model_files
+from inferd.models.repository import RepositoryError, SavedVersions, model_file
+from inferd.supervisor.dispatch.dispatcher import Dispatcher
+from inferd.supervisor.processes.workers import WorkerHandle, WorkerState, WorkerTable
+from inferd.supervisor.shared.candidates import Candidates
+from inferd.supervisor.shared.command_replies import Reply
+from inferd.supervisor.shared.live import LiveVersions
+from inferd.system.systemd import notify
 
 log = logging.getLogger("inferd.reload")
 
