@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-many bench-perf-analyzer bench-canary bench-curve bench-priority bench-reload bench-restart bench-soak sim clean
+.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-many bench-perf-analyzer bench-canary bench-curve bench-compare bench-priority bench-reload bench-restart bench-soak sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -78,6 +78,12 @@ bench-curve: $(STAMP)
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[bench]"
 	$(PY) -m bench.curve --model mlp
 	$(PY) -m bench.curve --model cnn
+
+# inferd beside TorchServe, LitServe and Ray Serve: the benchmark mlp over each one's HTTP API, C=1..64 (about
+# 4 minutes; the first run installs the three, some 300 MB, into the venv: the `compare` extra).
+bench-compare: $(STAMP)
+	$(PY) -c "import matplotlib, ts, litserve, ray.serve" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[compare]"
+	$(PY) -m bench.compare --rounds 2
 
 # Triton's perf_analyzer beside inferd's own load generator, HTTP and gRPC, C=1, 8 and 64 (about 3 minutes).
 bench-perf-analyzer: $(STAMP) $(THIRD_PARTY)

@@ -68,11 +68,13 @@ def run_open_loops(commands: list[list[str]]) -> list[dict[str, Any]]:
 
 
 def run_oip_loadgen(protocol: str, address: str, model: str, shape: tuple[int, ...], concurrency: int,
-                    seconds: float, warmup: float = 2.0) -> dict[str, Any]:
-    """Run the Open Inference Protocol's load generator in its own process and return its JSON line."""
+                    seconds: float, warmup: float = 2.0, request: Path | None = None) -> dict[str, Any]:
+    """Run the Open Inference Protocol's load generator in its own process and return its JSON line (with
+    `request`, a file: it sends that HTTP request instead of its own)."""
     command = [sys.executable, "-m", "bench.oip_loadgen", "--protocol", protocol, "--address", address,
                "--model", model, "--shape", ",".join(map(str, shape)), "--concurrency", str(concurrency),
                "--seconds", str(seconds), "--warmup", str(warmup)]
+    command += ["--request", str(request)] if request else []
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 

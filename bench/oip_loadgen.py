@@ -7,6 +7,9 @@ reply is read only as far as its status, so what it measures is the daemon, not 
 prints one JSON line of the same shape: samples/s, latency percentiles in ms, the count of each status.
 
     python -m bench.oip_loadgen --protocol http --address 127.0.0.1:8000 --model mlp --shape 256 --concurrency 64
+
+With `--request FILE` (HTTP only) it sends the bytes of FILE, a whole HTTP/1.1 request of one sample, instead
+of an inference request of its own: bench/compare.py drives other servers' own HTTP APIs with the same loop.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -105,11 +109,11 @@ async def drive(senders: list[Send], seconds: float, warmup: float) -> tuple[lis
 
 
 async def run(protocol: str, address: str, model: str, shape: tuple[int, ...], concurrency: int, seconds: float,
-              warmup: float) -> dict:
-    """Drive the front end and return the measurements of the timed part."""
+              warmup: float, request: bytes | None = None) -> dict:
+    """Drive the front end (with `request`, over HTTP: those bytes) and return the measurements of the timed part."""
     data = np.random.default_rng(0).standard_normal((1, *shape)).astype(np.float32)
     if protocol == "http":
-        senders = await http_senders(address, http_request(model, data), concurrency)
+        senders = await http_senders(address, request or http_request(model, data), concurrency)
     else:
         senders = grpc_senders(address, model, data, concurrency)
     cpu_started = time.process_time()
@@ -135,10 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--request", type=Path, help="a file holding the HTTP request to send (--protocol http)")
     args = parser.parse_args(argv)
+    if args.request and args.protocol != "http":
+        parser.error("--request is an HTTP request: use it with --protocol http")
     shape = tuple(int(d) for d in args.shape.split(","))
+    request = args.request.read_bytes() if args.request else None
     result = asyncio.run(run(args.protocol, args.address, args.model, shape, args.concurrency, args.seconds,
-                             args.warmup))
+                             args.warmup, request))
     print(json.dumps(result), flush=True)
     return 0
 
