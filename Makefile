@@ -79,11 +79,11 @@ bench-curve: $(STAMP)
 	$(PY) -m bench.curve --model mlp
 	$(PY) -m bench.curve --model cnn
 
-# inferd beside TorchServe, LitServe and Ray Serve: the benchmark mlp over each one's HTTP API, C=1..64 (about
-# 4 minutes; the first run installs the three, some 300 MB, into the venv: the `compare` extra).
+# inferd beside TorchServe, LitServe and Ray Serve: the benchmark mlp over each one's HTTP API, C=1..64, each
+# server three times (about 8 minutes; the first run installs the three, some 300 MB, into the venv: the `compare` extra).
 bench-compare: $(STAMP)
 	$(PY) -c "import matplotlib, ts, litserve, ray.serve" 2>/dev/null || $(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[compare]"
-	$(PY) -m bench.compare --rounds 2
+	$(PY) -m bench.compare --rounds 3
 
 # Triton's perf_analyzer beside inferd's own load generator, HTTP and gRPC, C=1, 8 and 64 (about 3 minutes).
 bench-perf-analyzer: $(STAMP) $(THIRD_PARTY)

@@ -275,8 +275,8 @@ def medians(rows: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, float
 
 
 def plot(summary: dict[tuple[str, int], dict[str, float]], servers: list[str], levels: tuple[int, ...],
-         path: Path) -> None:
-    """Samples/s and p99 latency per concurrency, a bar per server."""
+         rounds: int, path: Path) -> None:
+    """Samples/s and p99 latency per concurrency, a bar per server (the median of `rounds`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,8 +298,9 @@ def plot(summary: dict[tuple[str, int], dict[str, float]], servers: list[str], l
         axis.grid(True, axis="y", alpha=0.3)
     latency.set_yscale("log")
     throughput.legend(fontsize=9)
-    figure.suptitle("The benchmark mlp over HTTP on a 2-core CPU: 2 replicas of 1 thread, batches of up to 32, "
-                    "2 ms window", fontsize=10)
+    figure.suptitle(f"The benchmark mlp over each server's HTTP API on a 2-core CPU, the median of {rounds} "
+                    "round(s) (make bench-compare)\n2 replicas of 1 torch thread each, batches of up to 32, "
+                    "a 2 ms batch window", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(server, workdir, model, args.levels, args.seconds, round_)
     record("compare", rows)
     summary = medians(rows)
-    plot(summary, servers, args.levels, args.chart)
+    plot(summary, servers, args.levels, args.rounds, args.chart)
     print()
     print(render(summary, servers, args.levels))
     print(f"\nsaved {args.chart} ({time.strftime('%Y-%m-%d %H:%M')})")
