@@ -24,7 +24,7 @@ Triton's own perf_analyzer drives inferd too (bench/perf_analyzer.py).
 `make bench-compare` installs the others (the `compare` extra) and runs this. A server whose package is not
 installed is skipped, saying so. With --rounds N every server runs N times, in an order that rotates, and the
 chart shows each server's median. JSON lines go to bench/results/compare.jsonl, the chart to
-docs/img/compare-mlp.png.
+docs/img/compare-mlp.png (`--chart-only` draws the chart again from the last run recorded, measuring nothing).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import numpy as np
 import psutil
 
 from bench import models, oip_loadgen
-from bench.common import ROOT, record, run_oip_loadgen, start_daemon, table
+from bench.common import RESULTS, ROOT, record, run_oip_loadgen, start_daemon, table
 from bench.run import model_configs
 from inferd.harness import free_port
 
@@ -283,7 +283,9 @@ def plot(summary: dict[tuple[str, int], dict[str, float]], servers: list[str], l
     import matplotlib.pyplot as plt
 
     colors = {"inferd": "tab:red", "torchserve": "tab:blue", "litserve": "tab:purple", "rayserve": "tab:green"}
-    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 3.8))
+    # 7.2 inches wide: the page shows it about 700 px wide, so its 9-point text reads at the page's size.
+    plt.rcParams.update({"font.size": 9})
+    figure, (throughput, latency) = plt.subplots(1, 2, figsize=(7.2, 3.9))
     width = 0.8 / len(servers)
     positions = np.arange(len(levels))
     for index, server in enumerate(servers):
@@ -293,17 +295,30 @@ def plot(summary: dict[tuple[str, int], dict[str, float]], servers: list[str], l
             axis.bar(offsets, values, width, label=NAMES[server], color=colors[server])
     for axis, label in ((throughput, "samples/s (higher is better)"), (latency, "p99 latency, ms (lower is better)")):
         axis.set_xticks(positions, [f"C={level}" for level in levels])
-        axis.set_xlabel("requests in flight (one sample each)")
+        axis.set_xlabel("requests in flight, one sample each")
         axis.set_ylabel(label)
         axis.grid(True, axis="y", alpha=0.3)
     latency.set_yscale("log")
-    throughput.legend(fontsize=9)
-    figure.suptitle(f"The benchmark mlp over each server's HTTP API on a 2-core CPU, the median of {rounds} "
-                    "round(s) (make bench-compare)\n2 replicas of 1 torch thread each, batches of up to 32, "
-                    "a 2 ms batch window", fontsize=10)
+    throughput.legend(fontsize=8)
+    figure.suptitle(f"The benchmark mlp over each server's HTTP API, 2-core CPU, median of {rounds} round(s)\n"
+                    "2 replicas of 1 torch thread, batches of up to 32, 2 ms window (make bench-compare)",
+                    fontsize=9)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=160)
     plt.close(figure)
+
+
+def redraw(path: Path) -> int:
+    """The chart of the last run recorded, drawn again (after a change to the drawing, say)."""
+    rows = [json.loads(line) for line in (RESULTS / "compare.jsonl").read_text().splitlines() if line.strip()]
+    last = [row for row in rows if row["when"] == rows[-1]["when"]]
+    servers = [server for server in APIS if any(row["server"] == server for row in last)]
+    levels = tuple(sorted({row["concurrency"] for row in last}))
+    summary = medians(last)
+    plot(summary, servers, levels, len({row["round"] for row in last}), path)
+    print(render(summary, servers, levels))
+    print(f"\nsaved {path} from the run of {last[0]['when']}")
+    return 0
 
 
 def render(summary: dict[tuple[str, int], dict[str, float]], servers: list[str], levels: tuple[int, ...]) -> str:
@@ -327,7 +342,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated, of " + ", ".join(APIS))
     parser.add_argument("--rounds", type=int, default=1, help="runs of every server, in a rotating order")
     parser.add_argument("--chart", type=Path, default=CHART)
+    parser.add_argument("--chart-only", action="store_true",
+                        help="measure nothing: draw the chart again from the last run in bench/results/compare.jsonl")
     args = parser.parse_args(argv)
+    if args.chart_only:
+        return redraw(args.chart)
     unknown = [s for s in args.servers if s not in APIS]
     if unknown:
         parser.error(f"unknown server(s) {', '.join(unknown)}: choose from {', '.join(APIS)}")
