@@ -1,5 +1,5 @@
 """The benchmark's own tools still work: the load generators against the bare echo, and the daemon;
-the shared-memory echo benchmark, briefly."""
+the shared-memory echo benchmark, and bench.compare's path through inferd, briefly."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import sys
 
 import models
 import pytest
+import torch
 
-from bench import loadgen, oip_loadgen, shm_echo
+from bench import compare, loadgen, oip_loadgen, shm_echo
+from bench import models as bench_models
 from inferd.harness import free_port
 
 # Benchmarks' smoke tests count what a machine manages in a fraction of a second: run them on a quiet one.
@@ -66,3 +68,13 @@ def test_the_shared_memory_echo_benchmark_measures_every_case_at_both_sizes(caps
     assert all(r["requests"] > 0 for r in rows if r["case"] != "copy_bound")
     assert [r["ratio_to_bare"] for r in rows if r["case"] == "bare_echo"] == [1.0, 1.0]
     assert out.count("target: ") == len(shm_echo.TARGETS)
+
+
+def test_the_comparison_checks_inferds_answer_over_http_and_drives_it_with_the_shared_loop(tmp_path):
+    # The path every server of bench.compare takes: its request made once, its first answer checked against
+    # the model in this process, then bench.oip_loadgen sending those bytes (--request) in a closed loop.
+    torch.manual_seed(0)
+    model = bench_models.save(bench_models.mlp(), tmp_path / "repo", "mlp", "v1")
+    rows = compare.measure("inferd", tmp_path, model, levels=(2,), seconds=0.5, round_=0)
+    assert [(r["server"], r["concurrency"]) for r in rows] == [("inferd", 2)]
+    assert rows[0]["statuses"].keys() == {"ok"} and rows[0]["samples_per_s"] > 0
