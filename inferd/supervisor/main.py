@@ -3,15 +3,12 @@
     clients ──▶ Frontend (ROUTER) ──▶ RequestQueue ──▶ Batcher ──▶ Dispatcher ──▶ arena slot + RunBatch ──▶ worker
     clients ◀── Replies ◀─────────── Dispatcher.on_result ◀───────────────────── BatchDone ◀──────────── worker
 
-parts.py builds the parts; this module is the loop, the signals and the life
-cycle. Each decision lives in the part that owns it: admission in the frontend,
-batching in the batcher, routing in the dispatcher, replies in replies.py,
-versions in the reload manager, where on-demand models live in placement,
-processes in the worker table, progress in liveness, SIGHUP in reconfigure.
-Signal handlers only queue the signal; the loop wakes on a self-pipe and calls
-`handle_<signal>`. It blocks on one poller whose timeout is the nearest
-batching, deadline or liveness event, or the housekeeping tick: an idle daemon
-sleeps.
+parts.py builds the parts; this module is the loop, the signals and the life cycle. Each decision lives in
+the part that owns it: admission in the frontend, batching in the batcher, routing in the dispatcher, replies
+in replies.py, versions in the reload manager, where on-demand models live in placement, processes in the
+worker table, progress in liveness, SIGHUP in reconfigure. Signal handlers only queue the signal; the loop
+wakes on a self-pipe and calls `handle_<signal>`. It blocks on one poller whose timeout is the nearest
+batching, deadline or liveness event, or the housekeeping tick: an idle daemon sleeps.
 """
 
 from __future__ import annotations
