@@ -133,19 +133,36 @@ class Receiving:
         return hold, data
 
     async def _read(self, context: Call) -> bytes:
-        read = asyncio.ensure_future(context.read())
+        # A timer looks in on the read each READ_HOLD_S (not a task per call: the call's own task is cancelled
+        # if it must be cut).
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        cut = False
+        timer: asyncio.TimerHandle
+
+        def look_in() -> None:
+            nonlocal cut, timer
+            if not self.budget.contended:
+                timer = loop.call_later(READ_HOLD_S, look_in)
+                return
+            log.warning("cutting a call from %s: its request message took over %g s to come while other calls "
+                        "waited for room", context.peer(), READ_HOLD_S)
+            cut = True
+            task.cancel()
+
+        timer = loop.call_later(READ_HOLD_S, look_in)
         try:
-            while not (await asyncio.wait({read}, timeout=READ_HOLD_S))[0]:
-                if self.budget.contended:
-                    log.warning("cutting a call from %s: its request message took over %g s to come while other "
-                                "calls waited for room", context.peer(), READ_HOLD_S)
-                    raise RpcError(grpc.StatusCode.UNAVAILABLE,
-                                   f"the request message took over {READ_HOLD_S:g} s to arrive while other calls "
-                                   "waited for room in the gateway's buffer (server.gateway_buffer_mb); send it "
-                                   "faster, or retry")
+            data = await context.read()
+        except asyncio.CancelledError:
+            if not cut:
+                raise
+            task.uncancel()
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, f"the request message took over {READ_HOLD_S:g} s to arrive "
+                           "while other calls waited for room in the gateway's buffer (server.gateway_buffer_mb); "
+                           "send it faster, or retry") from None
         finally:
-            read.cancel()
-        data = read.result()
+            timer.cancel()
         if data is grpc.aio.EOF:
             raise InvalidRequest("the call carries no request message")
         return data

@@ -66,18 +66,26 @@ _UNBRACKET = bytes.maketrans(b"[]", b"  ")
 _LEADING = re.compile(rb"[\[\s]*")
 _decode_list = msgspec.json.Decoder(list[Any]).decode
 
+def _give(dtype: str) -> str:
+    """What to send a tensor of `dtype` as, in JSON."""
+    kind = DTYPES[dtype].kind
+    return "give true or false" if kind == "b" else "give whole numbers" if kind in "iu" else "give numbers"
 
-def from_json(text: Buffer, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
-    """A tensor given as JSON `data` (its text, which msgspec has found to be valid JSON), flat or nested as its
-    shape, as raw little-endian bytes.
 
-    The values are decoded a chunk of text at a time into the tensor: decoded whole, a list of Python numbers
-    takes some 32 bytes an element, many times the text it came from."""
-    view = np.frombuffer(text, dtype=np.uint8)
+def from_json(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
+    """A tensor given as JSON `data`, flat or nested as its shape, as raw little-endian bytes: `data` decoded
+    already (a small request's), or its text (a large request's: msgspec.Raw, which msgspec has found to be
+    valid JSON).
+
+    Text is decoded a chunk at a time into the tensor: decoded whole, a list of Python numbers takes some 32
+    bytes an element, many times the text it came from."""
+    if not isinstance(data, msgspec.Raw):
+        return _from_list(data, dtype, shape, what)
+    view = np.frombuffer(data, dtype=np.uint8)
     if not view.size or view[0] != _OPEN:
         raise InvalidRequest(f"{what} has data that is not a list")
     count = math.prod(shape)
-    nested = _check_nesting(view, shape, count, what)
+    nested = _check_nesting(view, shape, count, dtype, what)
     tensor = np.empty(count, dtype=DTYPES[dtype])
     # Each chunk runs from the list's opening bracket or a comma to a comma or its closing bracket, which
     # become the brackets of a list of its own.
@@ -88,11 +96,47 @@ def from_json(text: Buffer, dtype: str, shape: tuple[int, ...], what: str) -> me
         if nested:
             piece = piece.translate(_UNBRACKET)
         piece[0], piece[-1] = _OPEN, _CLOSE
-        values = _values(piece, what, filled)
+        values = _values(piece, dtype, what, filled)
         tensor[filled:filled + len(values)] = _checked(values, dtype, what, filled)
         filled += len(values)
         start = stop
     return tensor.view(np.uint8).data
+
+
+def _from_list(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
+    """A tensor from its values decoded, as lists flat or nested as its shape."""
+    if not isinstance(data, list):
+        raise InvalidRequest(f"{what} has data that is not a list")
+    depth = 1
+    nested = data
+    while depth <= len(shape) and nested and isinstance(nested[0], list):
+        nested = nested[0]
+        depth += 1
+    _check_depth(depth, shape, what)
+    try:
+        values = _exact(np.asarray(data), data, dtype).reshape(-1)
+    except ValueError:
+        raise InvalidRequest(_ragged(what, shape if depth > 1 else None)) from None
+    count = math.prod(shape)
+    if values.size != count:
+        raise InvalidRequest(f"{what} has {values.size} values of data, but shape {list(shape)} holds {count}")
+    return np.ascontiguousarray(_checked(values, dtype, what, 0)).view(np.uint8).data
+
+
+def _check_depth(depth: int, shape: tuple[int, ...], what: str) -> None:
+    """InvalidRequest unless data nested `depth` lists deep is flat or nested as `shape`."""
+    if depth not in (1, len(shape)):
+        depth = min(depth, len(shape) + 1)
+        raise InvalidRequest(f"{what} has data nested {'over ' if depth > len(shape) else ''}{depth} lists deep, "
+                             f"but its shape {list(shape)} has {len(shape)} dims: give it flat, or nested as its shape")
+
+
+def _exact(values: np.ndarray, data: Any, dtype: str) -> np.ndarray:
+    """`values`, as numpy made them of JSON's numbers `data`, unless that lost what they were: integers beyond
+    int64 among others become floats (or objects), which for an integer datatype are kept exact, as objects."""
+    if DTYPES[dtype].kind in "iu" and values.dtype.kind in "fO":
+        return np.array(data, dtype=object)
+    return values
 
 
 def _comma_before(view: np.ndarray, start: int, stop: int, what: str) -> int:
@@ -104,7 +148,7 @@ def _comma_before(view: np.ndarray, start: int, stop: int, what: str) -> int:
     raise InvalidRequest(f"{what} has a value (or a space) of over {CHUNK} characters in its data")
 
 
-def _values(text: bytearray, what: str, offset: int) -> np.ndarray:
+def _values(text: bytearray, dtype: str, what: str, offset: int) -> np.ndarray:
     """The values of a JSON list of numbers, as an array."""
     try:
         items = _decode_list(text)
@@ -112,41 +156,40 @@ def _values(text: bytearray, what: str, offset: int) -> np.ndarray:
         index = re.search(r"\$\[(\d+)\]", str(exc))
         at = f" (element {offset + int(index[1])})" if index else ""
         raise InvalidRequest(f"{what} has a number out of range{at}") from None
-    values = np.asarray(items)
-    if values.dtype.kind in "fO" and not any(isinstance(item, float) for item in items):
-        # Integers beyond int64 among others, which numpy would make floats (or objects): kept exact.
-        values = np.asarray(items, dtype=object)
-    return values
+    return _exact(np.asarray(items), items, dtype)
 
 
-def _check_nesting(view: np.ndarray, shape: tuple[int, ...], count: int, what: str) -> bool:
+def _check_nesting(view: np.ndarray, shape: tuple[int, ...], count: int, dtype: str, what: str) -> bool:
     """Check that JSON data (`view`, a list) is flat or nested as `shape`, and holds `count` values of numbers
     (or booleans); whether it is nested."""
     opens = commas = 0
     for start in range(0, view.size, CHUNK):
         piece = view[start:start + CHUNK].tobytes()
         if b'"' in piece or b"{" in piece:
-            raise InvalidRequest(f"{what} has data that holds strings or objects; give numbers (or true and false)")
+            raise InvalidRequest(f"{what} is {WIRE_TO_DATATYPE[dtype]}, but its data holds strings or objects; "
+                                 f"{_give(dtype)}")
         opens += piece.count(b"[")
         commas += piece.count(b",")
     leading = _LEADING.match(view[:4096].tobytes())
     depth = leading[0].count(b"[") if leading else 1
-    if depth not in (1, len(shape)):
-        depth = min(depth, len(shape) + 1)
-        raise InvalidRequest(f"{what} has data nested {'over ' if depth > len(shape) else ''}{depth} lists deep, "
-                             f"but its shape {list(shape)} has {len(shape)} dims: give it flat, or nested as its shape")
+    _check_depth(depth, shape, what)
     if depth == 1:
         if opens > 1:
-            raise InvalidRequest(f"{what} has nested data whose lists differ in length")
+            raise InvalidRequest(_ragged(what, None))
         given = commas + 1 if commas or view[1:-1].tobytes().strip() else 0
         if given != count:
             raise InvalidRequest(f"{what} has {given} values of data, but shape {list(shape)} holds {count}")
         return False
     lists, separators = _structure(shape)
     if (opens, commas) != (lists, separators) or not _nested_as(_brackets_and_commas(view), shape):
-        raise InvalidRequest(f"{what} has nested data whose lists differ in length, or do not make shape "
-                             f"{list(shape)}")
+        raise InvalidRequest(_ragged(what, shape))
     return True
+
+
+def _ragged(what: str, shape: tuple[int, ...] | None) -> str:
+    """The sentence for nested data that is not a regular array (of `shape`, where it is nested as deep)."""
+    return f"{what} has nested data whose lists differ in length" + (
+        f", or do not make shape {list(shape)}" if shape is not None else "")
 
 
 def _structure(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -199,12 +242,11 @@ def _checked(values: np.ndarray, dtype: str, what: str, offset: int) -> np.ndarr
     # JSON numbers come as bool, int or float: only those the datatype holds exactly are taken.
     # (ml_dtypes' bfloat16 is numpy kind "V": a float all the same.)
     accepted = {"b": "b", "i": "biu", "u": "biu", "f": "biuf", "V": "biuf"}[target.kind]
-    kind = values.dtype.kind
-    if kind == "O" and all(isinstance(value, int) and not isinstance(value, bool) for value in values):
-        kind = "i"  # integers beyond int64 (_values)
+    kind = _kind(values)
     if values.size and kind not in accepted:
-        raise InvalidRequest(f"{what} is {WIRE_TO_DATATYPE[dtype]}, but its data holds {kind!r} "
-                             "values (b: booleans, i: integers, f: numbers with a fraction, U: strings, O: mixed)")
+        held = {"b": "booleans", "i": "integers", "u": "integers", "f": "numbers with a fraction"}.get(
+            kind, "strings or objects")
+        raise InvalidRequest(f"{what} is {WIRE_TO_DATATYPE[dtype]}, but its data holds {held}; {_give(dtype)}")
     if target.kind in "iu" and kind != "b":
         limits = np.iinfo(target)
         bad = np.flatnonzero((values < limits.min) | (values > limits.max))
@@ -227,6 +269,16 @@ def _checked(values: np.ndarray, dtype: str, what: str, offset: int) -> np.ndarr
                                  f"element {offset + int(bad[0])} ({values[bad[0]]}); send finite numbers "
                                  "within its range")
     return converted
+
+
+def _kind(values: np.ndarray) -> str:
+    """What `values` hold, as numpy's kind: of Python objects (_exact), "i" where all are integers, "f" where
+    some have a fraction, else "O"."""
+    if values.dtype.kind != "O":
+        return values.dtype.kind
+    if not all(isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+        return "O"
+    return "f" if any(isinstance(value, float) for value in values) else "i"
 
 
 def to_json(buffer: memoryview | bytes, dtype: str) -> list[Any]:

@@ -106,10 +106,13 @@ _inputs_text = msgspec.json.Decoder(msgspec.defstruct(
     array_like=True, forbid_unknown_fields=True))
 
 
-def _decode_request(text: Buffer) -> dict[str, Any]:
-    """An inference request's JSON, each input's `data` left as its text (msgspec.Raw) for tensors.from_json, and
-    each other field decoded if it is small: so that no part of the request is decoded into a Python object an
-    element."""
+def _decode_request(text: Buffer) -> Any:
+    """An inference request's JSON. A large one's inputs keep their `data` as its text (msgspec.Raw, which
+    tensors.from_json decodes a chunk at a time), and its other fields are decoded only where they are small:
+    so that no part of it is decoded into a Python object an element. A small one is decoded whole, in one
+    call (the cost of most requests: a request's own JSON where its tensors are binary)."""
+    if len(text) <= FIELD_BYTES:
+        return _json.decode(text)
     try:
         fields = _request_text.decode(text)
     except msgspec.ValidationError:
@@ -162,8 +165,7 @@ async def _read_body(receive: Receive, scope: Scope, limit: int) -> Buffer:
     receive() then returns for this to answer."""
     guard: BodyGuard = scope[BODY]
     expected = guard.expected
-    body: np.ndarray | bytearray = np.empty(expected, dtype=np.uint8) if expected is not None and expected <= limit \
-        else bytearray()
+    body: np.ndarray | bytearray | None = None
     size = 0
     more = True
     while more:
@@ -173,15 +175,19 @@ async def _read_body(receive: Receive, scope: Scope, limit: int) -> Buffer:
         if message["type"] == "http.disconnect":
             raise ConnectionAbortedError
         chunk = message.get("body", b"")
+        more = message.get("more_body", False)
         if size + len(chunk) > limit:
             raise HttpError(413, f"the request body is over {limit} bytes (server.max_message_mb)")
+        if body is None:
+            if not more:  # the whole body in one piece, as most are
+                return chunk
+            body = np.empty(expected, dtype=np.uint8) if expected is not None and expected <= limit else bytearray()
         if isinstance(body, np.ndarray):
             body[size:size + len(chunk)] = np.frombuffer(chunk, dtype=np.uint8)
         else:
             body += chunk
         size += len(chunk)
-        more = message.get("more_body", False)
-    return body.data if isinstance(body, np.ndarray) else body
+    return b"" if body is None else body.data if isinstance(body, np.ndarray) else body
 
 
 INFLATE_STEP = 1 << 20  # bytes inflated at a time, each held from the gateway's budget before the next
