@@ -4,7 +4,9 @@ A request is one ZeroMQ multipart message ``[header, buffer_0, ..., buffer_n-1]`
 a REQ client's empty delimiter frame before the header is accepted and echoed
 (ZeroMQ routing, which `ipc.sockets.recv_routed` reads off with the identity).
 The header is UTF-8 JSON; buffer i holds input i, C-contiguous, little-endian,
-exactly ``prod(shape) * itemsize`` bytes. A reply is ``[header, output_0, ...]``.
+exactly ``prod(shape) * itemsize`` bytes; a BYTES tensor (dtype ``bytes``) holds its
+elements in C order, each a 4-byte little-endian length and then its bytes.
+A reply is ``[header, output_0, ...]``.
 
 A local client may instead keep a tensor in a shared-memory region it registered
 (`RegisterRegion`): an input that names a `region` has no buffer, and an output
@@ -22,7 +24,8 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+import struct
+from collections.abc import Callable, Iterable, Sequence
 from typing import Annotated, NamedTuple
 
 import ml_dtypes
@@ -61,9 +64,62 @@ DTYPES: dict[str, np.dtype] = {
 }
 
 
+# A tensor of byte strings (OIP's BYTES): on the wire, in a region and in an arena, its elements in C order, each
+# a 4-byte little-endian length and then its bytes, nothing between them. Its size is its elements'.
+BYTES = "bytes"
+WIRE_DTYPES = (*DTYPES, BYTES)
+_LENGTH = struct.Struct("<I")
+
+
 def tensor_bytes(dtype: str, shape: Sequence[int]) -> int:
-    """Bytes of a tensor of wire dtype `dtype` and shape `shape`, packed."""
+    """Bytes of a tensor of wire dtype `dtype` and shape `shape`, packed (a numeric dtype: a BYTES tensor's size
+    is its elements')."""
     return math.prod(shape) * DTYPES[dtype].itemsize
+
+
+def pack_bytes(elements: Iterable[bytes | str]) -> bytes:
+    """Byte strings (a `str` is encoded UTF-8) in the BYTES layout."""
+    parts: list[bytes] = []
+    for element in elements:
+        data = element.encode() if isinstance(element, str) else bytes(element)
+        parts += (_LENGTH.pack(len(data)), data)
+    return b"".join(parts)
+
+
+def bytes_ends(buffer: Buffer, count: int) -> list[int]:
+    """Where each of the `count` elements of a BYTES tensor in `buffer` ends; ValueError with what is wrong
+    (a length that runs past the buffer, fewer elements, bytes left over) naming the element."""
+    ends = []
+    position, size = 0, len(buffer)
+    for index in range(count):
+        if position + 4 > size:
+            raise ValueError(f"element {index} has no length: the data ends after {index} of {count} elements")
+        length = _LENGTH.unpack_from(buffer, position)[0]
+        position += 4 + length
+        if position > size:
+            raise ValueError(f"element {index} says it is {length} bytes, but {size - position + length} are left")
+        ends.append(position)
+    if position != size:
+        raise ValueError(f"{size - position} bytes follow its {count} elements")
+    return ends
+
+
+def unpack_bytes(buffer: Buffer, count: int) -> list[bytes]:
+    """The `count` byte strings of a BYTES tensor in `buffer` (ValueError as bytes_ends says)."""
+    view = memoryview(buffer).cast("B")
+    start = 0
+    elements = []
+    for end in bytes_ends(view, count):
+        elements.append(bytes(view[start + 4:end]))
+        start = end
+    return elements
+
+
+def bytes_array(buffer: Buffer, shape: Sequence[int]) -> np.ndarray:
+    """A BYTES tensor of `shape` in `buffer` as a numpy object array of `bytes`."""
+    array = np.empty(math.prod(shape), dtype=object)
+    array[:] = unpack_bytes(buffer, len(array))
+    return array.reshape(shape)
 
 MAX_DIMS = 8
 MAX_TENSORS = 64
@@ -79,12 +135,14 @@ Offset = Annotated[int, msgspec.Meta(ge=0)]
 
 class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """The dtype name and full shape (batch dim first) of one tensor on the wire, and the region
-    (of the client's connection) and byte offset in it where its bytes lie instead of in a frame."""
+    (of the client's connection) and byte offset in it where its bytes lie instead of in a frame (and, for a
+    BYTES tensor there, how many bytes it takes)."""
 
     dtype: str
     shape: Annotated[tuple[int, ...], msgspec.Meta(min_length=1, max_length=MAX_DIMS)]
     region: RegionName | None = None
     offset: Offset = 0
+    byte_size: Annotated[int, msgspec.Meta(ge=0)] | None = None  # of a BYTES tensor in a region: its bytes there
 
 
 class OutputPlace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -219,24 +277,24 @@ def request_id_of(header: Buffer) -> RequestId | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def _input_sizes(inputs: tuple[TensorMeta, ...]) -> tuple[int, ...] | str:
-    """The bytes each declared input must have, or the sentence saying why the declaration is invalid.
+def _input_sizes(inputs: tuple[TensorMeta, ...]) -> tuple[int | None, ...] | str:
+    """The bytes each declared input must have (None for a BYTES one: its elements say), or the sentence saying
+    why the declaration is invalid.
 
     Cached: a client sends the same few signatures again and again.
     """
-    sizes = []
+    sizes: list[int | None] = []
     for index, meta in enumerate(inputs):
-        dtype = DTYPES.get(meta.dtype)
-        if dtype is None:
-            return f"input {index} has unknown dtype {meta.dtype!r}; known: {', '.join(DTYPES)}"
+        if meta.dtype not in WIRE_DTYPES:
+            return f"input {index} has unknown dtype {meta.dtype!r}; known: {', '.join(WIRE_DTYPES)}"
         if any(dim <= 0 for dim in meta.shape):
             return f"input {index} has shape {list(meta.shape)}: every dim must be at least 1"
-        sizes.append(tensor_bytes(meta.dtype, meta.shape))
+        sizes.append(None if meta.dtype == BYTES else tensor_bytes(meta.dtype, meta.shape))
     return tuple(sizes)
 
 
-def input_sizes(inputs: tuple[TensorMeta, ...], request_id: RequestId | None = None) -> tuple[int, ...]:
-    """The bytes each declared input has; InvalidRequest if a dtype or shape cannot be."""
+def input_sizes(inputs: tuple[TensorMeta, ...], request_id: RequestId | None = None) -> tuple[int | None, ...]:
+    """The bytes each declared input has (None: BYTES); InvalidRequest if a dtype or shape cannot be."""
     sizes = _input_sizes(inputs)
     if isinstance(sizes, str):
         raise InvalidRequest(sizes, request_id)
@@ -305,7 +363,12 @@ def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | 
     buffers: list[Buffer | None] = [None] * len(inputs)
     for index, buffer in zip(inline, body[1:]):
         meta, expected = inputs[index], sizes[index]
-        if len(buffer) != expected:
+        if expected is None:
+            try:
+                bytes_ends(buffer, math.prod(meta.shape))
+            except ValueError as exc:
+                raise InvalidRequest(f"input {index} is bytes {list(meta.shape)}, and its {exc}", header.id) from None
+        elif len(buffer) != expected:
             raise InvalidRequest(
                 f"input {index} is {len(buffer)} bytes, but {meta.dtype} {list(meta.shape)} "
                 f"needs {expected} bytes",
@@ -334,10 +397,34 @@ def error_reply(
 
 
 def wire_array(array: np.ndarray) -> np.ndarray:
-    """`array` as the wire wants it: a known dtype, little-endian, C-contiguous."""
+    """`array` as the wire wants it: a known dtype, little-endian, C-contiguous; or an object array of `bytes` and
+    `str` (a unicode array becomes one), which travels as BYTES."""
+    if array.dtype.kind == "U":
+        array = array.astype(object)
+    if array.dtype.kind == "O":
+        strange = next((value for value in array.flat if not isinstance(value, (bytes, str))), None)
+        if strange is not None:
+            raise InvalidRequest(f"an object array travels as BYTES, of bytes and str only; it holds a "
+                                 f"{type(strange).__name__}")
+        return array
+    if array.dtype.kind == "S":
+        raise InvalidRequest(f"a fixed-width bytes array ({array.dtype}) has lost the trailing NUL bytes of its "
+                             "elements already; send an object array of bytes (np.array(values, dtype=object))")
     if array.dtype.name not in DTYPES:
-        raise InvalidRequest(f"dtype {array.dtype} cannot travel; use one of {', '.join(DTYPES)}")
+        raise InvalidRequest(f"dtype {array.dtype} cannot travel; use one of {', '.join(WIRE_DTYPES)}")
     return np.ascontiguousarray(array, dtype=DTYPES[array.dtype.name])
+
+
+def wire_size(array: np.ndarray) -> int:
+    """The bytes a wire-ready array takes in a message."""
+    if array.dtype.kind != "O":
+        return array.nbytes
+    return sum(4 + (len(value.encode()) if isinstance(value, str) else len(value)) for value in array.flat)
+
+
+def wire_dtype(array: np.ndarray) -> str:
+    """The wire's name for a wire-ready array's dtype."""
+    return BYTES if array.dtype.kind == "O" else array.dtype.name
 
 
 def encode_request(
@@ -361,8 +448,8 @@ def encode_request(
             metas.append(value)
             continue
         ready = wire_array(value)
-        metas.append(TensorMeta(ready.dtype.name, tuple(ready.shape)))
-        frames.append(_frame(ready))
+        metas.append(TensorMeta(wire_dtype(ready), tuple(ready.shape)))
+        frames.append(frame_of(ready))
     header = RequestHeader(id=request_id, model=model, inputs=tuple(metas), version=version,
                            timeout_ms=timeout_ms, priority=priority, outputs=tuple(outputs))
     return [_encoder.encode(header), *frames]
@@ -373,9 +460,11 @@ def encode_op(op: Op) -> bytes:
     return _encoder.encode(op)
 
 
-def _frame(array: np.ndarray) -> Buffer:
-    """The bytes of a wire-ready array, not copied. Exported as uint8: no buffer format
-    code names ml_dtypes' bfloat16, so `array.data` of one raises."""
+def frame_of(array: np.ndarray) -> Buffer:
+    """The bytes of a wire-ready array: a numeric one's not copied (exported as uint8: no buffer format code names
+    ml_dtypes' bfloat16, so `array.data` of one raises), an object array's packed as BYTES."""
+    if array.dtype.kind == "O":
+        return pack_bytes(array.flat)
     return array.reshape(-1).view(np.uint8).data if array.size else b""
 
 
@@ -406,7 +495,8 @@ def decode_reply(
         buffer = next(frames, None)
         if buffer is None:
             raise ValueError(f"reply declares {len(header.outputs)} outputs but carries {len(body) - 1}")
-        arrays.append(np.frombuffer(buffer, dtype=DTYPES[meta.dtype]).reshape(meta.shape))
+        arrays.append(bytes_array(buffer, meta.shape) if meta.dtype == BYTES
+                      else np.frombuffer(buffer, dtype=DTYPES[meta.dtype]).reshape(meta.shape))
     if next(frames, None) is not None:
         raise ValueError(f"reply declares {len(header.outputs)} outputs but carries {len(body) - 1}")
     return header, arrays

@@ -82,7 +82,9 @@ IDS = {"dtype": "int64", "shape": [-1], "max_shape": [8], "pad_value": 0, "name"
         ({"models": {"a/b": MINIMAL["models"]["m"]}}, "models.a/b: a model name is"),
         ({"models": {"m": {"inputs": [{"dtype": "f32", "shape": [4]}]}}},
          "models.m.inputs: unknown dtype 'f32'; known: bool, uint8, int8, int16, int32, int64, float16, float32, "
-         "float64, bfloat16"),
+         "float64, bfloat16, bytes"),
+        ({"models": {"m": {"inputs": [{"dtype": "bytes", "shape": [-1], "max_shape": [8], "pad_value": 0}]}}},
+         "models.m.inputs: input 0 is bytes and has a pad_value: byte strings are not padded"),
         ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4, 0]}]}}},
          "models.m.inputs: input 0 has shape [4, 0]: each dim is at least 1, or -1 for a dim of any size"),
         ({"models": {"m": {"inputs": [{"dtype": "int64", "shape": [-1]}]}}},

@@ -143,7 +143,7 @@ ERRORS = [
     ("wrong datatype", "mlp", [raw_input("INPUT__0", "FP64", [1, 16], bytes(128))], "StatusCode.INVALID_ARGUMENT",
      "is FP64, but mlp takes FP32"),
     ("bytes", "mlp", [raw_input("INPUT__0", "BYTES", [1, 16], bytes(64))], "StatusCode.INVALID_ARGUMENT",
-     "BYTES, which inferd does not serve"),
+     "is BYTES, but mlp takes FP32"),
     ("shape and bytes disagree", "mlp", [raw_input("INPUT__0", "FP32", [2, 16], ONE.tobytes())],
      "StatusCode.INVALID_ARGUMENT", "has 64 bytes of data, but FP32 [2, 16] needs 128"),
     ("negative dim", "mlp", [raw_input("INPUT__0", "FP32", [-1, 16], ONE.tobytes())], "StatusCode.INVALID_ARGUMENT",

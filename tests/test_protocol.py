@@ -45,7 +45,7 @@ def test_the_refusal_lists_every_known_dtype_bfloat16_among_them():
     with pytest.raises(InvalidRequest) as info:
         protocol.encode_request(1, "m", [np.zeros(2, dtype=ml_dtypes.float8_e4m3fn)])
     assert info.value.message == ("dtype float8_e4m3fn cannot travel; use one of bool, uint8, int8, int16, int32, "
-                                  "int64, float16, float32, float64, bfloat16")
+                                  "int64, float16, float32, float64, bfloat16, bytes")
 
 
 def test_a_bfloat16_array_travels_as_its_raw_two_bytes_a_value_contiguous():
@@ -251,3 +251,38 @@ def test_a_request_carries_its_priority_and_leaves_it_out_when_it_names_none():
     frames = protocol.encode_request(1, "m", [x])
     assert b"priority" not in bytes(frames[0])
     assert protocol.decode_message(frames, LIMIT).header.priority is None
+
+
+def test_byte_strings_travel_as_lengths_and_bytes_and_come_back_as_an_object_array():
+    values = np.array([[b"a\x00\x00", b""], ["né", b"\xff\xfe"]], dtype=object)  # trailing NULs, empty, UTF-8
+    frames = protocol.encode_request(1, "m", [values, np.array(["xy", "z"])])
+    request = protocol.decode_message([bytes(f) for f in frames], LIMIT)
+    assert [(m.dtype, m.shape) for m in request.header.inputs] == [("bytes", (2, 2)), ("bytes", (2,))]
+    assert bytes(request.buffers[0]) == (b"\x03\0\0\0a\0\0" + b"\0\0\0\0" + b"\x03\0\0\0n\xc3\xa9"
+                                         + b"\x02\0\0\0\xff\xfe")
+    reply = protocol.encode_reply(protocol.ReplyHeader(id=1, status=protocol.OK, outputs=(
+        protocol.TensorMeta("bytes", (2, 2)),)))
+    _, [back] = protocol.decode_reply([reply, request.buffers[0]])
+    assert back.dtype == object and back.shape == (2, 2)
+    assert back.tolist() == [[b"a\x00\x00", b""], ["né".encode(), b"\xff\xfe"]]
+
+
+def test_a_fixed_width_bytes_array_is_refused_having_lost_its_trailing_nuls():
+    with pytest.raises(InvalidRequest, match="lost the trailing NUL bytes"):
+        protocol.encode_request(1, "m", [np.array([b"a\x00", b"b"])])
+    with pytest.raises(InvalidRequest, match="of bytes and str only; it holds a int"):
+        protocol.encode_request(1, "m", [np.array([b"a", 3], dtype=object)])
+
+
+@pytest.mark.parametrize("data, shape, sentence", [
+    (b"\x05\0\0\0abc", (1,), "element 0 says it is 5 bytes, but 3 are left"),
+    (b"\x01\0\0\0a\x01\0", (2,), "element 1 has no length: the data ends after 1 of 2 elements"),
+    (b"\x01\0\0\0a\x01\0\0\0b", (1,), "5 bytes follow its 1 elements"),
+    (b"\xff\xff\xff\xff", (1,), "element 0 says it is 4294967295 bytes, but 0 are left"),
+])
+def test_a_bytes_input_whose_lengths_disagree_with_its_data_is_invalid_naming_the_element(data, shape, sentence):
+    header = protocol.encode_header(protocol.RequestHeader(id=3, model="m", inputs=(
+        protocol.TensorMeta("bytes", shape),)))
+    with pytest.raises(InvalidRequest, match=sentence) as refused:
+        protocol.decode_message([header, data], LIMIT)
+    assert refused.value.request_id == 3 and "input 0 is bytes" in refused.value.message

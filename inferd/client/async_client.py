@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-import numpy as np
-
 from inferd import protocol
 from inferd.client.call import Outputs
 from inferd.client.client import Client
-from inferd.client.inputs import Array
+from inferd.client.inputs import Array, Out
 from inferd.client.retry import RetryPolicy
 from inferd.ipc.curve import KeyFile
 
@@ -35,14 +33,14 @@ class AsyncClient:
         await self.close()
 
     async def infer(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-                    version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+                    version: str | None = None, out: Out = None,
                     priority: int | None = None) -> Outputs:
         """Run `model` on `inputs` and return its outputs (`out`, `priority`: see Client.submit); a task
         cancelled while it awaits this cancels the request in the daemon."""
         return await self.submit(model, inputs, timeout=timeout, version=version, out=out, priority=priority)
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-               version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+               version: str | None = None, out: Out = None,
                priority: int | None = None, details: bool = False) -> asyncio.Future:
         """Send a request and return the future of its outputs (with `details`, of its Reply: see
         Client.submit); cancelling it cancels the request."""

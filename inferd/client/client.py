@@ -15,7 +15,7 @@ from inferd import protocol
 from inferd.client.call import Call, Outputs, outputs_of, reply_of
 from inferd.client.endpoints import EndpointPool, Resolver
 from inferd.client.engine import IOLoop
-from inferd.client.inputs import Array, as_inputs
+from inferd.client.inputs import Array, Out, as_inputs
 from inferd.client.mailbox import Cancel, Mailbox
 from inferd.client.retry import RetryPolicy
 from inferd.client.shared_memory import SharedMemoryRegion
@@ -89,28 +89,29 @@ class Client:
         self.close()
 
     def infer(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-              version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+              version: str | None = None, out: Out = None,
               priority: int | None = None) -> Outputs:
         """Run `model` on `inputs` (batch dim first; a list for several inputs) and wait for its outputs
         (`out`, `priority`: see `submit`)."""
         return self.submit(model, inputs, timeout=timeout, version=version, out=out, priority=priority).result()
 
     def submit(self, model: str, inputs: Array | Sequence[Array], *, timeout: float | None = None,
-               version: str | None = None, out: np.ndarray | Sequence[np.ndarray | None] | None = None,
+               version: str | None = None, out: Out = None,
                priority: int | None = None, details: bool = False) -> concurrent.futures.Future:
         """Send a request and return a future of its outputs; do not change `inputs` until it is done.
         With `details`, the future gives a Reply: the outputs, the version that computed them and the
         daemon's timing.
 
         An input that lies in a region registered by this client travels as a reference to it, not as
-        bytes; `out` (one array, or one per output, None for those sent back in the reply) asks outputs
-        written into views of registered regions, and those views are what the future gives.
+        bytes (of BYTES: the description `SharedMemoryRegion.put_bytes` gives); `out` (one array, or one per
+        output, None for those sent back in the reply; or an `OutputPlace` in a region, where a BYTES output
+        goes) asks outputs written into views of registered regions, and those views are what the future gives.
         `priority`: its level in the daemon's queue, 0 the most urgent (default: the client's).
         Cancelling the future cancels the request in the daemon.
         """
         call_id = next(self._ids)
         arrays = [self._in_region(array) for array in as_inputs(inputs)]
-        inline = sum(array.nbytes for array in arrays if isinstance(array, np.ndarray))
+        inline = sum(protocol.wire_size(array) for array in arrays if isinstance(array, np.ndarray))
         if inline > self.max_message_mb * (1 << 20):
             raise InvalidRequest(f"the request holds {inline / 2**20:.1f} MiB of inputs, over the daemon's limit of "
                                  f"{self.max_message_mb:g} MiB (server.max_message_mb); send fewer samples per "
@@ -193,19 +194,21 @@ class Client:
 
     def _in_region(self, array: np.ndarray) -> np.ndarray | protocol.TensorMeta:
         """`array`, or its place in a registered region if it lies in one."""
+        if array.dtype.kind == "O":  # byte strings, which a region holds only as put_bytes lays them out
+            return array
         for region in self._regions.values():
             meta = region.describe(array)
             if meta is not None:
                 return meta
         return array
 
-    def _places(self, out: np.ndarray | Sequence[np.ndarray | None] | None) -> list[protocol.OutputPlace | None]:
+    def _places(self, out: Out) -> list[protocol.OutputPlace | None]:
         if out is None:
             return []
         places: list[protocol.OutputPlace | None] = []
-        for index, array in enumerate([out] if isinstance(out, np.ndarray) else out):
-            if array is None:
-                places.append(None)
+        for index, array in enumerate([out] if isinstance(out, (np.ndarray, protocol.OutputPlace)) else out):
+            if array is None or isinstance(array, protocol.OutputPlace):
+                places.append(array)
                 continue
             place = next(((r.name, offset) for r in self._regions.values()
                           if (offset := r.locate(array)) is not None), None)
@@ -218,6 +221,8 @@ class Client:
         region = self._regions.get(meta.region or "")
         if region is None:
             raise ValueError(f"the reply places an output in region {meta.region!r}, which this client has not")
+        if meta.dtype == protocol.BYTES:
+            return region.bytes_at(meta.shape, meta.offset, meta.byte_size or 0)
         return region.array(meta.dtype, meta.shape, meta.offset)
 
     def _post(self, call: Call) -> concurrent.futures.Future:

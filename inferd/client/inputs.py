@@ -10,6 +10,9 @@ import numpy as np
 from inferd import protocol
 
 Array = Any  # a numpy array, or a torch tensor on any device
+# Where outputs go: an array (a view of a registered region) or an OutputPlace in one, one per output (None: in
+# the reply).
+Out = np.ndarray | protocol.OutputPlace | Sequence[np.ndarray | protocol.OutputPlace | None] | None
 
 
 def as_numpy(value: Array) -> np.ndarray:

@@ -60,6 +60,18 @@ class SharedMemoryRegion:
                              f"of {self.byte_size} bytes")
         return self._bytes[offset: offset + count * wanted.itemsize].view(wanted).reshape(shape)
 
+    def put_bytes(self, values: np.ndarray, offset: int = 0) -> protocol.TensorMeta:
+        """Write byte strings (an array of bytes or str, of its shape) into the region from `offset` on, in the
+        BYTES layout; the description of the input they make, to pass in place of the array."""
+        array = protocol.wire_array(np.asarray(values, dtype=object))
+        data = protocol.pack_bytes(array.flat)
+        self.array("uint8", (len(data),), offset)[:] = np.frombuffer(data, dtype=np.uint8)
+        return protocol.TensorMeta(protocol.BYTES, tuple(array.shape), self.name, offset, len(data))
+
+    def bytes_at(self, shape: tuple[int, ...], offset: int, byte_size: int) -> np.ndarray:
+        """The byte strings of a BYTES tensor of `shape` the daemon wrote at `offset` (`byte_size` bytes)."""
+        return protocol.bytes_array(self.array("uint8", (byte_size,), offset).data, shape)
+
     def locate(self, array: np.ndarray) -> int | None:
         """The byte offset in this region where `array`'s contiguous bytes lie, or None if they lie elsewhere."""
         if self._bytes is None or not array.flags.c_contiguous or array.nbytes == 0:

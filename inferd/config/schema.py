@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from inferd.protocol import DEFAULT_MAX_MESSAGE_MB, DTYPES
+from inferd.protocol import BYTES, DEFAULT_MAX_MESSAGE_MB, WIRE_DTYPES
 from inferd.system.shm_names import ARENA_PREFIX, CLIENT_PREFIX
 
 MODEL_TOML = "model.toml"  # what makes a folder of server.model_root a model
@@ -489,6 +489,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         return any(spec.padded for spec in self.inputs)
 
     @property
+    def takes_bytes(self) -> bool:
+        """Whether an input is BYTES: a batch's size is then its elements', not its shape's."""
+        return any(spec.dtype == BYTES for spec in self.inputs)
+
+    @property
     def batches_by_shape(self) -> bool:
         """Whether a request batches only with requests of its own shape (or shape bucket): inputs of any
         size, unpadded or padded to buckets. Padded to each batch's longest, any request joins any batch."""
@@ -584,9 +589,13 @@ def _check_devices(value: str | tuple[str, ...]) -> str | None:
 
 
 def _check_inputs(value: tuple[InputSpec, ...]) -> str | None:
-    bad = [spec.dtype for spec in value if spec.dtype not in DTYPES]
+    bad = [spec.dtype for spec in value if spec.dtype not in WIRE_DTYPES]
     if bad:
-        return f"unknown dtype {bad[0]!r}; known: {', '.join(DTYPES)}"
+        return f"unknown dtype {bad[0]!r}; known: {', '.join(WIRE_DTYPES)}"
+    padded = next((index for index, spec in enumerate(value) if spec.dtype == BYTES and spec.padded), None)
+    if padded is not None:
+        return (f"input {padded} is bytes and has a pad_value: byte strings are not padded (requests of BYTES "
+                "inputs batch by their shape)")
     return next((problem for index, spec in enumerate(value) if (problem := _check_shape(index, spec))), None) \
         or _check_names([spec.name for spec in value], "input")
 

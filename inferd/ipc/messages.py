@@ -9,14 +9,28 @@ from __future__ import annotations
 import msgspec
 
 from inferd.config.schema import ModelConfig
+from inferd.protocol import BYTES, tensor_bytes
 
 
 class TensorRef(msgspec.Struct, frozen=True, array_like=True):
-    """A tensor in an arena: dtype name, full shape, byte offset from the arena's start."""
+    """A tensor in an arena: dtype name, full shape, byte offset from the arena's start; of a BYTES output, where
+    each sample's elements end, in bytes from `offset` (a BYTES input's elements say so themselves)."""
 
     dtype: str
     shape: tuple[int, ...]
     offset: int
+    ends: tuple[int, ...] = ()
+
+    def nbytes(self) -> int:
+        """The bytes the tensor takes (a BYTES one: as far as its last sample's end)."""
+        return (self.ends[-1] if self.ends else 0) if self.dtype == BYTES else tensor_bytes(self.dtype, self.shape)
+
+    def rows(self, first: int, count: int) -> tuple[int, int]:
+        """Where samples `first` to `first + count` lie: (start, end) in bytes from the arena's start."""
+        if self.dtype == BYTES:
+            return (self.offset + (self.ends[first - 1] if first else 0), self.offset + self.ends[first + count - 1])
+        row = tensor_bytes(self.dtype, self.shape[1:])
+        return self.offset + first * row, self.offset + (first + count) * row
 
 
 class TensorSpec(msgspec.Struct, frozen=True, array_like=True):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from inferd.config.schema import ModelConfig
 from inferd.ipc.messages import TensorSpec
-from inferd.protocol import tensor_bytes
+from inferd.protocol import BYTES, tensor_bytes
 
 ALIGN = 64
 
@@ -39,9 +39,10 @@ def place(start: int, sizes: Sequence[int]) -> tuple[list[int], int]:
 
 def batch_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], samples: int) -> int:
     """Bytes of slot a batch of `samples` samples of `model` takes at most, inputs (at their largest shape)
-    and outputs (`outputs`: the per-sample signature of the model's outputs, as warmed up at that shape)."""
-    rows = [tensor_bytes(spec.dtype, spec.bound) for spec in model.inputs]
-    rows += [tensor_bytes(spec.dtype, spec.shape) for spec in outputs]
+    and outputs (`outputs`: the per-sample signature of the model's outputs, as warmed up at that shape); a
+    BYTES tensor's size is its elements', which the dispatcher fits to a slot batch by batch."""
+    rows = [tensor_bytes(spec.dtype, spec.bound) for spec in model.inputs if spec.dtype != BYTES]
+    rows += [tensor_bytes(spec.dtype, spec.shape) for spec in outputs if spec.dtype != BYTES]
     return place(0, [samples * row for row in rows])[1]
 
 

@@ -216,8 +216,9 @@ class ModelView:
     def place(self, name: str, region: InRegion, samples: int) -> protocol.OutputPlace:
         """Where output `name` of a request of `samples` samples goes: InvalidRequest if it does not fit."""
         dtype, shape = self.outputs[self.output_names.index(name)]
-        # An output whose size follows the inputs' is checked by the daemon, from the request's own sizes.
-        needed = 0 if -1 in shape else samples * protocol.tensor_bytes(dtype, shape)
+        # An output whose size follows the inputs' is checked by the daemon, from the request's own sizes (and a
+        # BYTES one as it is written).
+        needed = 0 if -1 in shape or dtype == protocol.BYTES else samples * protocol.tensor_bytes(dtype, shape)
         if region.byte_size < needed:
             raise InvalidRequest(f"output {name!r} is {needed} bytes, but its shared_memory_byte_size is "
                                  f"{quoted(region.byte_size)}")

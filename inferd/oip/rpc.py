@@ -43,7 +43,8 @@ GRPC_STATUS = {
 }
 # The typed list each datatype's values may come in; FP16 and BF16 have none (raw bytes only).
 CONTENTS = {"BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents", "INT16": "int_contents",
-            "INT32": "int_contents", "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents"}
+            "INT32": "int_contents", "INT64": "int64_contents", "FP32": "fp32_contents", "FP64": "fp64_contents",
+            "BYTES": "bytes_contents"}
 STOP_GRACE_S = 10.0
 ROOM_WAIT_S = 30.0  # the longest a call waits for room in the gateway's buffer to receive its message
 READ_HOLD_S = 10.0  # how long a message may take to come while other calls wait for room

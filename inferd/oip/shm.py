@@ -66,7 +66,7 @@ def region_parameters(parameters: Mapping[str, Any], what: str) -> InRegion | No
 
 def region_response(meta: protocol.TensorMeta) -> dict[str, Any]:
     """The parameters of an output the supervisor wrote in a region: which, where, how many bytes."""
-    size = protocol.tensor_bytes(meta.dtype, meta.shape)
+    size = meta.byte_size if meta.dtype == protocol.BYTES else protocol.tensor_bytes(meta.dtype, meta.shape)
     return {"shared_memory_region": meta.region, "shared_memory_offset": meta.offset,
             "shared_memory_byte_size": size}
 

@@ -11,16 +11,16 @@ import msgspec
 import numpy as np
 
 from inferd.errors import InvalidRequest, quoted
-from inferd.protocol import DTYPES, Buffer, tensor_bytes
+from inferd.protocol import BYTES, DTYPES, Buffer, bytes_ends, pack_bytes, tensor_bytes, unpack_bytes
 
 # The protocol's datatype names and inferd's wire dtypes, one to one.
 DATATYPES: dict[str, str] = {
     "BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
-    "FP16": "float16", "BF16": "bfloat16", "FP32": "float32", "FP64": "float64",
+    "FP16": "float16", "BF16": "bfloat16", "FP32": "float32", "FP64": "float64", "BYTES": BYTES,
 }
 WIRE_TO_DATATYPE: dict[str, str] = {wire: name for name, wire in DATATYPES.items()}
-# Triton's model configuration names each datatype TYPE_<its name in the protocol>.
-TRITON_TYPES: dict[str, str] = {wire: f"TYPE_{name}" for name, wire in DATATYPES.items()}
+# Triton's model configuration names each datatype TYPE_<its name in the protocol>, but BYTES, TYPE_STRING.
+TRITON_TYPES: dict[str, str] = {wire: f"TYPE_{name}" for name, wire in DATATYPES.items()} | {BYTES: "TYPE_STRING"}
 MAX_ELEMENTS = 1 << 31  # no tensor of the protocol may claim more, whatever its bytes say
 
 
@@ -28,10 +28,7 @@ def wire_dtype(datatype: Any, what: str) -> str:
     """inferd's dtype for a protocol datatype name; InvalidRequest naming `what` for any other."""
     if datatype in DATATYPES:
         return DATATYPES[datatype]
-    known = ", ".join(DATATYPES)
-    if datatype == "BYTES":
-        raise InvalidRequest(f"{what} is BYTES, which inferd does not serve; use one of {known}")
-    raise InvalidRequest(f"{what} has datatype {quoted(datatype)}; use one of {known}")
+    raise InvalidRequest(f"{what} has datatype {quoted(datatype)}; use one of {', '.join(DATATYPES)}")
 
 
 def check_shape(shape: Any, what: str) -> tuple[int, ...]:
@@ -47,16 +44,27 @@ def check_shape(shape: Any, what: str) -> tuple[int, ...]:
 
 
 def check_size(size: int, dtype: str, shape: tuple[int, ...], what: str, field: str = "bytes of data") -> None:
-    """InvalidRequest unless a tensor of `dtype` and `shape` is `size` bytes."""
+    """InvalidRequest unless a tensor of `dtype` and `shape` is `size` bytes (a BYTES tensor's elements say
+    their size: the daemon checks them where they lie)."""
+    if dtype == BYTES:
+        return
     expected = tensor_bytes(dtype, shape)
     if size != expected:
         raise InvalidRequest(f"{what} has {size} {field}, but {WIRE_TO_DATATYPE[dtype]} {list(shape)} needs {expected}")
 
 
 def from_bytes(data: Buffer, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
-    """Raw little-endian bytes of a tensor, checked against its dtype and shape (no copy)."""
+    """Raw little-endian bytes of a tensor (a BYTES one's elements, each a 4-byte little-endian length and its
+    bytes), checked against its dtype and shape (no copy)."""
+    view = memoryview(data).cast("B")
+    if dtype == BYTES:
+        try:
+            bytes_ends(view, math.prod(shape))
+        except ValueError as exc:
+            raise InvalidRequest(f"{what} is BYTES {list(shape)}, and its {exc}") from None
+        return view
     check_size(len(data), dtype, shape, what)
-    return memoryview(data).cast("B")
+    return view
 
 
 CHUNK = 256 << 10  # bytes of a tensor's JSON text decoded at a time: the only Python objects its parse makes
@@ -79,6 +87,8 @@ def from_json(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> memor
 
     Text is decoded a chunk at a time into the tensor: decoded whole, a list of Python numbers takes some 32
     bytes an element, many times the text it came from."""
+    if dtype == BYTES:
+        return _strings(msgspec.json.decode(data) if isinstance(data, msgspec.Raw) else data, shape, what)
     if not isinstance(data, msgspec.Raw):
         return _from_list(data, dtype, shape, what)
     view = np.frombuffer(data, dtype=np.uint8)
@@ -101,6 +111,38 @@ def from_json(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> memor
         filled += len(values)
         start = stop
     return tensor.view(np.uint8).data
+
+
+def _strings(data: Any, shape: tuple[int, ...], what: str) -> memoryview:
+    """A BYTES tensor given as JSON strings (flat or nested as its shape), each encoded UTF-8, in its layout."""
+    if not isinstance(data, list):
+        raise InvalidRequest(f"{what} has data that is not a list")
+    values = list(_flat(data, len(shape), what))
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidRequest(f"{what} has {len(values)} values of data, but shape {list(shape)} holds {count}")
+    elements = []
+    for index, value in enumerate(values):
+        if not isinstance(value, str):
+            raise InvalidRequest(f"{what} is BYTES, but element {index} of its data is not a string ({quoted(value)}); "
+                                 "give strings, or send bytes that are not UTF-8 as binary data")
+        try:
+            elements.append(value.encode())
+        except UnicodeEncodeError:
+            raise InvalidRequest(f"{what} has a string at element {index} that is not valid UTF-8 (a lone "
+                                 "surrogate); send it as binary data") from None
+    return memoryview(pack_bytes(elements))
+
+
+def _flat(data: list[Any], dims: int, what: str) -> Any:
+    """The values of `data`, lists nested at most `dims` deep, in order."""
+    for value in data:
+        if isinstance(value, list):
+            if dims <= 1:
+                raise InvalidRequest(f"{what} has data nested deeper than its shape")
+            yield from _flat(value, dims - 1, what)
+        else:
+            yield value
 
 
 def _from_list(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
@@ -223,10 +265,13 @@ def _nested_as(structure: np.ndarray, shape: tuple[int, ...]) -> bool:
 
 
 def from_values(data: Any, dtype: str, shape: tuple[int, ...], what: str) -> memoryview:
-    """A tensor given as a flat sequence of values (gRPC's typed `contents`), as raw little-endian bytes."""
+    """A tensor given as a flat sequence of values (gRPC's typed `contents`), as raw little-endian bytes (of
+    BYTES, its byte strings in their layout)."""
     count = math.prod(shape)
     if len(data) != count:
         raise InvalidRequest(f"{what} has {len(data)} values of data, but shape {list(shape)} holds {count}")
+    if dtype == BYTES:
+        return memoryview(pack_bytes(data))
     values = np.fromiter(data, dtype=_CONTENTS_DTYPES.get(dtype, DTYPES[dtype]), count=count)
     return np.ascontiguousarray(_checked(values, dtype, what, 0)).view(np.uint8).data
 
@@ -281,9 +326,15 @@ def _kind(values: np.ndarray) -> str:
     return "f" if any(isinstance(value, float) for value in values) else "i"
 
 
-def to_json(buffer: memoryview | bytes, dtype: str) -> list[Any]:
-    """An output's bytes as the protocol's flat JSON list."""
-    return np.frombuffer(buffer, dtype=DTYPES[dtype]).tolist()
+def to_json(buffer: memoryview | bytes, dtype: str, count: int) -> list[Any] | None:
+    """An output's `count` values as the protocol's flat JSON list; None for a BYTES one of an element that is
+    not UTF-8, which JSON cannot carry (it goes as binary data)."""
+    if dtype != BYTES:
+        return np.frombuffer(buffer, dtype=DTYPES[dtype]).tolist()
+    try:
+        return [element.decode() for element in unpack_bytes(buffer, count)]
+    except UnicodeDecodeError:
+        return None
 
 
 def metadata(name: str, dtype: str, shape: Sequence[int]) -> dict[str, Any]:

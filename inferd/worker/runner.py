@@ -257,6 +257,9 @@ class ModelRunner:
         if config.cuda_graphs and self._new_capture is None:
             raise ModelError(f"{name} has cuda_graphs = true, which needs a GPU, but this worker runs on "
                              f"{self.device}; set cuda_graphs = false for a model served on the CPU")
+        if config.takes_bytes:
+            raise ModelError(f"{name} takes a bytes input, which a tensor program cannot; decode the byte strings "
+                             "in a Python model (a version folder with model.py) and give the tensors to this one")
         try:
             path = model_file(config.repository or "", version)
         except Exception as exc:  # noqa: BLE001 - a repository error, said in one sentence

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import zlib
 from collections.abc import Awaitable, Callable, Coroutine
@@ -414,9 +415,10 @@ def _raw_request(model: ModelView, size: int) -> dict[str, Any]:
         raise InvalidRequest(f"a raw binary request (Inference-Header-Content-Length 0) is for a model of one "
                              f"input; {model.name} takes {', '.join(model.inputs)}: send JSON naming each")
     spec = model.config.inputs[0]
-    if spec.variable:
+    if spec.variable or spec.dtype == protocol.BYTES:
         raise InvalidRequest(f"a raw binary request cannot say the shape of {model.inputs[0]!r}, which takes "
-                             f"{list(spec.shape)} per sample: send JSON with its shape")
+                             f"{tensors.WIRE_TO_DATATYPE[spec.dtype]} {list(spec.shape)} per sample: send JSON "
+                             "with its shape")
     sample = protocol.tensor_bytes(spec.dtype, spec.shape)
     if size == 0 or size % sample:
         raise InvalidRequest(f"a raw binary request's {size} bytes are not a whole number of samples of "
@@ -582,12 +584,15 @@ class JsonRequest(NamedTuple):
             entry: dict[str, Any] = {"name": name, "datatype": tensors.WIRE_TO_DATATYPE[meta.dtype],
                                      "shape": list(meta.shape)}
             # One in a region has neither data nor parameters, as Triton answers: Triton's C++ client
-            # takes an output's parameters for binary_data_size.
-            if data is not None and as_binary:
+            # takes an output's parameters for binary_data_size. BYTES that are not UTF-8 go as binary data:
+            # JSON cannot carry them.
+            values = tensors.to_json(data, meta.dtype, math.prod(meta.shape)) if data is not None and not as_binary \
+                else None
+            if values is not None:
+                entry["data"] = values
+            elif data is not None:
                 entry["parameters"] = {"binary_data_size": len(data)}
                 binary.append(data)
-            elif data is not None:
-                entry["data"] = tensors.to_json(data, meta.dtype)
             entries.append(entry)
         response: dict[str, Any] = {"model_name": model.name, "model_version": reply.version, "outputs": entries}
         if self.request_id is not None:

@@ -20,15 +20,15 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 import zmq
 
 from inferd import protocol
-from inferd.config.schema import Config
+from inferd.config.schema import Config, ModelConfig
 from inferd.errors import InvalidRequest
-from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef
-from inferd.ipc.slots import place
+from inferd.ipc.messages import BatchDone, BatchFailed, RunBatch, TensorRef, TensorSpec
+from inferd.ipc.slots import align_up, place
 from inferd.models import unpad
 from inferd.supervisor.dispatch.batch import Batch
 from inferd.supervisor.dispatch.compute_times import ComputeTimes
@@ -107,15 +107,14 @@ class Dispatcher:
         """Copy `requests` into a slot of the least busy executor of their version and send it there.
 
         Returns the requests to put back in the queue: during a canary, those that name the version
-        the batch did not go to, when every executor of theirs is busy.
+        the batch did not go to, when every executor of theirs is busy; and those of a model of BYTES
+        inputs that did not fit the slot beside the others.
         """
         candidate = self.candidates.get(model)
         if candidate is None:
             version = self.live[model]
             requests = self._keep_version(requests, model, version)
-            if requests:
-                self._send(model, version, requests, False, time.monotonic())
-            return []
+            return self._send(model, version, requests, False, time.monotonic()) if requests else []
         left: list[QueuedRequest] = []
         for index, (version, group, copy_for_shadow) in enumerate(self._route(model, requests, candidate)):
             if not group:
@@ -123,7 +122,7 @@ class Dispatcher:
             if index and self.workers.executors_serving(model, version) and self._pick_executor(model, version) is None:
                 left += group  # the part the batch did not go to waits for an executor of its version
             else:
-                self._send(model, version, group, copy_for_shadow, time.monotonic())
+                left += self._send(model, version, group, copy_for_shadow, time.monotonic())
         return left
 
     def _route(self, model: str, requests: list[QueuedRequest],
@@ -157,21 +156,24 @@ class Dispatcher:
                                    f"live ({live!r}) nor its canary ({canary!r}) any more", live)
         return [(version, group, False) for version, group in groups.items()]
 
-    def _send(self, model: str, version: str, requests: list[QueuedRequest], copy_for_shadow: bool, now: float) -> None:
+    def _send(self, model: str, version: str, requests: list[QueuedRequest], copy_for_shadow: bool,
+              now: float) -> list[QueuedRequest]:
+        """Send `requests` to an executor of `version`; those that must wait for a later batch."""
         executor = self._pick_executor(model, version)
         if executor is None:
             for request in requests:
                 self.replies.error(request, protocol.UNAVAILABLE, f"no worker is ready to run {version}")
-            return
+            return []
         requests = self._in_time(model, requests, executor, now)
-        if not requests:
-            return
         worker = executor.worker
+        requests, left = self._fitting(model, version, requests, worker.slots.slot_size)
+        if not requests:
+            return left
         slot = worker.slots.acquire()
         if slot is None:  # cannot happen while slots = executors x depth; never lose requests if it does
             for request in requests:
                 self.replies.error(request, protocol.INTERNAL, "no free arena slot")
-            return
+            return left
         batch = Batch(next(self._ids), model, version, requests, executor, slot, now, 0,
                       cuts=self._cuts(model, version), copy_for_shadow=copy_for_shadow)
         while True:
@@ -181,17 +183,17 @@ class Dispatcher:
             except SlotOverflow:  # the load-time slot checks make this unreachable; never write past a slot
                 worker.slots.release(slot)
                 self.replies.failed(batch, "the batch does not fit an arena slot")
-                return
+                return left
             except UnreadableInput as exc:  # that request alone is answered; the rest are stacked again
                 self.replies.error(exc.request, protocol.INVALID, exc.error.message)
                 requests.remove(exc.request)
                 if not requests:
                     worker.slots.release(slot)
-                    return
+                    return left
         if not self.workers.send(executor.identity, message):
             worker.slots.release(slot)
             self.replies.failed(batch, f"worker{worker.index} cannot be reached")
-            return
+            return left
         batch.inputs = message.inputs
         if self.config.models[model].variable:
             self._count_shape(batch)
@@ -203,6 +205,31 @@ class Dispatcher:
         self.inflight[batch.id] = batch
         self.workers.model_used(worker, model, now)
         self.stats.batch(now, model, version, samples)
+        return left
+
+    def _fitting(self, model: str, version: str, requests: list[QueuedRequest],
+                 slot_size: int) -> tuple[list[QueuedRequest], list[QueuedRequest]]:
+        """Of a batch of a model with BYTES inputs, whose size its elements say, the requests whose tensors fit
+        one slot together (in order), and those left for a later batch; a request that fits no slot alone is
+        answered `invalid`. (The size of a batch of numeric tensors is checked once, at load: a full one fits.)"""
+        spec = self.config.models[model]
+        if not spec.takes_bytes:
+            return requests, []
+        outputs = self.workers.signature(model, version) or ()
+        fitting: list[QueuedRequest] = []
+        used = 0
+        for index, request in enumerate(requests):
+            need = slot_need(spec, outputs, request)
+            if need > slot_size:
+                self.replies.error(request, protocol.INVALID, f"the request's tensors take about {need} bytes of "
+                                   f"an arena slot of {slot_size} (workers.shm_mb); send fewer samples or shorter "
+                                   "elements, or raise workers.shm_mb")
+                continue
+            if used + need > slot_size:
+                return fitting, requests[index:]
+            fitting.append(request)
+            used += need
+        return fitting, []
 
     def _in_time(self, model: str, requests: list[QueuedRequest], executor: ExecutorHandle,
                  now: float) -> list[QueuedRequest]:
@@ -351,7 +378,7 @@ class Dispatcher:
         buf = batch.executor.worker.arena.buf
 
         def copied(ref: TensorRef) -> tuple[TensorRef, bytes]:
-            return ref, bytes(buf[ref.offset:ref.offset + protocol.tensor_bytes(ref.dtype, ref.shape)])
+            return ref, bytes(buf[ref.offset:ref.offset + ref.nbytes()])
 
         self.shadow_jobs.add(ShadowJob(batch.model, candidate.version, [copied(r) for r in batch.inputs],
                                   [copied(r) for r in result.outputs], tuple(r.samples for r in batch.requests),
@@ -369,7 +396,7 @@ class Dispatcher:
             series.dropped["stale"] += requests
             return
         buf = batch.executor.worker.arena.buf
-        outputs = [(ref, buf[ref.offset:ref.offset + protocol.tensor_bytes(ref.dtype, ref.shape)])
+        outputs = [(ref, buf[ref.offset:ref.offset + ref.nbytes()])
                    for ref in result.outputs]
         comparison = compare(job.outputs, outputs, job.samples)
         series.compared += comparison.requests
@@ -530,7 +557,9 @@ class Dispatcher:
         base, size = worker.slots.offset(batch.slot), worker.slots.slot_size
         samples = sum(r.samples for r in batch.requests)
         shapes = padding.batch_shapes(spec, batch.requests)
-        sizes = [samples * protocol.tensor_bytes(s.dtype, shape) for s, shape in zip(spec.inputs, shapes)]
+        sizes = [sum(len(r.buffers[index]) for r in batch.requests) if s.dtype == protocol.BYTES
+                 else samples * protocol.tensor_bytes(s.dtype, shape)
+                 for index, (s, shape) in enumerate(zip(spec.inputs, shapes))]
         offsets, end = place(base, sizes)
         if end > base + size:
             raise SlotOverflow
@@ -549,6 +578,8 @@ class Dispatcher:
                 if isinstance(value, RegionSlice):
                     try:
                         value.read_into(buf[offset:end])
+                        if input_spec.dtype == protocol.BYTES:  # a frame's were checked as it was decoded
+                            _check_bytes(buf[offset:end], request.header.inputs[index], index)
                     except InvalidRequest as exc:
                         raise UnreadableInput(request, exc) from None
                 else:
@@ -564,3 +595,23 @@ class Dispatcher:
             samples=tuple(r.samples for r in batch.requests),
             deadlines=tuple(r.deadline for r in batch.requests),
         )
+
+
+def _check_bytes(data: memoryview, meta: protocol.TensorMeta, index: int) -> None:
+    """InvalidRequest unless `data` holds the elements of BYTES input `index` (`meta`) as the layout says."""
+    try:
+        protocol.bytes_ends(data, math.prod(meta.shape))
+    except ValueError as exc:
+        raise InvalidRequest(f"input {index} is bytes {list(meta.shape)} in region {meta.region!r}, and its "
+                             f"{exc}") from None
+
+
+def slot_need(spec: ModelConfig, outputs: Sequence[TensorSpec], request: QueuedRequest) -> int:
+    """About what one request of a model with BYTES inputs takes of a slot: its inputs, and its outputs (a
+    BYTES one taken as large as the request's BYTES inputs: only the model knows its size), each aligned."""
+    inputs = [len(buffer) for buffer in request.buffers]
+    in_bytes = sum(size for size, input_spec in zip(inputs, spec.inputs) if input_spec.dtype == protocol.BYTES)
+    sizes = [*inputs, *(in_bytes if output.dtype == protocol.BYTES
+                        else request.samples * protocol.tensor_bytes(output.dtype, output.shape)
+                        for output in outputs)]
+    return sum(align_up(size) for size in sizes)

@@ -21,7 +21,7 @@ import zmq
 
 from inferd import protocol
 from inferd.errors import InvalidRequest
-from inferd.ipc.messages import BatchDone
+from inferd.ipc.messages import BatchDone, TensorRef
 from inferd.ipc.sockets import send_parts, send_parts_tracked
 from inferd.protocol import Buffer, ReplyHeader, TensorMeta, Timing
 from inferd.supervisor.dispatch.batch import Batch
@@ -123,7 +123,8 @@ class Replies:
         its batch computed: no `ok` leaves after a deadline), each cancelled one `cancelled`; one answered at
         its deadline already gets nothing more."""
         buf = batch.executor.worker.arena.buf
-        sizes = [protocol.tensor_bytes(ref.dtype, ref.shape[1:]) for ref in done.outputs]
+        sizes = [None if ref.dtype == protocol.BYTES else protocol.tensor_bytes(ref.dtype, ref.shape[1:])
+                 for ref in done.outputs]
         now = time.monotonic()
         expired = set(done.expired)
         # Requests of a batch mostly carry the same sample count: their output metadata is shared.
@@ -153,10 +154,8 @@ class Replies:
             if outputs is None:
                 outputs = metas[samples] = tuple(TensorMeta(ref.dtype, (samples, *ref.shape[1:]))
                                                  for ref in done.outputs)
-            frames = [
-                buf[ref.offset + row * size : ref.offset + (row + samples) * size]
-                for ref, size in zip(done.outputs, sizes)
-            ]
+            frames = [buf[ref.offset + row * size : ref.offset + (row + samples) * size] if size is not None
+                      else _rows(buf, ref, row, samples) for ref, size in zip(done.outputs, sizes)]
             if batch.cuts:  # its inputs were padded: the outputs that follow them are cut back to its own size
                 own = list(outputs)
                 for cut in batch.cuts:
@@ -234,5 +233,12 @@ def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[Te
             continue
         region, offset = place
         region.write_from([frame], offset)
-        described.append(TensorMeta(meta.dtype, meta.shape, region.name, offset))
+        described.append(TensorMeta(meta.dtype, meta.shape, region.name, offset,
+                                    len(frame) if meta.dtype == protocol.BYTES else None))
     return tuple(described), left
+
+
+def _rows(buf: memoryview, ref: TensorRef, first: int, count: int) -> memoryview:
+    """Samples `first` to `first + count` of a BYTES output."""
+    start, end = ref.rows(first, count)
+    return buf[start:end]

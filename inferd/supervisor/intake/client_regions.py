@@ -107,8 +107,13 @@ class ClientRegions:
                     continue
                 assert meta.region is not None  # decode_message leaves None only for inputs in a region
                 region = self.regions.get(owner, meta.region)
-                region.check(meta.offset, sizes[index], f"input {index}")
-                resolved.append(RegionSlice(region, meta.offset, sizes[index]))
+                size = sizes[index]
+                if size is None:  # BYTES: the bytes its elements take, as the client says
+                    if meta.byte_size is None:
+                        raise InvalidRequest(f"input {index} is bytes in region {meta.region!r}: give its byte_size")
+                    size = meta.byte_size
+                region.check(meta.offset, size, f"input {index}")
+                resolved.append(RegionSlice(region, meta.offset, size))
                 used.add(region)
             for place in header.outputs:
                 if place is None:

@@ -35,8 +35,10 @@ def largest_message(config: Config) -> int:
 
 def largest_request(config: Config) -> int:
     """The bytes of the largest request a model takes: a full batch of its inputs at their largest shape,
-    and a header; at most largest_message()."""
-    inputs = max((model.max_batch_size * sum(tensor_bytes(spec.dtype, spec.bound) for spec in model.inputs)
+    and a header (a model of BYTES inputs, whose size their elements say: the largest message); at most
+    largest_message()."""
+    inputs = max((largest_message(config) if model.takes_bytes else
+                  model.max_batch_size * sum(tensor_bytes(spec.dtype, spec.bound) for spec in model.inputs)
                   for model in config.models.values()), default=0)
     return min(largest_message(config), inputs + HEADER_BYTES)
 

@@ -18,7 +18,7 @@ from inferd.config.schema import ModelConfig
 from inferd.errors import InvalidRequest
 from inferd.ipc.messages import TensorSpec
 from inferd.models.unpad import Cut, cuts
-from inferd.protocol import DTYPES, Buffer, TensorMeta, tensor_bytes
+from inferd.protocol import BYTES, DTYPES, Buffer, TensorMeta, tensor_bytes
 from inferd.supervisor.queueing.queue import QueuedRequest
 from inferd.supervisor.shared.regions import RegionSlice
 
@@ -65,8 +65,10 @@ def output_bytes(model: ModelConfig, outputs: Sequence[TensorSpec], index: int, 
                  samples: int) -> int | None:
     """The bytes output `index` of a request (of `samples` samples, `inputs` as it sent them) comes back in,
     where that is known before it is computed: an output of fixed size, or one cut back to the request's
-    own size of the input dims it follows; None for an output whose size only the model knows."""
+    own size of the input dims it follows; None for an output whose size only the model knows (BYTES too)."""
     spec = outputs[index]
+    if spec.dtype == BYTES:
+        return None
     sizes: dict[int, int] = {}
     if spec.varies:
         cut = next((cut for cut in cuts(model, outputs) if cut.output == index), None) if model.padded else None
