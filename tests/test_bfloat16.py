@@ -129,10 +129,10 @@ def test_an_unknown_dtype_gets_the_sentence_that_lists_bfloat16(bf16_daemon):
         reply, _ = peer.recv()
     assert reply["status"] == "invalid"
     assert reply["error"] == ("input 0 has unknown dtype 'bfloat17'; known: bool, uint8, int8, int16, int32, "
-                              "int64, float16, float32, float64, bfloat16")
+                              "int64, float16, float32, float64, bfloat16, bytes")
 
 
 def test_an_array_that_cannot_travel_is_refused_by_the_client_with_the_known_dtypes(bf16_daemon):
     with bf16_daemon.client() as client:
-        with pytest.raises(InvalidRequest, match="dtype float8_e4m3fn cannot travel; use one of .*, bfloat16$"):
+        with pytest.raises(InvalidRequest, match="dtype float8_e4m3fn cannot travel; use one of .*, bfloat16, bytes$"):
             client.infer("bf16", np.zeros((1, FEATURES), dtype=ml_dtypes.float8_e4m3fn))
