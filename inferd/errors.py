@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 QUOTED_CHARS = 200  # the most of a client's value an error sentence repeats
+MODEL_ERROR_CHARS = 500  # the most of a model's exception message an error reply carries
 
 
 class InferdError(Exception):
@@ -54,6 +55,12 @@ class InferenceError(InferdError):
     status = "internal"
 
 
+class InvalidInput(InvalidRequest):
+    """Raised by a Python model's code (`raise inferd.InvalidInput("...")`) for a request whose input it cannot
+    take: the request is answered `invalid` (HTTP 400, gRPC INVALID_ARGUMENT) with the message, where any other
+    exception is answered `internal`."""
+
+
 class Cancelled(InferdError):
     """The request was cancelled by the connection that sent it (the daemon dropped it, or its result)."""
 
@@ -77,9 +84,10 @@ def quoted(value: Any) -> str:
     return cut(text)
 
 
-def cut(text: str) -> str:
-    """`text`, from a client or made of what it sent, cut to QUOTED_CHARS characters and said to be cut."""
-    return text if len(text) <= QUOTED_CHARS else f"{text[:QUOTED_CHARS]}... (cut at {QUOTED_CHARS} characters)"
+def cut(text: str, limit: int = QUOTED_CHARS) -> str:
+    """`text`, from a client or made of what it sent (or a model's exception message), cut to `limit` characters
+    and said to be cut."""
+    return text if len(text) <= limit else f"{text[:limit]}... (cut at {limit} characters)"
 
 
 def _repr_pieces(value: Any) -> Iterator[str]:

@@ -202,6 +202,7 @@ def build_repository(root: Path) -> dict[str, Path]:
     files["seesbatch/v1"] = save_script(SeesBatch, root, "seesbatch", "v1", 17)
     files["ragged/v1"] = save_script(lambda: Ragged(str(root / GATES)), root, "ragged", "v1", 18)
     files["meanpooled/v1"] = save_script(MeanPooled, root, "meanpooled", "v1", 19)
+    files["picky/v1"] = save_script(lambda: Picky(str(root / GATES)), root, "picky", "v1", 20)
     return files
 
 
@@ -356,6 +357,23 @@ class Variable(torch.nn.Module):
         for _ in range(first):
             acc = acc + 1.0
         return x + acc * 0.0
+
+
+class Picky(torch.nn.Module):
+    """float32 [2] -> [2], x * 3; a batch holding a sample whose second value is negative raises. A batch whose
+    first value is -n waits at gate n first, as Variable's."""
+
+    def __init__(self, gates: str) -> None:
+        super().__init__()
+        self.gates = gates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = int(x[0, 0].item())
+        if first < 0:
+            torch.save(x, self.gates + "/" + str(-first))
+        if bool((x[:, 1] < 0).any()):
+            raise RuntimeError("a negative second value is refused by the model")
+        return x * 3
 
 
 RAGGED_MAX = 64  # the longest sample `ragged` is configured for

@@ -611,10 +611,19 @@ def test_a_canary_compares_a_bfloat16_output_with_its_float32_expectation(tmp_pa
         assert loaded.outputs == (messages.TensorSpec("bfloat16", (2,)),)
 
 
-def test_out_of_memory_fails_only_its_batch_with_a_sentence(executor):
+def test_out_of_memory_fails_only_its_request_with_a_sentence(executor):
     result = executor.run_batch(batch(executor, [[-1, 0], [2, 3]], (1e12, 1e12)))
-    assert isinstance(result, messages.BatchFailed)
-    assert result.error == "out of memory on cpu for batch 7 of oom v1, 2 samples"
+    assert isinstance(result, messages.BatchDone) and result.outputs == ()
+    assert result.failed == (messages.RequestFailed(0, "internal", "out of memory on cpu for batch 7 of oom v1, "
+                                                                   "1 samples"),)
+    assert result.each[0] == () and result.each[1][0].shape == (1, 2)
+    (ref,) = result.each[1]
+    np.testing.assert_array_equal(np.ndarray(ref.shape, np.float32, buffer=executor.arena.buf, offset=ref.offset),
+                                  [[6, 9]])
+    whole = msgspec.structs.replace(batch(executor, [[-1, 0], [2, 3]], (1e12, 1e12)), retry_alone=False)
+    result = executor.run_batch(whole)
+    assert isinstance(result, messages.BatchFailed), "a model not safe to run twice fails its batch, as before"
+    assert result.error == "out of memory on cpu for batch 7 of oom v1, 2 samples" and result.status == "internal"
     good = executor.run_batch(batch(executor, [[1, 2]], (1e12,)))
     assert isinstance(good, messages.BatchDone), "the executor serves on"
 

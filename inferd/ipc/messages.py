@@ -83,7 +83,9 @@ class RunBatch(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
     `samples` and `deadlines` are per request, in row order: a request whose deadline
     (time.monotonic(), one clock for every process of the machine) has passed when the
-    compute would start is not computed.
+    compute would start is not computed. With `retry_alone` (the model's retry_lost_batches),
+    a batch of several requests that raises is run again one request at a time, so that a
+    bad request fails alone.
     """
 
     batch_id: int
@@ -94,6 +96,16 @@ class RunBatch(msgspec.Struct, frozen=True, tag=True, array_like=True):
     inputs: tuple[TensorRef, ...]
     samples: tuple[int, ...]
     deadlines: tuple[float, ...]
+    retry_alone: bool = True
+
+
+class RequestFailed(msgspec.Struct, frozen=True, array_like=True):
+    """Request `index` of a batch raised when it was run alone: its reply's `status` (invalid or internal) and
+    `error` (the sentence naming the model, the version and the exception)."""
+
+    index: int
+    status: str
+    error: str
 
 
 class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -107,6 +119,10 @@ class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
     `phases_us`: how `compute_us` divides into taking the inputs to the device, the model's
     forward, and writing the outputs to the arena (what Triton's statistics call
     compute_input, compute_infer and compute_output).
+
+    A batch that raised and was run again one request at a time (RunBatch.retry_alone)
+    has no `outputs`: `each` holds, per request in row order, the refs of its own outputs
+    (none for an expired or failed one), and `failed` the requests that raised alone.
     """
 
     batch_id: int
@@ -117,13 +133,17 @@ class BatchDone(msgspec.Struct, frozen=True, tag=True, array_like=True):
     growth: int
     expired: tuple[int, ...]
     phases_us: tuple[int, int, int] = (0, 0, 0)
+    failed: tuple[RequestFailed, ...] = ()
+    each: tuple[tuple[TensorRef, ...], ...] = ()
 
 
 class BatchFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """The batch could not run; `error` says why."""
+    """The batch could not run; `error` says why, and `status` (internal, or invalid where the model refused
+    the input) is its requests' reply status."""
 
     batch_id: int
     error: str
+    status: str = "internal"
 
 
 class Shutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):

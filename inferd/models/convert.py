@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from inferd.compute.executor import describe_error
 from inferd.config.schema import CANARY_ATOL, CANARY_RTOL, ModelConfig, version_problem
 from inferd.models import model_files
 from inferd.models.repository import RepositoryError, model_file, writable_by_others
-from inferd.worker.runner import TORCH_DTYPES, as_outputs, describe_error
+from inferd.worker.runner import TORCH_DTYPES, as_outputs
 
 SEED = 0
 EXAMPLE_LENGTH = 5  # what a -1 dim is in the examples that trace the program (not 1: export specializes it)

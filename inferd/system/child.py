@@ -1,4 +1,4 @@
-"""What every process the supervisor spawns (workers, gateways) does first."""
+"""What every process the supervisor starts (workers, steps, gateways) does first."""
 
 from __future__ import annotations
 
@@ -22,9 +22,12 @@ PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 fork_server: int | None = None
 
 
-def begin_child(title: str, component: str, log_level: str, parent_gone_code: int) -> None:
+def begin_child(title: str, component: str, log_level: str, parent_gone_code: int,
+                parent_fd: int | None = None) -> None:
     """Name the process `title` in ps, log as `component`, leave SIGINT to the supervisor, and exit
-    with `parent_gone_code` the moment the supervisor is gone, so no orphan holds a port or a device."""
+    with `parent_gone_code` the moment the supervisor is gone, so no orphan holds a port or a device: when
+    `parent_fd` (the read end of a pipe only the supervisor writes to) comes to its end, or else when
+    multiprocessing's sentinel of the parent says so."""
     if fork_server is not None:
         _die_with_fork_server(parent_gone_code)
     setproctitle.setproctitle(title)
@@ -33,11 +36,12 @@ def begin_child(title: str, component: str, log_level: str, parent_gone_code: in
     # process group, and must not cut short the work the drain still needs.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = multiprocessing.parent_process()
-    if parent is None:
+    sentinel = parent_fd if parent_fd is not None else parent.sentinel if parent is not None else None
+    if sentinel is None:
         return
 
     def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
+        multiprocessing.connection.wait([sentinel])
         log.error("the supervisor is gone; exiting")
         os._exit(parent_gone_code)
 

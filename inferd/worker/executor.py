@@ -1,10 +1,10 @@
-"""An executor: one thread of a worker that runs one batch at a time.
+"""A worker's executor: the compute of one batch with torch (the loop around it, and the rule that a bad request
+fails alone, are inferd.compute.executor's).
 
 It reads the batch in place from the arena (`arrays.from_numpy` over the shared
-buffer, no copy), skips the requests whose deadline has passed, runs the model,
-writes the outputs back into the same slot (as ipc/slots.py lays them out) and
-answers with a small descriptor. On a GPU each executor owns a CUDA stream, so
-one executor's copies overlap another's compute.
+buffer, no copy), runs the model on the rows it is given, and writes the outputs
+back into the same slot (as ipc/slots.py lays them out). On a GPU each executor
+owns a CUDA stream, so one executor's copies overlap another's compute.
 """
 
 from __future__ import annotations
@@ -13,25 +13,25 @@ import contextlib
 import itertools
 import logging
 import os
-import threading
 import time
 
 import numpy as np
 import torch
 import zmq
 
+from inferd import protocol
 from inferd.arrays import from_numpy
-from inferd.ipc import messages
+from inferd.compute import executor as compute
+from inferd.compute.executor import Computed, Overlap, Rows, describe_error
+from inferd.errors import MODEL_ERROR_CHARS, cut
 from inferd.ipc.arena import Arena
-from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RunBatch, TensorRef
+from inferd.ipc.messages import Hello, RunBatch, TensorRef
 from inferd.ipc.slots import place
-from inferd.protocol import DTYPES, tensor_bytes
+from inferd.protocol import DTYPES
 from inferd.worker.exits import WorkerExit
-from inferd.worker.runner import DTYPE_NAMES, ModelRunner, describe_error
+from inferd.worker.runner import DTYPE_NAMES, ModelRunner
 
 log = logging.getLogger("inferd.worker.executor")
-
-PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 # CUDA errors after which the context is unusable for every later call (the sticky ones);
 # any other error, out of memory above all, fails its batch and the worker serves on.
 STICKY_CUDA_ERRORS = (
@@ -86,30 +86,7 @@ class PhaseClock:
         return first, second, third
 
 
-class Overlap:
-    """Tells an executor whether its batch ran alone in the worker: only then is the memory its
-    batch grew by its own (another executor's activations would count too)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._running = 0
-        self._began = 0
-
-    def begin(self) -> int:
-        """A batch starts; returns its token."""
-        with self._lock:
-            self._running += 1
-            self._began += 1
-            return self._began if self._running == 1 else -1
-
-    def end(self, token: int) -> bool:
-        """The batch of `token` ended; True when no other batch ran at any moment of it."""
-        with self._lock:
-            self._running -= 1
-            return token == self._began
-
-
-class Executor(threading.Thread):
+class Executor(compute.Executor):
     """Runs the batches sent to its own socket, one at a time, on its own stream."""
 
     def __init__(
@@ -123,27 +100,16 @@ class Executor(threading.Thread):
         stop_fd: int,
         overlap: Overlap,
     ) -> None:
-        super().__init__(name=f"executor-{index}", daemon=True)
-        self.index = index
+        super().__init__(index, context, backend, hello, stop_fd, overlap)
         self.arena = arena
         self._base = arena.address()
         self.runner = runner
-        self.stop_fd = stop_fd
-        self.overlap = overlap
-        self.busy = False  # read by the worker's main thread: it trims GPU memory only when all are idle
-        self.socket = context.socket(zmq.DEALER)
-        self.socket.linger = 0
-        self.socket.connect(backend)
-        self.socket.send(messages.encode(hello))
         device = runner.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._cpu_threads = torch.get_num_threads() if self.stream is None else None  # workers.cpu_threads
-        # Read around every batch: a descriptor kept open costs one pread, where opening the
-        # file each time cost several times that.
-        self._statm = os.open("/proc/self/statm", os.O_RDONLY) if self.stream is None else None
 
-    def run(self) -> None:
-        """Serve batches until `stop_fd` becomes readable."""
+    def prepare(self) -> None:
+        """Bind this thread to the worker's device, or on the CPU to workers.cpu_threads."""
         if self.stream is not None:
             # The current device is per thread: without this, a worker on cuda:1 would run on cuda:0.
             torch.cuda.set_device(self.runner.device)
@@ -152,101 +118,66 @@ class Executor(threading.Thread):
             # a team whose threads spin-wait for each other. Beside a busy core that made a 50 ms batch
             # take 400 ms (the idle-CPU test's backlog stalled behind a CPU burner).
             torch.set_num_threads(self._cpu_threads)
-        poller = zmq.Poller()
-        poller.register(self.socket, zmq.POLLIN)
-        poller.register(self.stop_fd, zmq.POLLIN)
-        try:
-            while True:
-                ready = dict(poller.poll())
-                if self.stop_fd in ready:
-                    return
-                message = messages.decode(self.socket.recv())
-                if isinstance(message, RunBatch):
-                    self.busy = True
-                    result = self.run_batch(message)
-                    self.busy = False
-                    self.socket.send(messages.encode(result))
-        finally:
-            self.socket.close()
-            if self._statm is not None:
-                os.close(self._statm)
 
-    def run_batch(self, batch: RunBatch) -> BatchDone | BatchFailed:
-        """Run one batch; any failure becomes a BatchFailed naming it, never a dead thread.
-
-        Requests whose deadline has passed are not computed: they are named in the
-        answer's `expired`, and only the others' rows go through the model.
-        """
-        now = time.monotonic()
-        expired = tuple(i for i, deadline in enumerate(batch.deadlines) if deadline <= now)
-        if len(expired) == len(batch.samples):
-            return BatchDone(batch.batch_id, (), 0, *self.memory(), 0, expired)
-        token = self.overlap.begin()
-        before = self.memory()[0]
-        started = time.perf_counter()
-        clock = PhaseClock(self.stream)
-        try:
-            outputs = self._compute(batch, expired, clock)
-        except Exception as exc:  # noqa: BLE001 - a model may raise anything
-            self.overlap.end(token)
-            return self._failed(batch, exc, len(expired))
-        compute_us = int((time.perf_counter() - started) * 1e6)
-        memory, reserved = self.memory()
-        growth = memory - before if self.overlap.end(token) else 0
-        return BatchDone(batch.batch_id, outputs, compute_us, memory, reserved, growth, expired, clock.phases_us())
-
-    def _failed(self, batch: RunBatch, exc: Exception, expired: int) -> BatchFailed:
-        samples = sum(batch.samples) - expired
-        what = f"batch {batch.batch_id} of {batch.model} {batch.version}, {samples} samples"
+    def on_failure(self, exc: BaseException) -> None:
+        """Out of memory: give the allocator's cache back, so the next batch finds the memory this one could
+        not (its activations are gone with the exception). A CUDA error that poisons the device context: exit,
+        and let the supervisor answer what ran here and start a clean worker."""
         if is_out_of_memory(exc):
-            # Its activations are gone with the exception; give the allocator's cache back so the
-            # next batch finds the memory this one could not.
             self.runner.release_memory()
-            error = f"out of memory on {self.runner.device} for {what}"
-        else:
-            error = describe_error(exc)
-        log.error("%s failed: %s", what, error)
-        if is_sticky_cuda_error(exc):
-            # The context is poisoned for every later call: leave, and let the supervisor
-            # answer what ran here and start a clean worker.
-            log.error("a CUDA error that poisons the device context: exiting so that a fresh worker takes over")
+        elif is_sticky_cuda_error(exc):
+            log.error("a CUDA error that poisons the device context (%s): exiting so that a fresh worker takes "
+                      "over", describe_error(exc))
             logging.shutdown()
             os._exit(WorkerExit.CUDA_ERROR)
-        return BatchFailed(batch.batch_id, error)
+
+    def failure(self, batch: RunBatch, exc: BaseException, samples: int) -> tuple[str, str]:
+        """Out of memory is said as such; any other exception as every compute process says it."""
+        if is_out_of_memory(exc):
+            return protocol.INTERNAL, (f"out of memory on {self.runner.device} for batch {batch.batch_id} "
+                                               f"of {batch.model} {batch.version}, {samples} samples")
+        return super().failure(batch, exc, samples)
+
+    def exception_text(self, exc: BaseException) -> str:
+        """A TorchScript error carries the model's exception, type and message, on its traceback's last line."""
+        if isinstance(exc, torch.jit.Error):
+            return cut(describe_error(exc), MODEL_ERROR_CHARS)
+        return super().exception_text(exc)
 
     def memory(self) -> tuple[int, int]:
         """(bytes in use, bytes reserved): the device allocator's on a GPU, resident host memory on the CPU."""
         if self.stream is not None:
             device = self.runner.device
             return torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        assert self._statm is not None
-        return int(os.pread(self._statm, 128, 0).split()[1]) * PAGE_SIZE, 0
+        return super().memory()
 
-    def _compute(self, batch: RunBatch, expired: tuple[int, ...], clock: PhaseClock) -> tuple[TensorRef, ...]:
+    def compute(self, batch: RunBatch, rows: list[Rows], start: int) -> Computed:
+        """The model on `rows` of the batch, its outputs written into the slot from `start`."""
+        clock = PhaseClock(self.stream)
         stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with stream:
             clock.mark()
             inputs = [arena_tensor(self.arena, ref.dtype, ref.shape, ref.offset) for ref in batch.inputs]
-            if expired:
-                rows = _live_rows(batch.samples, expired)
-                inputs = [torch.cat([x[start:end] for start, end in rows]) for x in inputs]
+            if rows != [(0, inputs[0].shape[0])]:
+                inputs = [x[rows[0][0]:rows[0][1]] if len(rows) == 1 else torch.cat([x[a:b] for a, b in rows])
+                          for x in inputs]
             model, staged = self.runner.stage(batch.model, batch.version, inputs, self.index)
             clock.mark()
             outputs = model.run(staged)
             clock.mark()
-            inputs_end = place(batch.slot_offset, [tensor_bytes(ref.dtype, ref.shape) for ref in batch.inputs])[1]
-            refs = self._write_outputs(outputs, inputs_end, batch.slot_offset, batch.slot_offset + batch.slot_size)
+            refs, end = self._write_outputs(outputs, start, batch.slot_offset, batch.slot_offset + batch.slot_size)
             clock.mark()
             if self.stream is not None:
                 # Wait for this stream's copies only, not for the whole device.
                 done = torch.cuda.Event()
                 done.record(self.stream)
                 done.synchronize()
-        return refs
+        return Computed(refs, end, clock.phases_us())
 
     def _write_outputs(self, outputs: tuple[torch.Tensor, ...], start: int, slot_start: int,
-                       slot_end: int) -> tuple[TensorRef, ...]:
-        """Put each output in the slot after the inputs; one already in the slot stays where it is."""
+                       slot_end: int) -> tuple[tuple[TensorRef, ...], int]:
+        """Put each output in the slot from `start` on; one already in the slot stays where it is. The refs, and
+        the offset past the last one written."""
         names = []
         for output in outputs:
             dtype = DTYPE_NAMES.get(output.dtype)
@@ -268,7 +199,7 @@ class Executor(threading.Thread):
             if where is None:
                 arena_tensor(self.arena, dtype, shape, at).copy_(output, non_blocking=True)
             refs.append(TensorRef(dtype, shape, at))
-        return tuple(refs)
+        return tuple(refs), end
 
     def _offset_in_slot(self, output: torch.Tensor, slot_start: int, slot_end: int) -> int | None:
         """The arena offset of a contiguous CPU output that lies inside this batch's slot, else None."""
@@ -278,18 +209,3 @@ class Executor(threading.Thread):
         if slot_start <= offset and offset + output.numel() * output.element_size() <= slot_end:
             return offset
         return None
-
-
-def _live_rows(samples: tuple[int, ...], expired: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The row ranges of the requests not in `expired`, merged where they touch."""
-    rows: list[tuple[int, int]] = []
-    gone = set(expired)
-    start = 0
-    for index, count in enumerate(samples):
-        if index not in gone:
-            if rows and rows[-1][1] == start:
-                rows[-1] = (rows[-1][0], start + count)
-            else:
-                rows.append((start, start + count))
-        start += count
-    return rows

@@ -1,51 +1,32 @@
 """The worker process: one device, its models, its executors.
 
-Forked from the workers' fork server (preload), which never touches CUDA. It
-attaches its arena, loads and warms every model, starts one executor per
-stream, then reports Ready. It exits when told to, or on its own as soon as
-the supervisor is gone.
+Forked from the workers' fork server (preload), which never touches CUDA. Its
+life (hello, boot, ready, the supervisor's control messages, stop) is every
+compute process's (inferd.compute.process); what is a worker's own is here: it
+attaches its arena (page-locked on a GPU), loads and warms every model with
+torch, makes one executor per stream, and returns unused GPU memory when idle.
 """
 
 from __future__ import annotations
 
-import faulthandler
-import gc
 import logging
 import os
-import signal
-import sys
-import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 import zmq
 
+from inferd.compute.executor import Executor as AnyExecutor
+from inferd.compute.process import Booted, ProcessSpec, run_process
 from inferd.config import loading
 from inferd.config.schema import Config
 from inferd.ipc import messages
-from inferd.system.child import begin_child
-from inferd.system.logs import set_level
 from inferd.system.paths import COMPILE_CACHE
-from inferd.worker.exits import WorkerExit
 
 log = logging.getLogger("inferd.worker")
 
-LOADER_NICENESS = 10
-TRIM_CHECK_MS = 1000
 TRIM_FLOOR_BYTES = 64 << 20  # what an idle worker's reservation must grow by before it trims again
-
-
-class WorkerSpec(msgspec.Struct, frozen=True):
-    """Everything a worker needs, handed over at spawn as msgpack."""
-
-    worker: int
-    generation: int
-    device: str
-    backend: str
-    arena: str
-    config: bytes
-    versions: dict[str, str]  # the live version of each model loaded at boot
-    stacks: str  # file the worker's thread stacks are written to on SIGUSR1 (inferctl stacks)
 
 
 def _device(name: str):
@@ -81,62 +62,15 @@ def _unpin(arena) -> None:
 
 def worker_main(encoded_spec: bytes) -> None:
     """Entry point of a worker process, forked from the workers' fork server."""
-    spec = msgspec.msgpack.decode(encoded_spec, type=WorkerSpec)
+    spec = msgspec.msgpack.decode(encoded_spec, type=ProcessSpec)
     config = loading.decode(spec.config)
     # Read by torch.compile's inductor when it first compiles: what one worker compiled, the others (and a
     # restart) load from here. Inductor keys what it keeps by the torch version and the device.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(config.server.state_dir or "") / COMPILE_CACHE))
-    begin_child(f"inferd: worker{spec.worker} gen{spec.generation} {spec.device}", f"worker{spec.worker}",
-                config.server.log_level, WorkerExit.PARENT_GONE)
-    # Written from the signal handler itself, so a worker hung inside a model still answers.
-    stacks = open(spec.stacks, "a")  # noqa: SIM115 - open for the life of the process
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    # A hung worker is aborted with SIGABRT; a crash (SIGSEGV, ...) kills it: either way its
-    # Python stacks go to stderr, so the log says where it was.
-    faulthandler.enable(all_threads=True)
-    context = zmq.Context()
-    control = context.socket(zmq.DEALER)
-    control.linger = 1000
-    control.connect(spec.backend)
-    control.send(messages.encode(messages.Hello(spec.worker, spec.generation, None)))
-    # Readable once the worker stops; every executor polls it beside its socket.
-    stop_r, stop_w = os.pipe()
-    try:
-        arena, pinned, executors, runner, ready = _boot(spec, config, context, stop_r)
-    except Exception as exc:  # noqa: BLE001 - whatever stops the boot is said in one sentence
-        log.error("boot failed: %s", exc)
-        control.send(messages.encode(messages.BootFailed(str(exc))))
-        control.close()
-        context.term()
-        sys.exit(WorkerExit.BOOT_ERROR)
-    # torch brings ~170k long-lived Python objects; a full collection over them
-    # holds the GIL for ~130 ms and stops every executor. Freezing them keeps
-    # later collections (automatic, or after an unload) down to what is new.
-    gc.freeze()
-    for executor in executors:
-        executor.start()
-    control.send(messages.encode(ready))
-    log.info("ready on %s with %d executor(s), pid %d", spec.device, len(executors), os.getpid())
-    # From now on this thread only loads and warms new versions: let the
-    # executors, which serve the live one, have the CPU first.
-    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
-    _serve_control(control, runner, executors, config.workers.fragmentation_trim)
-    os.write(stop_w, b"\0")
-    for executor in executors:
-        executor.join()
-    if pinned:
-        _unpin(arena)
-    arena.close()
-    control.close()
-    context.term()
-    log.info("stopped")
-    logging.shutdown()
-    # Everything this process owns is released; skip the interpreter's slow
-    # teardown of torch, which would only delay the supervisor's stop.
-    os._exit(0)
+    run_process(spec, config, _boot)
 
 
-def _boot(spec: WorkerSpec, config: Config, context: zmq.Context, stop_fd: int):
+def _boot(spec: ProcessSpec, config: Config, context: zmq.Context, stop_fd: int) -> Booted:
     """Attach the arena, load and warm the models of `spec.versions`, create the executors (not yet started)."""
     import torch
 
@@ -166,7 +100,14 @@ def _boot(spec: WorkerSpec, config: Config, context: zmq.Context, stop_fd: int):
         for executor in executors:  # never started: their sockets would keep the context from closing
             executor.socket.close()
         raise
-    return arena, pinned, executors, runner, messages.Ready(pid=os.getpid(), device=spec.device, models=loaded)
+
+    def release() -> None:
+        if pinned:
+            _unpin(arena)
+        arena.close()
+
+    return Booted(list(executors), WorkerHost(runner, streams, config.workers.fragmentation_trim),
+                  messages.Ready(pid=os.getpid(), device=spec.device, models=loaded), release)
 
 
 class IdleTrim:
@@ -192,60 +133,49 @@ class IdleTrim:
         self._after_last = reserved
 
 
-def _trim(control: zmq.Socket, runner) -> int:
-    """Trim a GPU worker's allocator and tell the supervisor what it holds now; the bytes freed."""
-    freed = runner.trim()
-    control.send(messages.encode(messages.Trimmed(*runner.allocator_memory())))
-    return freed
+class WorkerHost:
+    """A worker's answers to the supervisor's control messages (inferd.compute.process.Runner): versions loaded
+    and warmed on each executor's stream, and a GPU's unused memory returned when asked, or when its
+    executors are all idle and IdleTrim says so."""
 
+    def __init__(self, runner, streams: list, trim_above: float) -> None:
+        self.runner = runner
+        self.streams = streams  # the executors' CUDA streams (none on the CPU)
+        self._idle_trim = IdleTrim(trim_above)
 
-def _serve_control(control: zmq.Socket, runner, executors, trim_above: float) -> None:
-    """Load and unload versions, and trim, as the supervisor asks, until it says Shutdown.
+    def load_version(self, message: messages.LoadVersion) -> tuple[messages.LoadedModel, float, float]:
+        """Load and warm a version on each executor's stream (ModelRunner.load)."""
+        return self.runner.load(message.model, message.config, message.version, message.expect,
+                                message.memory_factor, self.streams)
 
-    Loading runs here, in the main thread, while the executors go on serving the
-    live version; a version becomes usable only once the supervisor flips to it.
-    Between messages, a GPU worker whose executors are all idle gives its
-    allocator's unused memory back when IdleTrim says so.
-    """
-    from inferd.worker.runner import describe_error
+    def unload(self, model: str, version: str) -> None:
+        """Free a version (ModelRunner.unload)."""
+        self.runner.unload(model, version)
 
-    idle_trim = IdleTrim(trim_above)
-    while True:
-        if not control.poll(TRIM_CHECK_MS):
-            if runner.device.type == "cuda" and not any(e.busy for e in executors):
-                allocated, reserved = runner.allocator_memory()
-                if idle_trim.due(allocated, reserved):
-                    log.info("idle with %.0f%% of reserved GPU memory unused; returned %.1f MiB to the device",
-                             (reserved - allocated) / reserved * 100, _trim(control, runner) / 2**20)
-                    idle_trim.trimmed(runner.allocator_memory()[1])
-            continue
-        message = messages.decode(control.recv())
-        if isinstance(message, messages.Shutdown):
+    def release_memory(self) -> None:
+        """Collect what a failed load left; on a GPU return its cached blocks."""
+        self.runner.release_memory()
+
+    def idle(self, control: zmq.Socket, executors: Sequence[AnyExecutor]) -> None:
+        """A GPU worker whose executors are all idle gives its allocator's unused memory back when IdleTrim
+        says so."""
+        if self.runner.device.type != "cuda" or any(e.busy for e in executors):
             return
-        if isinstance(message, messages.LoadVersion):
-            reply: messages.VersionLoaded | messages.VersionFailed
-            try:
-                loaded, load_s, warm_s = runner.load(
-                    message.model, message.config, message.version, message.expect, message.memory_factor,
-                    [e.stream for e in executors if e.stream is not None],
-                )
-                reply = messages.VersionLoaded(message.model, loaded, load_s, warm_s)
-            except Exception as exc:  # noqa: BLE001 - a model may raise anything; the worker must live on
-                error = describe_error(exc)
-                log.error("cannot load %s %s: %s", message.model, message.version, error)
-                reply = messages.VersionFailed(message.model, message.version, error)
-            if isinstance(reply, messages.VersionFailed):
-                runner.release_memory()  # only now is the failed version's traceback gone
-            control.send(messages.encode(reply))
-        elif isinstance(message, messages.Ping):
-            control.send(messages.encode(messages.Pong(message.sent)))
-        elif isinstance(message, messages.UnloadVersion):
-            runner.unload(message.model, message.version)
-        elif isinstance(message, messages.SetLogLevel):
-            set_level(message.level)
-        elif isinstance(message, messages.TrimMemory):
-            if runner.device.type == "cuda":
-                log.info("asked to trim: returned %.1f MiB of unused GPU memory to the device",
-                         _trim(control, runner) / 2**20)
-            else:
-                log.info("asked to trim: nothing to return on the CPU")
+        allocated, reserved = self.runner.allocator_memory()
+        if self._idle_trim.due(allocated, reserved):
+            log.info("idle with %.0f%% of reserved GPU memory unused; returned %.1f MiB to the device",
+                     (reserved - allocated) / reserved * 100, self._trim(control) / 2**20)
+            self._idle_trim.trimmed(self.runner.allocator_memory()[1])
+
+    def trim(self, control: zmq.Socket) -> None:
+        """Asked to trim: a GPU worker returns its unused GPU memory now."""
+        if self.runner.device.type == "cuda":
+            log.info("asked to trim: returned %.1f MiB of unused GPU memory to the device", self._trim(control) / 2**20)
+        else:
+            log.info("asked to trim: nothing to return on the CPU")
+
+    def _trim(self, control: zmq.Socket) -> int:
+        """Trim the GPU allocator and tell the supervisor what it holds now; the bytes freed."""
+        freed = self.runner.trim()
+        control.send(messages.encode(messages.Trimmed(*self.runner.allocator_memory())))
+        return freed

@@ -22,6 +22,7 @@ import psutil
 import torch
 
 from inferd.arrays import from_numpy, to_numpy
+from inferd.compute.executor import describe_error
 from inferd.config.schema import CANARY_ATOL, CANARY_RTOL, ModelConfig
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.models import model_files
@@ -39,13 +40,6 @@ PRECISIONS: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float
 
 class ModelError(Exception):
     """A model cannot be loaded, warmed up or run; the message says why."""
-
-
-def describe_error(exc: BaseException) -> str:
-    """One line for an exception: TorchScript errors carry a whole traceback; keep its last line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[-1] if lines else type(exc).__name__
-    return text.removeprefix("builtins.")
 
 
 def load_module(found: model_files.ModelFile, device: torch.device, config: ModelConfig, runners: int = 1) -> Any:

@@ -5,8 +5,9 @@ the chosen worker's arena (laid out as ipc/slots.py says); the worker gets only
 a descriptor. When it answers, replies.py sends each request its rows of every
 output, and the slot is free again once they have left. A request the worker
 did not compute because its deadline had passed is answered `timeout`; a batch
-whose worker fails is answered `internal`, request by request. Every reply
-names the version that handled it.
+whose worker fails is answered `internal`, request by request, and a request
+that raised when its batch was run again one request at a time gets its own
+error. Every reply names the version that handled it.
 
 While a model has a candidate under trial (candidates.py), each batch is routed
 by its Split: a canary's share goes to the candidate, whole; a shadow's share is
@@ -296,7 +297,8 @@ class Dispatcher:
             batch = Batch(next(self._ids), job.model, job.version, [], executor, slot, now, sum(job.samples),
                           tuple(refs), shadow_job=job)
             message = RunBatch(batch.id, job.model, job.version, base, worker.slots.slot_size, batch.inputs,
-                               job.samples, (now + MAX_AGE_S,) * len(job.samples))
+                               job.samples, (now + MAX_AGE_S,) * len(job.samples),
+                               self.config.models[job.model].retry_lost_batches)
             if not self.workers.send(executor.identity, message):
                 worker.slots.release(slot)
                 self.stats.shadow_series(job.model, job.version).dropped["worker unreachable"] += len(job.samples)
@@ -337,11 +339,13 @@ class Dispatcher:
             return
         if isinstance(result, BatchFailed):
             self.workers.batch_returned(executor, len(batch.requests), True, now)
-            self.replies.failed(batch, result.error)
+            self.replies.failed(batch, result.error, result.status)
         else:
             computed = len(result.expired) < len(batch.requests)
             self.workers.batch_returned(executor, len(batch.requests), computed, now)
-            if computed and batch.version == self.live[batch.model]:  # not an old version's last batches
+            # A batch run one request at a time (one of them raised) took no batch's time.
+            timed = computed and not result.each
+            if timed and batch.version == self.live[batch.model]:  # not an old version's last batches
                 samples = batch.samples
                 if result.expired:
                     samples -= sum(batch.requests[index].samples for index in result.expired)
@@ -356,7 +360,7 @@ class Dispatcher:
                     self._keep_for_shadow(batch, result, now)
                 except Exception:  # noqa: BLE001 - shadow work must never cost live work its slot
                     failure("copying a batch for its shadow")
-            if computed:
+            if timed:
                 self._watch_slow(batch, result.compute_us / 1e6)
         if trackers:
             # Replies still read the slot; it is free once ZeroMQ has sent them.
@@ -372,8 +376,9 @@ class Dispatcher:
         series = self.stats.shadow_series(batch.model, candidate.version)
         requests = len(batch.requests)
         series.chosen += requests
-        if self.shadow_jobs.full() or result.expired:
-            series.dropped["queue full" if not result.expired else "stale"] += requests
+        if self.shadow_jobs.full() or result.expired or result.each:
+            reason = "stale" if result.expired else "a request failed" if result.each else "queue full"
+            series.dropped[reason] += requests
             return
         buf = batch.executor.worker.arena.buf
 
@@ -394,6 +399,11 @@ class Dispatcher:
             return
         if result.expired:
             series.dropped["stale"] += requests
+            return
+        if result.each:  # one of them raised: those that did count as failed, and the batch is not compared
+            series.failed += len(result.failed)
+            series.dropped["a request failed"] += requests - len(result.failed)
+            log.warning("shadow %s: %d of %d requests failed", batch.describe(), len(result.failed), requests)
             return
         buf = batch.executor.worker.arena.buf
         outputs = [(ref, buf[ref.offset:ref.offset + ref.nbytes()])
@@ -594,6 +604,7 @@ class Dispatcher:
             inputs=tuple(refs),
             samples=tuple(r.samples for r in batch.requests),
             deadlines=tuple(r.deadline for r in batch.requests),
+            retry_alone=spec.retry_lost_batches,
         )
 
 

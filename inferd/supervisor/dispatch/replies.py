@@ -120,13 +120,14 @@ class Replies:
     def computed(self, batch: Batch, done: BatchDone, by_reference: bool) -> list[zmq.MessageTracker]:
         """Send each computed request its rows of every output (with `by_reference`, large ones without
         a copy: their trackers are returned), each expired one `timeout` (and one whose deadline passed while
-        its batch computed: no `ok` leaves after a deadline), each cancelled one `cancelled`; one answered at
-        its deadline already gets nothing more."""
+        its batch computed: no `ok` leaves after a deadline), each cancelled one `cancelled`, each that raised
+        when its batch was run one request at a time its own error; one answered at its deadline already gets
+        nothing more."""
         buf = batch.executor.worker.arena.buf
-        sizes = [None if ref.dtype == protocol.BYTES else protocol.tensor_bytes(ref.dtype, ref.shape[1:])
-                 for ref in done.outputs]
+        sizes = [_row_bytes(ref) for ref in done.outputs]
         now = time.monotonic()
         expired = set(done.expired)
+        failed = {each.index: each for each in done.failed}
         # Requests of a batch mostly carry the same sample count: their output metadata is shared.
         metas: dict[int, tuple[TensorMeta, ...]] = {}
         replies = []
@@ -138,37 +139,46 @@ class Replies:
                     self.timed_out(request, batch.version)
                 continue
             samples = request.samples
+            # Its rows: of the batch's outputs, after those of the requests before it; or, where the batch was
+            # run one request at a time, its own outputs.
+            refs, at = (done.each[index], 0) if done.each else (done.outputs, row)
+            row += samples
+            if index in failed:
+                if not request.answered:
+                    self.error(request, failed[index].status, failed[index].error, batch.version)
+                continue
             if request.answered:
-                row += samples
                 continue
             if now > request.deadline:  # back before the loop saw the deadline pass: the same answer
                 self.late(request, batch.version)
                 late += 1
-                row += samples
                 continue
             if request.cancelled:
                 self.error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
-                row += samples
                 continue
-            outputs = metas.get(samples)
-            if outputs is None:
-                outputs = metas[samples] = tuple(TensorMeta(ref.dtype, (samples, *ref.shape[1:]))
-                                                 for ref in done.outputs)
-            frames = [buf[ref.offset + row * size : ref.offset + (row + samples) * size] if size is not None
-                      else _rows(buf, ref, row, samples) for ref, size in zip(done.outputs, sizes)]
+            if done.each:
+                own = [_row_bytes(ref) for ref in refs]
+                outputs = tuple(TensorMeta(ref.dtype, ref.shape) for ref in refs)
+            else:
+                own = sizes
+                shared = metas.get(samples)
+                if shared is None:
+                    shared = metas[samples] = tuple(TensorMeta(ref.dtype, (samples, *ref.shape[1:])) for ref in refs)
+                outputs = shared
+            frames = [buf[ref.offset + at * size : ref.offset + (at + samples) * size] if size is not None
+                      else _rows(buf, ref, at, samples) for ref, size in zip(refs, own)]
             if batch.cuts:  # its inputs were padded: the outputs that follow them are cut back to its own size
-                own = list(outputs)
+                cut_back = list(outputs)
                 for cut in batch.cuts:
-                    ref = done.outputs[cut.output]
-                    own[cut.output], frames[cut.output] = padding.cut_rows(
+                    ref = refs[cut.output]
+                    cut_back[cut.output], frames[cut.output] = padding.cut_rows(
                         frames[cut.output], ref.dtype, (samples, *ref.shape[1:]), cut, request)
-                outputs = tuple(own)
+                outputs = tuple(cut_back)
             if request.places:
                 try:
                     outputs, frames = _write_placed(request.places, outputs, frames)
                 except InvalidRequest as exc:
                     self.error(request, protocol.INVALID, exc.message, batch.version)
-                    row += samples
                     continue
             timing = Timing(queue=int((batch.started - request.received) * 1e6), compute=done.compute_us,
                             total=int((now - request.received) * 1e6))
@@ -176,10 +186,12 @@ class Replies:
                                  version=batch.version, outputs=outputs, timing_us=timing)
             replies.append((request.reply_to, [*request.reply_to.envelope, protocol.encode_reply(header), *frames]))
             computed.append(request)
-            row += samples
         if expired:
             log.info("%s: %d request(s) not computed, their deadline passed while the batch waited for "
                      "its executor", batch.describe(), len(expired))
+        if failed:
+            log.info("%s: %d of its %d request(s) raised, each alone, and got its own error", batch.describe(),
+                     len(failed), len(batch.requests))
         if late:
             log.info("%s: %d request(s) answered timeout, the batch finished after their deadline", batch.describe(),
                      late)
@@ -236,6 +248,11 @@ def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[Te
         described.append(TensorMeta(meta.dtype, meta.shape, region.name, offset,
                                     len(frame) if meta.dtype == protocol.BYTES else None))
     return tuple(described), left
+
+
+def _row_bytes(ref: TensorRef) -> int | None:
+    """The bytes of one sample of an output (None for BYTES, whose samples end where its `ends` say)."""
+    return None if ref.dtype == protocol.BYTES else protocol.tensor_bytes(ref.dtype, ref.shape[1:])
 
 
 def _rows(buf: memoryview, ref: TensorRef, first: int, count: int) -> memoryview:

@@ -25,6 +25,7 @@ from typing import ClassVar
 import msgspec
 import zmq
 
+from inferd.compute.process import ProcessSpec
 from inferd.config import loading
 from inferd.config.schema import Config
 from inferd.ipc import messages
@@ -38,7 +39,7 @@ from inferd.supervisor.shared.live import LiveVersions
 from inferd.supervisor.shared.state import StartupError
 from inferd.system.paths import RuntimeFiles
 from inferd.worker.exits import WorkerExit, describe_exit
-from inferd.worker.main import WorkerSpec, worker_main
+from inferd.worker.main import worker_main
 
 log = logging.getLogger("inferd.workers")
 
@@ -208,7 +209,7 @@ class WorkerTable:
     def spawn(self, worker: WorkerHandle, now: float) -> None:
         """Start a new process, of a new generation, for `worker`."""
         worker.generation += 1
-        spec = WorkerSpec(
+        spec = ProcessSpec(
             worker=worker.index,
             generation=worker.generation,
             device=worker.device,
@@ -218,6 +219,8 @@ class WorkerTable:
             versions={model: version for model, version in self.live.items()
                       if not self.config.models[model].on_demand},
             stacks=str(worker.stacks_path),
+            title=f"inferd: worker{worker.index} gen{worker.generation} {worker.device}",
+            component=f"worker{worker.index}",
         )
         pid = worker.spawn(worker_main, msgspec.msgpack.encode(spec), f"inferd-worker{worker.index}")
         worker.state = WorkerState.BOOTING
