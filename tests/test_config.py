@@ -106,6 +106,18 @@ IDS = {"dtype": "int64", "shape": [-1], "max_shape": [8], "pad_value": 0, "name"
          "models.m.outputs: output 0: unpad 'mask' names no input; the inputs are ['ids']"),
         ({"models": {"m": {"inputs": [IDS], "outputs": [{"unpad": "ids:1"}]}}},
          "models.m.outputs: output 0: unpad 'ids:1' must name -1 dims of an input with pad_value; ids is [-1]"),
+        ({"models": {"m": {**MINIMAL["models"]["m"], "outputs": [{"name": "y", "dtype": "f32", "shape": [1]}]}}},
+         "models.m.outputs: output 0: unknown dtype 'f32'; known: bool"),
+        ({"models": {"m": {**MINIMAL["models"]["m"], "outputs": [{"name": "y", "dtype": "float32"}]}}},
+         'models.m.outputs: output 0 gives its dtype without its shape: give both, e.g. dtype = "float32", '
+         "shape = [10]"),
+        ({"models": {"m": {**MINIMAL["models"]["m"], "outputs": [{"dtype": "int64", "shape": [-1]}]}}},
+         "models.m.outputs: output 0 has shape [-1], whose -1 needs a bound: add max_shape"),
+        ({"models": {"m": {**MINIMAL["models"]["m"], "python": "/nowhere/bin/python"}}},
+         "models.m.python: '/nowhere/bin/python' is not an interpreter this user may run; give the path of a "
+         "python executable"),
+        ({"models": {"m": {**MINIMAL["models"]["m"], "processes": 0}}},
+         "models.m.processes: Expected `int` >= 1, got 0"),
         ({"models": {"m": {"inputs": [{"dtype": "float32", "shape": [4], "colour": "x"}]}}},
          "models.m.inputs[0]: Object contains unknown field `colour`"),
         ({"models": {"m": {**MINIMAL["models"]["m"], "version": "../v1"}}}, "models.m.version: '../v1' is not"),

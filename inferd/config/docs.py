@@ -18,7 +18,7 @@ def _default_text(field: msgspec.structs.FieldInfo) -> str:
         return str(default_doc)
     if field.required:
         return "(required)"
-    default = field.default
+    default = field.default if field.default is not msgspec.NODEFAULT else field.default_factory()
     if isinstance(default, tuple):
         default = list(default)
     return "`" + msgspec.json.encode(default).decode() + "`"

@@ -7,6 +7,7 @@ whether a SIGHUP applies it, which `live_keys` and the config reference (docs/re
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -308,12 +309,26 @@ class InputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class OutputSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One model output, as the Open Inference Protocol names it (default `OUTPUT__<i>`), and, where inputs
-    are padded, the input dims its own size follows (`unpad`: "INPUT", or "INPUT:DIM[,DIM]"), cut back to
-    each request's size."""
+    """One model output, as the Open Inference Protocol names it (default `OUTPUT__<i>`); where inputs are
+    padded, the input dims its own size follows (`unpad`: "INPUT", or "INPUT:DIM[,DIM]"), cut back to each
+    request's size; and its dtype and per-sample shape (a -1 for a dim of any size up to its `max_shape`), which
+    a Python model must declare, and a tensor model may (its warm-up must then find them)."""
 
     name: str | None = None
     unpad: str | None = None
+    dtype: str | None = None
+    shape: Annotated[tuple[int, ...], Meta(max_length=7)] | None = None
+    max_shape: Annotated[tuple[int, ...], Meta(max_length=7)] | None = None
+
+    @property
+    def declared(self) -> bool:
+        """Whether it gives its dtype and shape."""
+        return self.dtype is not None and self.shape is not None
+
+    @property
+    def bound(self) -> tuple[int, ...]:
+        """The largest per-sample shape: `shape`, each -1 taken at its `max_shape`."""
+        return self.max_shape if self.max_shape is not None else self.shape or ()
 
     def follows(self, inputs: tuple[InputSpec, ...], names: list[str]) -> tuple[int, tuple[int, ...]] | None:
         """The input (its index) and its per-sample dims, in order, that `unpad` names; None without one."""
@@ -391,7 +406,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         _doc('Names of the outputs for the Open Inference Protocol, e.g. [{ name = "logits" }]; unnamed ones are '
              "OUTPUT__<i>. Where inputs are padded, an output whose size follows theirs says which input dims it "
              'follows, e.g. { name = "tokens", unpad = "input_ids:0" } ("input_ids": its -1 dims in order), and '
-             "is cut back to each request's own size; outputs of fixed size are returned as they are."),
+             "is cut back to each request's own size; outputs of fixed size are returned as they are. An output may "
+             'give its dtype and per-sample shape, as an input does, e.g. { name = "label", dtype = "int64", '
+             'shape = [1] } (a -1 with max_shape where its size varies): a Python model must, in the order it '
+             "answers them (inferd cannot learn them by running it); a tensor model's warm-up must find them."),
     ] = ()
     warmup_batch_sizes: Annotated[
         tuple[Annotated[int, Meta(ge=1)], ...] | None,
@@ -457,10 +475,29 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = False
     retry_lost_batches: Annotated[
         bool,
-        _doc("A batch lost with its worker (a crash, a hang) is computed again, once, on another executor: "
-             "inference is a pure function of its inputs. false for a model that is not (its requests are "
-             "answered `internal`).", live=True),
+        _doc("A batch lost with its worker (a crash, a hang) is computed again, once, on another executor, and a "
+             "batch of several requests that raises is run again one request at a time, so that a bad request "
+             "fails alone: inference is a pure function of its inputs. false for a model that is not safe to run "
+             "twice (a lost batch's requests are answered `internal`, and a raising batch fails every request in "
+             "it).", live=True),
     ] = True
+    processes: Annotated[
+        int, Meta(ge=1, le=256),
+        _doc("A Python model (model.py): the processes that run it, each its own interpreter with one instance of "
+             "the model, started, supervised and restarted as workers are (`inferd: step NAME.K`); its CPU work "
+             "scales with them."),
+    ] = 1
+    python: Annotated[
+        str,
+        _doc("A Python model: the interpreter its processes run under, e.g. a virtual environment made ahead of "
+             "time with the packages the model needs and inferd's step code (the `inferd[step]` extra: "
+             'docs/models.md); "" runs them under the daemon\'s own. inferd installs nothing.'),
+    ] = ""
+    parameters: Annotated[
+        dict[str, Any],
+        _doc("A Python model: a table handed to its constructor (context.parameters), e.g. "
+             '{ top_k = 5, labels = "labels.txt" }.'),
+    ] = {}
     canary_guard: Annotated[
         CanaryGuard | None,
         _doc("With this table every canary of the model started from now on is guarded, as with `inferctl reload "
@@ -596,22 +633,70 @@ def _check_inputs(value: tuple[InputSpec, ...]) -> str | None:
     if padded is not None:
         return (f"input {padded} is bytes and has a pad_value: byte strings are not padded (requests of BYTES "
                 "inputs batch by their shape)")
-    return next((problem for index, spec in enumerate(value) if (problem := _check_shape(index, spec))), None) \
+    return next((problem for index, spec in enumerate(value)
+                 if (problem := _check_shape(f"input {index}", spec.shape, spec.max_shape))), None) \
         or _check_names([spec.name for spec in value], "input")
 
 
-def _check_shape(index: int, spec: InputSpec) -> str | None:
-    shape, bound = list(spec.shape), spec.max_shape
+def _check_outputs(value: tuple[OutputSpec, ...]) -> str | None:
+    for index, spec in enumerate(value):
+        if spec.dtype is not None and spec.dtype not in WIRE_DTYPES:
+            return f"output {index}: unknown dtype {spec.dtype!r}; known: {', '.join(WIRE_DTYPES)}"
+        if (spec.dtype is None) != (spec.shape is None):
+            return (f"output {index} gives its {'dtype' if spec.shape is None else 'shape'} without its "
+                    f"{'shape' if spec.shape is None else 'dtype'}: give both, e.g. dtype = \"float32\", shape = [10]")
+        if spec.shape is None and spec.max_shape is not None:
+            return f"output {index} has max_shape but no shape"
+        problem = _check_shape(f"output {index}", spec.shape, spec.max_shape) if spec.shape is not None else None
+        if problem:
+            return problem
+    return _check_names([spec.name for spec in value], "output")
+
+
+def _check_shape(what: str, dims: tuple[int, ...], bound: tuple[int, ...] | None) -> str | None:
+    shape, variable = list(dims), -1 in dims
     if any(dim < 1 and dim != -1 for dim in shape):
-        return f"input {index} has shape {shape}: each dim is at least 1, or -1 for a dim of any size"
+        return f"{what} has shape {shape}: each dim is at least 1, or -1 for a dim of any size"
     if bound is None:
-        return (f"input {index} has shape {shape}, whose -1 needs a bound: add max_shape, the largest sample it "
-                f"takes, e.g. max_shape = {[512 if dim == -1 else dim for dim in shape]}") if spec.variable else None
-    if not spec.variable:
-        return f"input {index} has max_shape but no -1 in its shape {shape}: max_shape bounds the -1 dims"
+        return (f"{what} has shape {shape}, whose -1 needs a bound: add max_shape, the largest sample it "
+                f"takes, e.g. max_shape = {[512 if dim == -1 else dim for dim in shape]}") if variable else None
+    if not variable:
+        return f"{what} has max_shape but no -1 in its shape {shape}: max_shape bounds the -1 dims"
     if len(bound) != len(shape) or any(dim not in (-1, most) or most < 1 for dim, most in zip(shape, bound)):
-        return (f"input {index} has max_shape {list(bound)}, which does not match its shape {shape}: as many dims, "
+        return (f"{what} has max_shape {list(bound)}, which does not match its shape {shape}: as many dims, "
                 "each fixed dim as it is, a bound of at least 1 for each -1")
+    return None
+
+
+def _check_python(value: str) -> str | None:
+    if value == "" or (Path(value).is_file() and os.access(value, os.X_OK)):
+        return None
+    return f"{value!r} is not an interpreter this user may run; give the path of a python executable"
+
+
+# A tensor model's keys, and the value a Python model leaves them at.
+TENSOR_ONLY: dict[str, object] = {"cuda_graphs": False, "precision": "fp32", "compile": "none", "batch_buckets": (),
+                                  "load": "always"}
+
+
+def kind_problem(model: ModelConfig, python: bool) -> tuple[str, str] | None:
+    """Where a model's config does not fit its kind (a Python model's version holds model.py, a tensor model's
+    a file torch saved): the key and a sentence; None when it fits."""
+    if not python:
+        python_only: dict[str, object] = {"processes": 1, "python": "", "parameters": {}}
+        for key, default in python_only.items():
+            if getattr(model, key) != default:
+                return key, (f"{key} is for a Python model (a version folder holding model.py), and this one is a "
+                             "tensor model; remove it")
+        return None
+    if not model.outputs or not all(output.declared for output in model.outputs):
+        return "outputs", ("a Python model (model.py) lists its outputs, each with its dtype and per-sample shape, "
+                           'in the order it answers them, e.g. outputs = [{ name = "label", dtype = "int64", '
+                           "shape = [1] }]: inferd cannot learn them by running it")
+    for key, default in TENSOR_ONLY.items():
+        if getattr(model, key) != default:
+            return key, (f"{key} is for a tensor model; a Python model runs in processes of its own, always "
+                         "loaded, as its code says: remove it")
     return None
 
 
@@ -664,7 +749,7 @@ def client_shm_protocols(server: ServerConfig) -> frozenset[str]:
 PATH_KEYS: frozenset[tuple[type, str]] = frozenset({
     (ServerConfig, "state_dir"), (ServerConfig, "tls_cert"), (ServerConfig, "tls_key"),
     (ServerConfig, "curve_secret_key"), (ServerConfig, "curve_authorized_keys"), (ServerConfig, "model_root"),
-    (ModelConfig, "repository"),
+    (ModelConfig, "repository"), (ModelConfig, "python"),
 })
 
 CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
@@ -682,7 +767,8 @@ CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ServerConfig, "curve_authorized_keys"): _check_folder,
     (WorkersConfig, "devices"): _check_devices,
     (ModelConfig, "inputs"): _check_inputs,
-    (ModelConfig, "outputs"): lambda v: _check_names([spec.name for spec in v], "output"),
+    (ModelConfig, "outputs"): _check_outputs,
+    (ModelConfig, "python"): _check_python,
     (ModelConfig, "version"): version_problem,
     (ModelConfig, "precision"): lambda v: None if v in PRECISIONS else f"{v!r}: use one of {', '.join(PRECISIONS)}",
 }

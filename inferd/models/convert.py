@@ -66,6 +66,8 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
         raise ConvertError(found.problem)
     if found.format == model_files.AOTI:
         raise ConvertError(f"{path} is an AOTInductor package already; convert the version it was made from")
+    if found.format == model_files.PYTHON:
+        raise ConvertError(f"{path} is a Python model, which runs as it is: there is nothing to convert")
     target_device = torch.device(device)
     examples = _seeded_inputs(model, 2, target_device, length=EXAMPLE_LENGTH)
     say(f"loading {name} {source} ({found.format}) from {path}")

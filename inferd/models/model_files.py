@@ -1,7 +1,8 @@
 """What a model file holds, told from its zip archive's listing, never by unpickling it.
 
 TorchScript (`torch.jit.save`), torch.export (`torch.export.save`) and
-AOTInductor (`torch._inductor.aoti_compile_and_package`) archives are served;
+AOTInductor (`torch._inductor.aoti_compile_and_package`) archives are served, and
+Python models (`model.py`, told by its name);
 what people save by mistake is named with the way to save it instead: a pickled
 module (`torch.save(model)`), a state dict or checkpoint
 (`torch.save(model.state_dict())`), or a file that is no archive at all.
@@ -16,7 +17,8 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TORCHSCRIPT, EXPORTED, AOTI = "torchscript", "exported", "aoti"
+TORCHSCRIPT, EXPORTED, AOTI, PYTHON = "torchscript", "exported", "aoti", "python"
+PYTHON_FILE = "model.py"  # a Python model: a class Model that inferd runs in its step processes
 # What an AOTInductor package records about where it was compiled (its *_metadata.json), by the name
 # inferd reports it under.
 AOTI_MADE = {"AOTI_DEVICE_KEY": "device", "AOTI_PLATFORM": "platform", "AOTI_MACHINE": "machine",
@@ -32,7 +34,7 @@ HOW_TO_SAVE = ("save it with torch.export.save(torch.export.export(model, exampl
 
 @dataclass(frozen=True)
 class ModelFile:
-    """A model file's format (TORCHSCRIPT, EXPORTED or AOTI), or the sentence saying why it cannot be served;
+    """A model file's format (TORCHSCRIPT, EXPORTED, AOTI or PYTHON), or the sentence saying why it cannot be served;
     `made`: what the file records about how it was made: an exported program's `torch_version`, an
     AOTInductor package's device (above all), platform, machine, CPU ISA and compute capability."""
 
@@ -46,6 +48,8 @@ def inspect(path: Path, provenance: bool = False) -> ModelFile:
     """Tell what `path` holds from its archive's member names (and a pickle's first class name). With
     `provenance`, also the torch version an exported program records, which reads the program's JSON
     (megabytes for a large model): for listings, not for every load."""
+    if path.name == PYTHON_FILE:
+        return ModelFile(path, PYTHON)
     try:
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()

@@ -1,8 +1,10 @@
 """Model repositories on disk and the record of which version is live.
 
 A repository is a folder of version folders, each holding `model.pt`
-(TorchScript) or `model.pt2` (torch.export). This module only looks at files;
-loading a model is the worker's job.
+(TorchScript), `model.pt2` (torch.export, AOTInductor) or `model.py` (a Python
+model, which wins where a folder holds both: its code may load a torch file of
+its own). This module only looks at files; loading a model is a worker's or a
+step's job.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from inferd.config.schema import ModelConfig, version_problem
+from inferd.config.schema import ModelConfig, kind_problem, version_problem
 from inferd.models import model_files
+from inferd.models.model_files import PYTHON_FILE
 
 log = logging.getLogger("inferd.models.repository")
 
-MODEL_FILES = ("model.pt", "model.pt2")
+MODEL_FILES = (PYTHON_FILE, "model.pt", "model.pt2")
 LIVE_FILE = "live_versions.json"
 NUMBERS_FILE = "version_numbers.json"
 CONFIG_KEY = "config"  # what names, in each of them, the config file that saved it
@@ -45,6 +48,31 @@ def model_file(repository: str | Path, version: str) -> Path:
         if (folder / name).is_file():
             return folder / name
     raise RepositoryError(f"version {version!r} has no {' or '.join(MODEL_FILES)} in {Path(repository)}")
+
+
+def is_python(path: Path) -> bool:
+    """Whether a version's model file (model_file) is a Python model's model.py."""
+    return path.name == PYTHON_FILE
+
+
+def python_version(model: ModelConfig, version: str) -> bool:
+    """Whether `version` of `model` is a Python model; RepositoryError where it has no model file."""
+    return is_python(model_file(model.repository or "", version))
+
+
+def kind_change(name: str, model: ModelConfig, live: str, version: str) -> str | None:
+    """The sentence refusing `version` of `model` where it is not of its live version's kind (a Python model, or
+    a file torch saved): the two run in different processes. None when it is, or when either has no file (said
+    elsewhere)."""
+    try:
+        was, becomes = python_version(model, live), python_version(model, version)
+    except RepositoryError:
+        return None
+    if was == becomes:
+        return None
+    kinds = {True: "a Python model (model.py)", False: "a tensor model (a file torch saved)"}
+    return (f"{name} {version} is {kinds[becomes]}, but {name} is served as {kinds[was]}: a model keeps its kind "
+            "across versions; serve the other under another name")
 
 
 def versions(repository: str | Path) -> list[str]:
@@ -76,7 +104,8 @@ def resolve_version(model: ModelConfig, saved: str | None = None) -> str:
 
 def writable_by_others(model: str, path: Path) -> str | None:
     """The sentence refusing a model file that, or whose folder, the owner's group or others may write (None
-    when only its owner may): whoever can write it can make the worker run their code."""
+    when only its owner may): whoever can write it can make the worker (or a Python model's step) run their
+    code."""
     for where in (path, path.parent):
         mode = where.stat().st_mode
         who = " and ".join(w for w, bit in (("its group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if mode & bit)
@@ -101,6 +130,9 @@ def check(models: dict[str, ModelConfig]) -> list[str]:
             problem = writable_by_others(name, path)
         if problem is not None:
             problems.append(f"models.{name}: version {version!r}: {problem}")
+        misfit = kind_problem(model, is_python(path))
+        if misfit is not None:
+            problems.append(f"models.{name}.{misfit[0]}: {misfit[1]}")
     return problems
 
 

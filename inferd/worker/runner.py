@@ -262,6 +262,9 @@ class ModelRunner:
         if refusal is not None:
             raise ModelError(refusal)
         found = model_files.inspect(path)
+        if found.format == model_files.PYTHON:
+            raise ModelError(f"{name} {version} is a Python model (model.py), which runs in processes of its own, "
+                             "not on a worker: a model keeps its kind across versions; serve it under another name")
         if config.cuda_graphs and found.format == model_files.AOTI:
             # Its runners check their own CUDA events to find a free one, which an event recorded in a
             # capture forbids (cudaErrorCapturedEvent).

@@ -454,6 +454,12 @@ class WorkerTable:
         if problem is None and len(spec.outputs) > len(loaded.outputs):
             problem = (f"models.{model}.outputs names {len(spec.outputs)} outputs, but {model} {loaded.version} "
                        f"returns {len(loaded.outputs)}")
+        for index, (declared, found) in enumerate(zip(spec.outputs, loaded.outputs)):
+            if problem is None and declared.declared and \
+                    (declared.dtype, list(declared.shape or ())) != (found.dtype, found.public_shape()):
+                problem = (f"models.{model}.outputs: output {index} is declared {declared.dtype} "
+                           f"{list(declared.shape or ())}, but {model} {loaded.version} returns {found.dtype} "
+                           f"{found.public_shape()}")
         if problem is not None:
             return f"worker{worker.index}: {problem}"
         worker.loaded[(model, loaded.version)] = loaded

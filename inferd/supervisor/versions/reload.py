@@ -31,7 +31,7 @@ from typing import Any
 from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.models import model_files
-from inferd.models.repository import RepositoryError, SavedVersions, model_file
+from inferd.models.repository import RepositoryError, SavedVersions, kind_change, model_file
 from inferd.supervisor.dispatch.dispatcher import Dispatcher
 from inferd.supervisor.processes.workers import WorkerHandle, WorkerState, WorkerTable
 from inferd.supervisor.shared.candidates import Candidates
@@ -142,6 +142,10 @@ class ReloadManager:
             model_file(self.config.models[model].repository or "", version)
         except RepositoryError as exc:
             reply.fail(f"cannot reload {model}: {exc}")
+            return
+        misfit = kind_change(model, self.config.models[model], live, version)
+        if misfit is not None:
+            reply.fail(f"cannot reload {model}: {misfit}")
             return
         targets = {w for w in self.workers.workers if w.serves(model, live)}
         now = time.monotonic()
