@@ -24,7 +24,7 @@ def status_table(status: dict[str, Any]) -> str:
         lines.append(f"  {name:<20} live {model['live_version']:<12} queued {model['queue_depth']}{trial}{origin}")
     lines.append("workers:")
     for w in status["workers"]:
-        line = (f"  worker{w['worker']:<3} pid {w['pid']!s:<8} {w['device']:<8} {w['state']:<9}"
+        line = (f"  {w['name']:<9} pid {w['pid']!s:<8} {w['device']:<8} {w['state']:<9}"
                 f" generation {w['generation']}  restarts {w['restarts']}  busy executors {w['executors_busy']}"
                 f"  loaded: {', '.join(w['loaded']) or 'nothing'}")
         if w["last_error"]:
@@ -154,7 +154,7 @@ def stats_table(stats: dict[str, Any]) -> str:
             gpu += (f"{', ' if gpu else ''}torch {_mib(w['torch_allocated_bytes'])}/"
                     f"{_mib(w['torch_reserved_bytes'])} MiB, fragmentation {w['fragmentation']:.0%}")
         warn = "  LEAK?" if w["leak_warning"] else ""
-        lines.append(f"{'worker' + str(w['worker']):<8}{w['pid']!s:>8}  {w['device']:<8}{w['state']:<10}"
+        lines.append(f"{w['name']:<8}{w['pid']!s:>8}  {w['device']:<8}{w['state']:<10}"
                      f"{w['executors_busy']:>5}{w['batches']:>9}{w['restarts']:>9}{_mib(w.get('rss_bytes')):>9}"
                      f"{w.get('cpu_percent', 0):>7.0f}{_mib(w['memory_growth_bytes']):>11}  {gpu}{warn}")
     if stats.get("regions"):

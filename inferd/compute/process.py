@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import signal
+import struct
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -48,6 +49,25 @@ class ProcessSpec(msgspec.Struct, frozen=True):
     stacks: str  # file the process's thread stacks are written to on SIGUSR1 (inferctl stacks)
     title: str  # its title in ps
     component: str  # what its log lines say they come from
+
+
+def handed_over(spec: bytes) -> bytes:
+    """`spec` as a process started from a command line (a step) reads it on its standard input: read_spec."""
+    return struct.pack("<I", len(spec)) + spec
+
+
+def read_spec(fd: int) -> bytes:
+    """The spec the supervisor wrote to `fd` (a step's standard input) with handed_over."""
+    def read(count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            chunk = os.read(fd, count - len(data))
+            if not chunk:
+                raise EOFError("the supervisor went away before it had handed over the spec")
+            data += chunk
+        return data
+
+    return read(struct.unpack("<I", read(4))[0])
 
 
 class Runner(Protocol):

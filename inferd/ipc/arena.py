@@ -17,8 +17,6 @@ import os
 import secrets
 from pathlib import Path
 
-import psutil
-
 from inferd.system.shm_names import ARENA_NAME, ARENA_PREFIX, SHM_DIR
 
 log = logging.getLogger("inferd.arena")
@@ -116,6 +114,8 @@ class Arena:
 
 def owner_alive(pid: int, created: float) -> bool:
     """True when `pid` is an inferd process that already ran when the segment was made."""
+    import psutil  # the supervisor's: a step's interpreter (inferd[step]) need not have it
+
     try:
         proc = psutil.Process(pid)
         started = proc.create_time()

@@ -42,7 +42,7 @@ class Liveness:
         if oldest is None or now - oldest.started <= limit:
             return None
         worker = oldest.executor.worker
-        return oldest, (f"{oldest.describe()} on worker{worker.index} ran longer than "
+        return oldest, (f"{oldest.describe()} on {worker.name} ran longer than "
                         f"workers.batch_timeout_s ({limit:g} s)")
 
     def check(self, now: float) -> None:
@@ -55,11 +55,11 @@ class Liveness:
         for worker in self.workers.workers:
             if worker.state == WorkerState.BOOTING and now - worker.started > config.start_timeout_s:
                 self.workers.note_error(worker, f"did not become ready within {config.start_timeout_s:g} s")
-                log.error("worker%d did not become ready within %g s; killing it", worker.index,
+                log.error("%s did not become ready within %g s; killing it", worker.name,
                           config.start_timeout_s)
                 worker.kill()
             elif worker.state == WorkerState.STOPPING and now - worker.stopping_since > STOP_TIMEOUT_S:
-                log.warning("worker%d did not stop within %g s; killing it", worker.index, STOP_TIMEOUT_S)
+                log.warning("%s did not stop within %g s; killing it", worker.name, STOP_TIMEOUT_S)
                 worker.kill()
             elif worker.state == WorkerState.REPLACING and not worker.inflight:
                 worker.kill()
@@ -75,7 +75,7 @@ class Liveness:
             return
         if worker.ping_sent is not None:
             if now - worker.ping_sent > max(limit, PING_MIN_S):
-                self.workers.abort_hung(worker, f"worker{worker.index} did not answer a ping within "
+                self.workers.abort_hung(worker, f"{worker.name} did not answer a ping within "
                                                 f"{max(limit, PING_MIN_S):g} s while idle (workers.batch_timeout_s)",
                                         now)
         elif now - worker.pinged_at >= limit / 2 and self.workers.send_control(worker, messages.Ping(now)):

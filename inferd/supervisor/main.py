@@ -280,7 +280,7 @@ class Supervisor(Parts):
             child.reaped(now, self.config.workers.max_restarts)
         elif isinstance(child, WorkerHandle):
             reason = self.workers.reap(child, now, retry=self.state == DaemonState.SERVING)
-            lost = self.dispatcher.fail_worker(child, f"worker{child.index} died ({reason}) while running the batch",
+            lost = self.dispatcher.fail_worker(child, f"{child.name} died ({reason}) while running the batch",
                                                retry=self.state == DaemonState.SERVING)
             self.queue.put_back(lost)  # computed again as soon as an executor is free
             if self.state == DaemonState.SERVING and all(w.state == WorkerState.FAILED for w in self.workers.workers):

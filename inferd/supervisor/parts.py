@@ -40,7 +40,7 @@ from inferd.supervisor.processes.devices import resolve_devices
 from inferd.supervisor.processes.gateway_processes import configured_gateways
 from inferd.supervisor.processes.probes import Probes
 from inferd.supervisor.processes.reaper import Reaper
-from inferd.supervisor.processes.workers import WorkerTable
+from inferd.supervisor.processes.workers import WorkerTable, step_pools
 from inferd.supervisor.queueing.batcher import Batcher, queue_settings
 from inferd.supervisor.queueing.queue import RequestQueue
 from inferd.supervisor.shared.candidates import Candidates
@@ -78,16 +78,18 @@ class Parts:
         except RepositoryError as exc:
             raise StartupError(f"cannot resolve model versions: {exc}") from None
         devices = resolve_devices(config.workers.devices)
+        pools = step_pools(config, self.live)
+        processes = len(devices) + sum(pools.values())  # the workers, then the Python models' steps
         self.instance = new_instance()
         self.files = RuntimeFiles(config.server.control or "", self.instance)
         self.reaper = Reaper()
         # First, while this process has no thread and no socket: whatever kills it, this cleans up.
         self.reaper.start(
-            arenas=[SHM_DIR / arena_name(self.instance, i) for i in range(len(devices))],
+            arenas=[SHM_DIR / arena_name(self.instance, i) for i in range(processes)],
             sockets=[path for path in (self.files.control_socket, self.files.backend,
                                        *(self.files.upstream(name) for name in PROTOCOLS)) if path is not None],
             pid_file=self.files.pid,
-            files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices)))],
+            files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(processes))],
             folders=[fork_server_folder()],
         )
         start_fork_server()
@@ -107,7 +109,7 @@ class Parts:
         self.batcher = Batcher(self.queue, policies, times)
         self.curve = CurveServer(self.context, config.server.curve_secret_key, config.server.curve_authorized_keys)
         self.regions = Regions(config.server.client_shm_prefix)
-        self.workers = WorkerTable(config, self.context, devices, self.files, self.live)
+        self.workers = WorkerTable(config, self.context, devices, self.files, self.live, pools)
         self.forecast = Forecast(times, self.queue, self.workers, self.live)
         self.candidates = Candidates()
         self.replies = Replies(self.stats, self.live)

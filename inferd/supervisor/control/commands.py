@@ -77,7 +77,7 @@ class Commands:
         def collect() -> None:
             reply.finish({
                 "supervisor": supervisor,
-                "workers": {f"worker{w.index} (pid {w.pid})": w.stacks_path.read_text(errors="replace")
+                "workers": {f"{w.name} (pid {w.pid})": w.stacks_path.read_text(errors="replace")
                             for w in asked},
             })
 

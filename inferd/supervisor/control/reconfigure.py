@@ -20,7 +20,7 @@ import msgspec
 from inferd.config import loading
 from inferd.config.schema import SECTIONS, Config, ModelConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
-from inferd.models.repository import RepositoryError, resolve_version
+from inferd.models.repository import RepositoryError, python_version, resolve_version
 from inferd.supervisor.processes.workers import WorkerTable
 from inferd.supervisor.shared.command_replies import LoggedReply
 from inferd.supervisor.shared.live import LiveVersions
@@ -130,7 +130,15 @@ class Reconfigurer:
         for name in change.added_models:
             try:
                 added = change.config.models[name]
-                self.reloads.add_model(name, resolve_version(added, self.saved_live.get(name)), added.repository)
+                version = resolve_version(added, self.saved_live.get(name))
+                if python_version(added, version):
+                    # Its processes and their arenas are made at start, where the reaper learns of them.
+                    change.applied.remove(_describe(f"models.{name}", None, name))
+                    change.need_restart.append(f"models.{name} added: a Python model (model.py) starts its "
+                                               "processes at the daemon's start")
+                    change.config.models.pop(name)
+                    continue
+                self.reloads.add_model(name, version, added.repository)
             except RepositoryError as exc:
                 log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
                 change.config.models.pop(name)

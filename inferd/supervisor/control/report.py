@@ -12,7 +12,7 @@ import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
-from inferd.supervisor.processes.workers import WorkerState
+from inferd.supervisor.processes.workers import StepHandle, WorkerState
 from inferd.supervisor.shared.candidates import Candidate, Mode
 from inferd.supervisor.shared.stats import LoadSeries, Series
 
@@ -133,9 +133,13 @@ def loading_report(daemon: DaemonView, model: str) -> dict[str, Any]:
 
 
 def worker_summary(w: WorkerHandle) -> dict[str, Any]:
-    """What `status` and `stats` both say of a worker: who it is, its state, its counters."""
+    """What `status` and `stats` both say of a worker (or a Python model's step: its model and number in the
+    model's pool): who it is, its state, its counters."""
     return {
         "worker": w.index,
+        "kind": w.kind,
+        "name": w.name,
+        **({"model": w.model, "number": w.number} if isinstance(w, StepHandle) else {}),
         "pid": w.pid,
         "device": w.device,
         "state": w.state,

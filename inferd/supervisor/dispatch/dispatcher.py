@@ -193,7 +193,7 @@ class Dispatcher:
                     return left
         if not self.workers.send(executor.identity, message):
             worker.slots.release(slot)
-            self.replies.failed(batch, f"worker{worker.index} cannot be reached")
+            self.replies.failed(batch, f"{worker.name} cannot be reached")
             return left
         batch.inputs = message.inputs
         if self.config.models[model].variable:
@@ -452,7 +452,7 @@ class Dispatcher:
             for request in batch.requests:
                 if request.answered:
                     continue
-                request.lost_with = (*request.lost_with, f"worker{worker.index}")
+                request.lost_with = (*request.lost_with, worker.name)
                 if request.cancelled:
                     self.replies.error(request, protocol.CANCELLED, CANCELLED_ERROR, batch.version)
                 elif len(request.lost_with) > 1:
@@ -526,8 +526,8 @@ class Dispatcher:
         if compute_s > max(SLOW_FACTOR * median, SLOW_MIN_S) \
                 and now - self._slow_warned.get(batch.model, -math.inf) > SLOW_WARN_EVERY_S:
             self._slow_warned[batch.model] = now
-            log.warning("%s on worker%d took %.1f ms, over %dx the median %.1f ms", batch.describe(),
-                        batch.executor.worker.index, compute_s * 1000, SLOW_FACTOR, median * 1000)
+            log.warning("%s on %s took %.1f ms, over %dx the median %.1f ms", batch.describe(),
+                        batch.executor.worker.name, compute_s * 1000, SLOW_FACTOR, median * 1000)
 
     def _pick_executor(self, model: str, version: str) -> ExecutorHandle | None:
         executors = self.workers.executors_for(model, version)

@@ -237,7 +237,7 @@ class Frontend:
         self.back_at, self.back_why = None, ""
         if coming:
             self.back_at, worker = min(coming, key=lambda c: c[0])
-            self.back_why = (f"worker{worker.index} is expected back in {max(0.0, self.back_at - now):.1f} s "
+            self.back_why = (f"{worker.name} is expected back in {max(0.0, self.back_at - now):.1f} s "
                              f"(its restart's wait, then its last start's {worker.boot_s:.1f} s)")
 
     def on_readable(self, socket: zmq.Socket) -> None:

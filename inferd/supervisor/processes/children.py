@@ -1,4 +1,5 @@
-"""The supervisor's child processes (workers, gateways): how each is spawned, restarted, given up and stopped.
+"""The supervisor's child processes (workers, steps, gateways): how each is started, restarted, given up and
+stopped.
 
 A child that dies unexpectedly is started again at once the first time, then
 after a doubling backoff; one that dies more than `workers.max_restarts` times
@@ -13,6 +14,7 @@ import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import signal
+import subprocess
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +22,8 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import ClassVar
+
+from inferd.compute.process import handed_over
 
 CRASH_WINDOW_S = 60.0  # deaths counted against workers.max_restarts within this window
 MAX_BACKOFF_S = 30.0
@@ -67,12 +71,49 @@ def backoff(crashes: int) -> float:
     return min(MAX_BACKOFF_S, 0.5 * 2 ** (crashes - 2)) if crashes > 1 else 0.0
 
 
+class CommandProcess:
+    """A child started from a command line, not by multiprocessing: a Python model's step, under the interpreter
+    its config names. multiprocessing's spawn would hand that interpreter the supervisor's sys.path and have it
+    run the supervisor's main module, so a foreign interpreter would import the daemon's packages (torch among
+    them) rather than its own.
+
+    Its spec reaches it on its standard input, a pipe the supervisor then keeps open for the child's life and
+    never writes to again: the pipe's end tells the child its supervisor is gone. It offers what the supervisor
+    reads of a multiprocessing process: `pid`, `sentinel` (a pidfd, readable once it exits), `exitcode`,
+    `join`."""
+
+    def __init__(self, argv: list[str], spec: bytes, env: dict[str, str]) -> None:
+        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+        self.pid: int | None = self._popen.pid
+        self.sentinel = os.pidfd_open(self._popen.pid)
+        assert self._popen.stdin is not None
+        self._popen.stdin.write(handed_over(spec))
+        self._popen.stdin.flush()
+
+    @property
+    def exitcode(self) -> int | None:
+        """Its exit status once it has exited (negative: the signal that killed it), else None."""
+        return self._popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait up to `timeout` for it to exit; once it has, close what the supervisor held of it."""
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return
+        if self.sentinel != -1:
+            os.close(self.sentinel)
+            self.sentinel = -1
+            assert self._popen.stdin is not None
+            self._popen.stdin.close()
+
+
 @dataclass(eq=False, kw_only=True)
 class ChildProcess:
     """One child the supervisor keeps running: the process serving now, its restarts and its recent deaths."""
 
     starter: ClassVar[SpawnContext | ForkServerContext] = SPAWNED  # how its processes are started
-    process: BaseProcess | None = None
+    process: BaseProcess | CommandProcess | None = None
     restarts: int = 0
     respawn_at: float = 0.0  # when the next process may start (monotonic)
     deaths: deque[float] = field(default_factory=deque)  # times of its unexpected exits within the window
@@ -87,6 +128,14 @@ class ChildProcess:
         leave_out_current_folder()  # the fork server too, started again here if it died
         process = self.starter.Process(target=target, args=(spec,), name=name)
         process.start()
+        self.process = process
+        assert process.pid is not None
+        return process.pid
+
+    def start_command(self, argv: list[str], spec: bytes, env: dict[str, str]) -> int:
+        """Start a process from the command line `argv`, which reads `spec` from its standard input; its pid."""
+        leave_out_current_folder()
+        process = CommandProcess(argv, spec, {**os.environ, "PYTHONSAFEPATH": "1", **env})
         self.process = process
         assert process.pid is not None
         return process.pid

@@ -2,6 +2,10 @@
 
 Each worker is bound to one device and one arena for the daemon's lifetime;
 its process may be replaced, and each replacement carries a new generation.
+A Python model's processes (steps: one executor each, under the model's own
+interpreter) are workers of a second kind in the same table, supervised the
+same way: a Python model is placed only on its own steps, and a tensor model
+never on a step.
 Messages from a generation that is gone are ignored, so a late message from a
 dead process can never be taken for its successor's. Every change to a
 worker's record (what it has loaded, what it runs, why it cannot serve) goes
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +39,7 @@ from inferd.ipc.messages import LoadedModel
 from inferd.ipc.slots import SlotPool, slot_shortfall
 from inferd.ipc.sockets import send_parts
 from inferd.models import unpad
+from inferd.models.repository import RepositoryError, python_version
 from inferd.supervisor.processes.children import CRASH_WINDOW_S, FORKED, ChildProcess
 from inferd.supervisor.shared.live import LiveVersions
 from inferd.supervisor.shared.state import StartupError
@@ -45,6 +51,14 @@ log = logging.getLogger("inferd.workers")
 
 PIPELINE_DEPTH = 2  # batches an executor may hold: one running, one waiting behind it
 ABORT_GRACE_S = 2.0  # a hung worker gets SIGABRT, then SIGKILL this much later
+
+
+def _arena(instance: str, index: int, size: int) -> Arena:
+    """The arena of the table's process `index`, made now; StartupError when it cannot be."""
+    try:
+        return Arena.create(arena_name(instance, index), size)
+    except (ArenaError, OSError) as exc:
+        raise StartupError(f"cannot create the shared-memory arenas: {exc}") from None
 
 
 class WorkerState(StrEnum):
@@ -130,10 +144,24 @@ class WorkerHandle(ChildProcess):
         """Requests in the batches its executors hold."""
         return sum(e.requests for e in self.executors)
 
-    def holds(self, model: str, on_demand: bool) -> bool:
-        """Whether `model`'s versions belong here: every worker holds an "always" model, and an on-demand
-        one where it was placed."""
-        return not on_demand or model in self.placed
+    kind: ClassVar[str] = "worker"
+
+    @property
+    def name(self) -> str:
+        """How the log, errors and status name it."""
+        return f"worker{self.index}"
+
+    def title(self) -> str:
+        """Its process's title in ps."""
+        return f"inferd: {self.name} gen{self.generation} {self.device}"
+
+    def lanes(self, config: Config) -> int:
+        """How many executors its process runs: one per stream."""
+        return config.workers.streams
+
+    def launch(self, spec: ProcessSpec, config: Config) -> int:
+        """Start its process with `spec`, forked from the workers' fork server; its pid."""
+        return self.spawn(worker_main, msgspec.msgpack.encode(spec), f"inferd-{self.name}")
 
     def serves(self, model: str, version: str) -> bool:
         """True when this worker is ready and has `version` of `model` loaded and warmed."""
@@ -153,13 +181,65 @@ class WorkerHandle(ChildProcess):
         return None
 
 
+# Thread pools a numerical library in a step may start, held to workers.cpu_threads as a CPU worker's torch is:
+# a pool per core in each of many processes would only fight over the cores.
+THREAD_POOLS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+INFERD_HOME = Path(__file__).resolve().parents[3]  # the folder the running inferd package was imported from
+
+
+@dataclass(eq=False)
+class StepHandle(WorkerHandle):
+    """One process of a Python model's pool, `inferd: step MODEL.NUMBER`: a worker of one executor on the CPU,
+    started from the command line of the model's interpreter (models.MODEL.python, else the daemon's own)."""
+
+    kind: ClassVar[str] = "step"
+    model: str = ""
+    number: int = 0
+
+    @property
+    def name(self) -> str:
+        """How the log, errors and status name it."""
+        return f"step {self.model}.{self.number}"
+
+    def title(self) -> str:
+        """Its process's title in ps."""
+        return f"inferd: {self.name}"
+
+    def lanes(self, config: Config) -> int:
+        """One executor: a step's CPU work scales with processes (models.MODEL.processes), not threads."""
+        return 1
+
+    def launch(self, spec: ProcessSpec, config: Config) -> int:
+        """Start its process: `python -m inferd.step` under the model's interpreter, the spec on its stdin."""
+        python = config.models[self.model].python
+        env = {name: str(config.workers.cpu_threads) for name in THREAD_POOLS if name not in os.environ}
+        if not python and INFERD_HOME.name not in ("site-packages", "dist-packages"):
+            # Under the daemon's own interpreter, a step finds inferd where the daemon did (a checkout too).
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INFERD_HOME), os.environ.get("PYTHONPATH")]))
+        return self.start_command([python or sys.executable, "-m", "inferd.step"], msgspec.msgpack.encode(spec), env)
+
+
+def step_pools(config: Config, live: dict[str, str]) -> dict[str, int]:
+    """The Python models among those served (their live version holds model.py), each with its processes."""
+    pools = {}
+    for name, version in live.items():
+        try:
+            python = python_version(config.models[name], version)
+        except RepositoryError:
+            continue  # the load says what is wrong
+        if python:
+            pools[name] = config.models[name].processes
+    return pools
+
+
 class WorkerTable:
     """Every worker of the daemon, and the backend socket they talk to it on."""
 
     def __init__(self, config: Config, context: zmq.Context, devices: list[str], files: RuntimeFiles,
-                 live: LiveVersions) -> None:
+                 live: LiveVersions, pools: dict[str, int] | None = None) -> None:
         self.config = config
         self.devices = devices
+        self.pools = pools or {}  # each Python model's processes (step_pools)
         self.files = files
         self.live = live
         self.endpoint = f"ipc://{files.backend}"
@@ -178,17 +258,22 @@ class WorkerTable:
         self.config = config
 
     def open(self, instance: str) -> None:
-        """Create every worker's arena and bind the backend socket (before any worker starts)."""
+        """Create every worker's and step's arena and bind the backend socket (before any process starts). A
+        step's arena holds PIPELINE_DEPTH slots of a worker's size."""
         size = self.config.workers.shm_mb << 20
         slot_count = PIPELINE_DEPTH * self.config.workers.streams
         for index, device in enumerate(self.devices):
-            try:
-                arena = Arena.create(arena_name(instance, index), size)
-            except (ArenaError, OSError) as exc:
-                raise StartupError(f"cannot create the shared-memory arenas: {exc}") from None
-            self.workers.append(WorkerHandle(index=index, device=device, arena=arena,
+            self.workers.append(WorkerHandle(index=index, device=device, arena=_arena(instance, index, size),
                                              slots=SlotPool(size, slot_count),
                                              stacks_path=self.files.worker_stacks(index)))
+        step_size = PIPELINE_DEPTH * SlotPool(size, slot_count).slot_size
+        for model, count in self.pools.items():
+            for number in range(count):
+                index = len(self.workers)
+                self.workers.append(StepHandle(index=index, device="cpu", arena=_arena(instance, index, step_size),
+                                               slots=SlotPool(step_size, PIPELINE_DEPTH),
+                                               stacks_path=self.files.worker_stacks(index), model=model,
+                                               number=number))
         self.files.backend.parent.mkdir(parents=True, exist_ok=True)
         self.backend.bind(self.endpoint)
         self._bound = True
@@ -217,12 +302,12 @@ class WorkerTable:
             arena=worker.arena.name,
             config=loading.encode(self.config),
             versions={model: version for model, version in self.live.items()
-                      if not self.config.models[model].on_demand},
+                      if not self.config.models[model].on_demand and self.holds(worker, model)},
             stacks=str(worker.stacks_path),
-            title=f"inferd: worker{worker.index} gen{worker.generation} {worker.device}",
-            component=f"worker{worker.index}",
+            title=worker.title(),
+            component=worker.name.replace(" ", "-"),
         )
-        pid = worker.spawn(worker_main, msgspec.msgpack.encode(spec), f"inferd-worker{worker.index}")
+        pid = worker.launch(spec, self.config)
         worker.state = WorkerState.BOOTING
         worker.started = now
         worker.control = None
@@ -232,8 +317,8 @@ class WorkerTable:
         worker.memory_baseline = None
         worker.leak_warned = False
         worker.ping_sent, worker.pinged_at, worker.ping_ms = None, 0.0, None
-        worker.executors = [ExecutorHandle(worker, k) for k in range(self.config.workers.streams)]
-        log.info("worker%d generation %d started on %s, pid %d", worker.index, worker.generation, worker.device, pid)
+        worker.executors = [ExecutorHandle(worker, k) for k in range(worker.lanes(self.config))]
+        log.info("%s generation %d started on %s, pid %d", worker.name, worker.generation, worker.device, pid)
 
     def respawn_due(self, now: float) -> None:
         """Start a process for every dead worker whose backoff has passed."""
@@ -262,12 +347,12 @@ class WorkerTable:
         reason = describe_exit(code)
         if was == WorkerState.STOPPING and not worker.give_up:
             worker.state = WorkerState.DEAD
-            log.info("worker%d exited (%s)", worker.index, reason)
+            log.info("%s exited (%s)", worker.name, reason)
             return reason
         if was == WorkerState.REPLACING:
             worker.restarts += 1
             worker.state, worker.respawn_at = WorkerState.DEAD, now
-            log.warning("worker%d replaced (%s): %s", worker.index, reason, worker.last_error)
+            log.warning("%s replaced (%s): %s", worker.name, reason, worker.last_error)
             return f"{worker.last_error}; it was replaced"
         if hung:
             reason = f"{hung}; it was killed ({reason})"
@@ -280,12 +365,12 @@ class WorkerTable:
         if delay is None:
             return self._give_up(worker, f"{len(worker.deaths)} deaths within {CRASH_WINDOW_S:g} s", reason)
         worker.state = WorkerState.DEAD
-        log.error("worker%d (%s) died: %s; restarting in %.1f s", worker.index, was, reason, delay)
+        log.error("%s (%s) died: %s; restarting in %.1f s", worker.name, was, reason, delay)
         return reason
 
     def _give_up(self, worker: WorkerHandle, why: str, reason: str) -> str:
         worker.state = WorkerState.FAILED
-        log.error("worker%d given up (%s): %s", worker.index, why, worker.last_error or reason)
+        log.error("%s given up (%s): %s", worker.name, why, worker.last_error or reason)
         return reason
 
     def abort_hung(self, worker: WorkerHandle, why: str, now: float) -> None:
@@ -294,7 +379,7 @@ class WorkerTable:
             return
         if worker.hung is None:
             worker.hung, worker.hung_since = why, now
-            log.error("worker%d is hung: %s; aborting it", worker.index, why)
+            log.error("%s is hung: %s; aborting it", worker.name, why)
             worker.signal(signal.SIGABRT)
         elif now - worker.hung_since > ABORT_GRACE_S:
             worker.kill()
@@ -307,7 +392,7 @@ class WorkerTable:
         worker.last_error = why
         worker.state = WorkerState.REPLACING
         worker.loading = {}
-        log.error("worker%d: %s; replacing it once its running batches are back", worker.index, why)
+        log.error("%s: %s; replacing it once its running batches are back", worker.name, why)
 
     def stop(self, worker: WorkerHandle, give_up: bool = False) -> None:
         """Ask a worker to exit once its executors finish what they run.
@@ -330,7 +415,7 @@ class WorkerTable:
             if worker.process is None:
                 continue
             if worker.wait_or_kill(deadline - time.monotonic()):
-                log.warning("worker%d did not stop in time; killing it", worker.index)
+                log.warning("%s did not stop in time; killing it", worker.name)
             worker.state = WorkerState.DEAD
 
     # -- messages ---------------------------------------------------------------
@@ -352,7 +437,7 @@ class WorkerTable:
 
     def trim_memory(self, why: str) -> list[int]:
         """Ask every ready worker to return its unused GPU memory now; the indexes of those asked."""
-        asked = [w.index for w in self.workers
+        asked = [w.index for w in self.device_workers
                  if w.state == WorkerState.READY and self.send_control(w, messages.TrimMemory())]
         log.info("trim asked by %s: %d workers asked to return unused GPU memory", why, len(asked))
         return asked
@@ -387,12 +472,12 @@ class WorkerTable:
                     return None
             worker.state = WorkerState.READY
             worker.boot_s = time.monotonic() - worker.started
-            log.info("worker%d ready on %s (pid %d) in %.1f s", worker.index, worker.device, message.pid,
+            log.info("%s ready on %s (pid %d) in %.1f s", worker.name, worker.device, message.pid,
                      worker.boot_s)
             return worker
         if isinstance(message, messages.BootFailed):
             worker.last_error = message.error
-            log.error("worker%d failed to boot: %s", worker.index, message.error)
+            log.error("%s failed to boot: %s", worker.name, message.error)
         elif isinstance(message, messages.Pong):
             if message.sent == worker.ping_sent:  # an answer to a Ping forgotten since is no news
                 worker.ping_sent, worker.pinged_at = None, time.monotonic()
@@ -416,6 +501,21 @@ class WorkerTable:
             self._roles[identity] = (worker, hello.generation, executor)
 
     # -- versions ---------------------------------------------------------------
+
+    @property
+    def device_workers(self) -> list[WorkerHandle]:
+        """The workers of devices, without the Python models' steps."""
+        return [w for w in self.workers if not isinstance(w, StepHandle)]
+
+    def holds(self, worker: WorkerHandle, model: str) -> bool:
+        """Whether `model`'s versions belong on `worker`: a Python model's on its own steps only; a tensor model's
+        on every worker of a device (an on-demand one where it was placed), never on a step."""
+        config = self.config.models.get(model)
+        if config is None:
+            return False
+        if isinstance(worker, StepHandle) or model in self.pools:
+            return isinstance(worker, StepHandle) and worker.model == model
+        return not config.on_demand or model in worker.placed
 
     def load(self, worker: WorkerHandle, model: str, version: str, expect: tuple[messages.TensorSpec, ...] | None,
              now: float) -> bool:
@@ -461,7 +561,7 @@ class WorkerTable:
                            f"{list(declared.shape or ())}, but {model} {loaded.version} returns {found.dtype} "
                            f"{found.public_shape()}")
         if problem is not None:
-            return f"worker{worker.index}: {problem}"
+            return f"{worker.name}: {problem}"
         worker.loaded[(model, loaded.version)] = loaded
         self._signatures[(model, loaded.version)] = loaded.outputs
         self._versions_changed(worker)
@@ -534,15 +634,15 @@ class WorkerTable:
         worker.memory, worker.reserved = memory, reserved
         limit = self.config.workers.leak_warn_mb * 2**20
         if growth > limit:
-            log.warning("%s on worker%d grew its memory by %.0f MiB (more than workers.leak_warn_mb = %g)",
-                        batch(), worker.index, growth / 2**20, self.config.workers.leak_warn_mb)
+            log.warning("%s on %s grew its memory by %.0f MiB (more than workers.leak_warn_mb = %g)",
+                        batch(), worker.name, growth / 2**20, self.config.workers.leak_warn_mb)
         if worker.memory_baseline is None:
             worker.memory_baseline = memory
             return
         if worker.memory_growth > limit and not worker.leak_warned:
             worker.leak_warned = True
             log.warning(
-                "worker%d: memory grew %.0f MiB over its level after warm-up (more than workers.leak_warn_mb = %g); "
-                "a model that keeps tensors between batches leaks like this", worker.index,
+                "%s: memory grew %.0f MiB over its level after warm-up (more than workers.leak_warn_mb = %g); "
+                "a model that keeps tensors between batches leaks like this", worker.name,
                 worker.memory_growth / 2**20, self.config.workers.leak_warn_mb,
             )

@@ -117,7 +117,7 @@ class Placement:
         if not self._on_demand_models or (not len(self.queue) and not self._asked):
             return  # the loop calls this every turn: a daemon without on-demand models pays one test
         loading = {index for _, index in self.pending}
-        if all(w.state != WorkerState.READY or w.index in loading for w in self.workers.workers):
+        if all(w.state != WorkerState.READY or w.index in loading for w in self.workers.device_workers):
             return  # no worker can start a load now: the loop turns of a busy daemon stay cheap
         unplaced = {model: replies[0][1] for model, replies in self._asked.items()}  # model -> waiting since
         for model, lane in list(self.queue.busy.items()):  # a refusal below empties its lane
@@ -154,7 +154,7 @@ class Placement:
         loading = {index for _, index in self.pending}
         # One load at a time per worker: loads queued behind one another would each have taken their room
         # at once, from models used a moment ago, for models whose turn is seconds away.
-        candidates = [w for w in self.workers.workers
+        candidates = [w for w in self.workers.device_workers
                       if w.state == WorkerState.READY and model not in w.placed and w.index not in loading]
         if not candidates:
             return None
@@ -179,9 +179,10 @@ class Placement:
     def _too_big(self, size: int) -> str | None:
         """Why a model of `size` bytes fits on no worker beside the models every worker holds; None if it fits."""
         budget = self.budget
-        if not budget or any(size <= budget - self._always_held(w) for w in self.workers.workers):
+        devices = self.workers.device_workers
+        if not budget or any(size <= budget - self._always_held(w) for w in devices):
             return None
-        held = min(self._always_held(w) for w in self.workers.workers)
+        held = min(self._always_held(w) for w in devices)
         return (f"it holds {size / 2**20:.2f} MiB, more than workers.model_memory_mb ({budget / 2**20:g} MiB) "
                 f"leaves beside the models every worker holds ({held / 2**20:.2f} MiB)")
 

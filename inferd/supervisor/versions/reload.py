@@ -158,8 +158,8 @@ class ReloadManager:
             # Loaded nowhere: the version becomes live now, and loads where the next request needs it.
             self.flip(model, version, reply, now, "reload", {"loaded_on": 0})
             return
-        coming = sorted((back, w.index) for w in self.workers.workers
-                        if w.state != WorkerState.READY and (back := w.expected_back(now)) is not None)
+        coming = sorted((back, w.index) for w in self.workers.workers if w.state != WorkerState.READY
+                        and self._holds(w, model) and (back := w.expected_back(now)) is not None)
         if not targets and not coming:
             reply.fail(f"no ready worker serves {model}, and none is coming back; nothing can load {version}")
             return
@@ -173,8 +173,8 @@ class ReloadManager:
         log.info("reloading %s: %s -> %s on %d worker(s)", model, live, version, len(targets))
         if not targets:  # its workers are restarting: it loads on the first one back (catch_up)
             back, index = coming[0]
-            reply.progress(f"no worker serves {model} now: waiting for worker{index}, expected back in "
-                           f"{max(0.0, back - now):.1f} s, to load {version}",
+            reply.progress(f"no worker serves {model} now: waiting for {self.workers.workers[index].name}, expected "
+                           f"back in {max(0.0, back - now):.1f} s, to load {version}",
                            wait_s=self.config.workers.load_timeout_s)
             return
         reply.progress(f"loading {model} {version} beside {live} on {len(targets)} worker(s)",
@@ -187,7 +187,7 @@ class ReloadManager:
         if self.workers.load(worker, reload.model, reload.version, reload.expect, time.monotonic()):
             reload.pending.add(worker)
         elif reload.failure is None:
-            reload.failure = f"worker{worker.index} cannot be reached"
+            reload.failure = f"{worker.name} cannot be reached"
 
     def on_message(self, worker: WorkerHandle, message: messages.VersionLoaded | messages.VersionFailed) -> None:
         """A worker finished loading a version (or could not)."""
@@ -208,10 +208,10 @@ class ReloadManager:
             if problem is not None and reload.failure is None:
                 reload.failure = problem
             reload.reply.progress(
-                f"worker{worker.index}: loaded in {message.load_s:.2f} s, warmed up in {message.warm_s:.2f} s"
+                f"{worker.name}: loaded in {message.load_s:.2f} s, warmed up in {message.warm_s:.2f} s"
             )
         elif reload.failure is None:
-            reload.failure = f"worker{worker.index} refused {message.model} {version}: {message.error}"
+            reload.failure = f"{worker.name} refused {message.model} {version}: {message.error}"
         self._settle(reload)
 
     def on_worker_exit(self, worker: WorkerHandle) -> None:
@@ -222,7 +222,7 @@ class ReloadManager:
             reload.loaded.pop(worker, None)
             if worker in reload.pending:
                 reload.pending.discard(worker)
-                reload.failure = reload.failure or f"worker{worker.index} died while loading {reload.version}"
+                reload.failure = reload.failure or f"{worker.name} died while loading {reload.version}"
                 self._settle(reload)
 
     def check_loads(self, now: float) -> None:
@@ -239,7 +239,7 @@ class ReloadManager:
             if not late:
                 continue
             model, version = late[0]
-            why = f"worker{worker.index} did not load {model} {version} within workers.load_timeout_s ({limit:g} s)"
+            why = f"{worker.name} did not load {model} {version} within workers.load_timeout_s ({limit:g} s)"
             for reload in list(self.active.values()):
                 if worker in reload.pending:
                     reload.pending.discard(worker)
@@ -272,7 +272,7 @@ class ReloadManager:
             if self.workers.load(worker, model, version, expect, time.monotonic()):
                 self.catching_up.add((worker, model, version))
                 role = "live version" if self.live.get(model) == version else "candidate"
-                log.info("worker%d: catching up %s to the %s %s", worker.index, model, role, version)
+                log.info("%s: catching up %s to the %s %s", worker.name, model, role, version)
 
     def retire_idle(self) -> None:
         """Unload each retiring version from workers where its last batch is back.
@@ -288,9 +288,9 @@ class ReloadManager:
                 self.workers.version_unloaded(worker, model, version)
 
     def _holds(self, worker: WorkerHandle, model: str) -> bool:
-        """Whether `model` belongs on `worker` (an on-demand model only where it is placed)."""
-        config = self.config.models.get(model)
-        return config is not None and worker.holds(model, config.on_demand)
+        """Whether `model` belongs on `worker` (an on-demand model only where it is placed, a Python model on its
+        own steps)."""
+        return self.workers.holds(worker, model)
 
     def _wanted(self, worker: WorkerHandle, model: str, version: str) -> bool:
         """True for a live version and a candidate where the model belongs, and for one a reload or catch-up
@@ -312,7 +312,7 @@ class ReloadManager:
             for worker in self.workers.workers:
                 if worker.serves(reload.model, reload.previous) and (reload.model, reload.version) not in worker.loaded:
                     self._load(reload, worker)
-                    reload.reply.progress(f"worker{worker.index} came up during the reload: loading {reload.version} "
+                    reload.reply.progress(f"{worker.name} came up during the reload: loading {reload.version} "
                                           "there too", wait_s=self.config.workers.load_timeout_s)
         if reload.pending:
             return
@@ -382,12 +382,12 @@ class ReloadManager:
             candidate = self.candidates.get(message.model)
             if candidate is not None and candidate.version == message.version:
                 self.on_candidate_failed(message.model, message.version,
-                                         f"worker{worker.index} cannot load it: {message.error}")
+                                         f"{worker.name} cannot load it: {message.error}")
                 return
             if self.live.get(message.model) != message.version:  # wanted no more (its trial ended meanwhile)
                 return
-            log.error("worker%d cannot load the live %s %s: %s; it will not serve %s",
-                      worker.index, message.model, message.version, message.error, message.model)
+            log.error("%s cannot load the live %s %s: %s; it will not serve %s",
+                      worker.name, message.model, message.version, message.error, message.model)
             self.workers.note_error(worker, message.error)
             self.on_caught_up(worker, message.model, message.error)
             return
@@ -397,7 +397,7 @@ class ReloadManager:
             self.workers.version_unloaded(worker, model, version)
             candidate = self.candidates.get(model)
             if candidate is not None and candidate.version == version:
-                self.on_candidate_failed(model, version, f"worker{worker.index} cannot serve it: {problem}")
+                self.on_candidate_failed(model, version, f"{worker.name} cannot serve it: {problem}")
                 return
             log.error("%s; it will not serve %s", problem, model)
             self.workers.note_error(worker, problem)

@@ -1,0 +1,116 @@
+"""Python models (model.py) the tests serve, written into a repository as a user would write them.
+
+Each is a class Model over numpy arrays; the tests import the same files in-process to check what the daemon
+answers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+SCALE_FEATURES = 4
+
+# float32 [4] -> "scaled" float32 [4] (x * parameters.factor) and "total" float64 [1]: each sample's sum. A batch
+# holding a negative value is refused with inferd.InvalidInput, one holding a value over 1000 raises ValueError.
+# A batch whose first value is GATE waits at the gate its second value numbers (it writes itself to that file of
+# the folder parameters.gates, which a test made a named pipe: tests/gates.py), then answers zeros; one whose
+# first value is HANG sleeps without end.
+GATE, HANG = 4242, 777
+SCALE = f'''
+import time
+from pathlib import Path
+
+import numpy as np
+
+import inferd
+
+
+class Model:
+    def __init__(self, context):
+        self.factor = float(context.parameters.get("factor", 2.0))
+        self.gates = Path(context.parameters.get("gates", "/nonexistent"))
+
+    def __call__(self, inputs):
+        x = inputs["x"]
+        if x[0, 0] == {GATE}:
+            (self.gates / str(int(x[0, 1]))).write_bytes(x.tobytes())
+            return {{"scaled": np.zeros_like(x), "total": np.zeros((len(x), 1))}}
+        if x[0, 0] == {HANG}:
+            while True:
+                time.sleep(1)
+        if (x < 0).any():
+            raise inferd.InvalidInput(f"negative values are refused: {{x[x < 0][:3].tolist()}}")
+        if (x > 1000).any():
+            raise ValueError("values over 1000 are out of this model's range")
+        return {{"scaled": x * self.factor, "total": x.astype(np.float64).sum(axis=1, keepdims=True)}}
+
+    def close(self):
+        pass
+'''
+
+# Returns its input as its output, the same array: what a model that does nothing costs.
+IDENTITY = '''
+class Model:
+    def __call__(self, inputs):
+        return {"y": inputs["x"]}
+'''
+
+# Burns CPU in Python for each sample (a tokenizer's or an image decoder's kind of work): float32 [1] -> [1].
+BUSY = '''
+class Model:
+    def __init__(self, context):
+        self.loops = int(context.parameters.get("loops", 20000))
+
+    def __call__(self, inputs):
+        x = inputs["x"]
+        total = 0
+        for _ in range(self.loops * len(x)):
+            total += 1
+        return {"y": x + total * 0.0}
+'''
+
+SCALE_CONFIG: dict[str, Any] = {
+    "inputs": [{"dtype": "float32", "shape": [SCALE_FEATURES], "name": "x"}],
+    "outputs": [{"name": "scaled", "dtype": "float32", "shape": [SCALE_FEATURES]},
+                {"name": "total", "dtype": "float64", "shape": [1]}],
+    "max_batch_size": 8, "max_wait_ms": 0,
+}
+
+
+def gated(gate_number: int, rows: int = 1) -> Any:
+    """A batch of scale of `rows` samples that waits at the gate numbered `gate_number`."""
+    import numpy as np
+
+    x = np.zeros((rows, SCALE_FEATURES), np.float32)
+    x[0, :2] = GATE, gate_number
+    return x
+
+
+def write(root: Path, name: str, version: str, source: str) -> Path:
+    """Write `source` as model.py of NAME/VERSION under `root`."""
+    folder = root / name / version
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.py").write_text(source)
+    return folder
+
+
+def build_python_repository(root: Path) -> None:
+    """Every Python model of the tests: scale v1 and v2 (the same code, another factor in the config's
+    parameters is what a test gives), identity, busy."""
+    write(root, "scale", "v1", SCALE)
+    write(root, "scale", "v2", SCALE.replace('get("factor", 2.0)', 'get("factor", 2.0) * 5'))
+    write(root, "identity", "v1", IDENTITY)
+    write(root, "busy", "v1", BUSY)
+
+
+def in_process(folder: Path, parameters: dict[str, Any] | None = None) -> Any:
+    """The Model of `folder`'s model.py, made in this process as a step makes it."""
+    from inferd.step.runner import ModelContext
+
+    spec = importlib.util.spec_from_file_location(f"reference_{folder.parent.name}_{folder.name}", folder / "model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Model(ModelContext(folder, folder.parent.name, folder.name, parameters or {}))

@@ -1,0 +1,207 @@
+"""Python models (model.py): served by processes of their own (steps), supervised as workers are, answering
+each request of a batch alone where one raises, and never importing torch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import python_models
+from conftest import MLP, Daemon, base_config, built_once, exited, wait_for
+from gates import Gate
+from python_models import HANG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
+from wire import RawPeer
+
+from inferd import RetryPolicy
+from inferd.errors import InvalidRequest
+from inferd.harness import local_config, to_toml
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def python_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    """The Python models of tests/python_models.py, beside the tensor models of `repo` (read-only)."""
+    return built_once(tmp_path_factory, pytestconfig, "python-repo", python_models.build_python_repository)
+
+
+def scale(gates: Path, **overrides: Any) -> dict[str, Any]:
+    """The scale model's config: its gates in `gates`, its factor 2."""
+    return {**SCALE_CONFIG, "version": "v1", "parameters": {"factor": 2.0, "gates": str(gates)}, **overrides}
+
+
+def steps_of(daemon: Daemon, model: str) -> list[dict[str, Any]]:
+    return [w for w in daemon.status()["workers"] if w["kind"] == "step" and w["model"] == model]
+
+
+@pytest.fixture(scope="module")
+def served(python_repo: Path, repo: Path) -> Iterator[Daemon]:
+    """One daemon for the module: scale (two processes), scale_one (the same model, one process) and mlp, a tensor
+    model, beside them."""
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
+    gates = folder / "gates"
+    gates.mkdir()
+    config = base_config(folder, python_repo, {"scale": scale(gates, processes=2), "scale_one": scale(gates)})
+    config["models"]["scale_one"]["repository"] = str(python_repo / "scale")
+    config["models"]["mlp"] = {**MLP, "repository": str(repo / "mlp")}
+    daemon = Daemon(folder, config)
+    try:
+        yield daemon.start()
+    finally:
+        daemon.kill_all()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_python_model_answers_as_its_model_py_does_in_process(served, python_repo):
+    reference = in_process(python_repo / "scale" / "v1", {"factor": 2.0})
+    rng = np.random.default_rng(5)
+    with served.client() as client:
+        for samples in (1, 3, 8):
+            x = rng.uniform(0, 10, (samples, SCALE_FEATURES)).astype(np.float32)
+            scaled, total = client.infer("scale", x)
+            expected = reference({"x": x})
+            np.testing.assert_array_equal(scaled, expected["scaled"])
+            np.testing.assert_array_equal(total, expected["total"])
+            assert scaled.dtype == np.float32 and total.dtype == np.float64 and total.shape == (samples, 1)
+        assert client.infer("mlp", np.ones((1, 16), np.float32)).shape == (1, 4), "the tensor model beside it"
+
+
+def test_its_processes_are_listed_titled_and_never_load_torch(served):
+    steps = steps_of(served, "scale")
+    assert [(s["number"], s["name"], s["state"], s["generation"], s["restarts"]) for s in steps] == [
+        (0, "step scale.0", "ready", 1, 0), (1, "step scale.1", "ready", 1, 0)]
+    workers = [w for w in served.status()["workers"] if w["kind"] == "worker"]
+    assert [w["loaded"] for w in workers] == [["mlp v2"]], "the tensor model on the worker, scale on its steps"
+    assert all(s["loaded"] == ["scale v1"] for s in steps)
+    for step in steps:
+        assert open(f"/proc/{step['pid']}/cmdline").read().startswith(f"inferd: step scale.{step['number']}")
+        maps = open(f"/proc/{step['pid']}/maps").read()
+        assert "libtorch" not in maps and "numpy" in maps
+    assert "libtorch" in open(f"/proc/{workers[0]['pid']}/maps").read()
+
+
+def test_one_bad_request_of_a_batch_fails_alone_with_its_own_status(served):
+    gates = Path(served.config["models"]["scale_one"]["parameters"]["gates"])
+    good = [np.full((1, SCALE_FEATURES), value, np.float32) for value in (1, 2, 3)]
+    invalid = np.array([[1, -3, 2, 2]], np.float32)
+    out_of_range = np.array([[1, 2, 3, 5000]], np.float32)
+    sent = [good[0], invalid, good[1], out_of_range, good[2]]
+    before = served.call("stats")["models"]["scale_one"]["batch_size"]["distribution"]
+    with RawPeer(served.endpoint) as peer:
+        # Its one executor holds a batch at a gate and a full one behind it: the five wait, then go as one batch.
+        running, behind = Gate(gates), Gate(gates)
+        peer.send("running", "scale_one", [gated(running.number)], timeout_ms=60_000)
+        wait_for(lambda: steps_of(served, "scale_one")[0]["executors_busy"], what="the step held")
+        peer.send("behind", "scale_one", [gated(behind.number, rows=8)], timeout_ms=60_000)
+        wait_for(lambda: steps_of(served, "scale_one")[0]["batches_in_flight"] == 2, what="a full batch behind it")
+        for index, x in enumerate(sent):
+            peer.send(index, "scale_one", [x], timeout_ms=60_000)
+        wait_for(lambda: served.status()["models"]["scale_one"]["queue_depth"] == 5, what="the five queued")
+        running.open()
+        behind.open()
+        replies = {}
+        while len(replies) < 7:
+            header, outputs = peer.recv(timeout=30)
+            replies[header["id"]] = (header, outputs)
+    after = served.call("stats")["models"]["scale_one"]["batch_size"]["distribution"]
+    assert after.get("5", 0) == before.get("5", 0) + 1, "the five went as one batch"
+    reference = in_process(Path(served.config["models"]["scale_one"]["repository"]) / "v1", {"factor": 2.0})
+    for index in (0, 2, 4):
+        header, (scaled, total) = replies[index]
+        assert header["status"] == "ok", header
+        np.testing.assert_array_equal(scaled, reference({"x": sent[index]})["scaled"])
+    header, _ = replies[1]
+    assert (header["status"], header["error"]) == ("invalid", "scale_one v1: InvalidInput: negative values are "
+                                                              "refused: [-3.0]")
+    header, _ = replies[3]
+    assert (header["status"], header["error"]) == ("internal", "scale_one v1: ValueError: values over 1000 are out "
+                                                               "of this model's range")
+    with served.client(retry=RetryPolicy(max_attempts=1)) as client, pytest.raises(InvalidRequest) as refused:
+        client.infer("scale_one", invalid)
+    assert refused.value.status == "invalid" and "negative values are refused" in refused.value.message
+
+
+def test_a_reload_of_a_python_model_is_blue_green_and_names_its_outputs(served):
+    x = np.full((2, SCALE_FEATURES), 3, np.float32)
+    with served.client() as client:
+        np.testing.assert_array_equal(client.infer("scale_one", x)[0], x * 2)
+        result = served.call("reload", timeout=60, model="scale_one", version="v2")
+        assert result["version"] == "v2" and result["previous"] == "v1"
+        np.testing.assert_array_equal(client.infer("scale_one", x)[0], x * 10)
+        listed = served.call("models", model="scale_one")["scale_one"]
+        assert listed["outputs"] == [["float32", [SCALE_FEATURES]], ["float64", [1]]] and listed["ready"]
+        served.call("reload", timeout=60, model="scale_one", version="v1")
+        np.testing.assert_array_equal(client.infer("scale_one", x)[0], x * 2)
+    assert steps_of(served, "scale_one")[0]["loaded"] == ["scale_one v1"], "v2 unloaded once its last batch was back"
+
+
+def test_a_step_killed_under_load_is_restarted_and_every_request_is_answered(served):
+    before = {s["number"]: s for s in steps_of(served, "scale")}
+    rng = np.random.default_rng(11)
+    inputs = [rng.uniform(0, 10, (int(rng.integers(1, 4)), SCALE_FEATURES)).astype(np.float32) for _ in range(3000)]
+    answers: list[Any] = []
+    killed = False
+    with served.client() as client:
+        window: list[Any] = []
+        for x in inputs:
+            window.append(client.submit("scale", x))
+            if len(window) == 64:  # 64 in flight, as 64 clients would keep
+                answers.append(window.pop(0).result())
+            if len(answers) == 500 and not killed:
+                os.kill(before[0]["pid"], signal.SIGKILL)
+                killed = True
+        answers += [future.result() for future in window]
+    assert killed and len(answers) == len(inputs), "every request was answered"
+    for x, (scaled, total) in zip(inputs, answers):
+        np.testing.assert_array_equal(scaled, x * 2)
+        np.testing.assert_array_equal(total, x.astype(np.float64).sum(axis=1, keepdims=True))
+    wait_for(lambda: exited(before[0]["pid"]), what="the killed step gone")
+    back = wait_for(lambda: next((s for s in steps_of(served, "scale") if s["number"] == 0 and s["state"] == "ready"
+                                  and s["pid"] != before[0]["pid"]), None), what="step scale.0 back")
+    assert back["restarts"] == 1 and back["generation"] == 2
+    assert steps_of(served, "scale")[1]["pid"] == before[1]["pid"], "the other step served on"
+    assert "step scale.0 (ready) died: killed by signal 9" in served.log()
+
+
+def test_a_step_that_hangs_is_ended_and_restarted(start_daemon, python_repo):
+    daemon = start_daemon({"scale": scale(Path("/nonexistent"), repository=str(python_repo / "scale"))},
+                          workers={"batch_timeout_s": 1})
+    (step,) = steps_of(daemon, "scale")
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("hangs", "scale", [np.full((1, SCALE_FEATURES), HANG, np.float32)], timeout_ms=500)
+        header, _ = peer.recv(timeout=10)
+        assert header["status"] == "timeout", "a step past its deadline is not waited for"
+    back = wait_for(lambda: next((s for s in steps_of(daemon, "scale") if s["state"] == "ready"
+                                  and s["pid"] != step["pid"]), None), what="the step restarted", timeout=60)
+    assert back["restarts"] == 1 and exited(step["pid"])
+    assert "step scale.0 is hung: batch" in daemon.log() and "ran longer than workers.batch_timeout_s (1 s)" in \
+        daemon.log()
+    x = np.ones((1, SCALE_FEATURES), np.float32)
+    with daemon.client() as client:
+        np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+
+
+def test_check_config_refuses_a_python_model_without_outputs_and_python_keys_on_a_tensor_model(tmp_path, python_repo,
+                                                                                               repo):
+    models = {"scale": {"repository": str(python_repo / "scale"), "version": "v1",
+                        "inputs": SCALE_CONFIG["inputs"], "outputs": [{"name": "scaled"}]},
+              "mlp": {**MLP, "repository": str(repo / "mlp"), "processes": 2}}
+    path = tmp_path / "inferd.toml"
+    path.write_text(to_toml(local_config(tmp_path, models)))
+    result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert ("models.scale.outputs: a Python model (model.py) lists its outputs, each with its dtype and per-sample "
+            "shape") in result.stderr
+    assert ("models.mlp.processes: processes is for a Python model (a version folder holding model.py), and this "
+            "one is a tensor model; remove it") in result.stderr
