@@ -217,7 +217,7 @@ def test_inferctl_models_shows_the_contract_and_a_request_that_runs_as_printed(d
     assert on_disk["v1"]["format"] == "torchscript" and on_disk["v1"]["problem"] is None
     assert on_disk["static"]["format"] == "exported" and on_disk["misnamed"]["format"] == "exported"
     assert PICKLED in on_disk["pickled"]["problem"] and WEIGHTS in on_disk["weights"]["problem"]
-    assert on_disk["half"]["problem"] == "the folder holds no model.pt or model.pt2"
+    assert on_disk["half"]["problem"] == "the folder holds no model.py, model.pt or model.pt2"
 
     text = inferctl(daemon, "models")
     assert text.returncode == 0, text.stderr

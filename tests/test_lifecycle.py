@@ -233,7 +233,7 @@ def test_a_model_that_breaks_the_batch_dim_stops_the_start_with_a_clear_error(st
 def test_a_missing_version_stops_the_start(start_daemon):
     daemon = start_daemon({"mlp": {**MLP, "version": "v9"}}, wait=False)
     assert daemon.wait(30) == 1
-    assert "version 'v9' has no model.pt or model.pt2" in daemon.log()
+    assert "version 'v9' has no model.py, model.pt or model.pt2" in daemon.log()
 
 
 def test_arena_too_small_for_a_full_batch_is_a_clear_error(start_daemon):

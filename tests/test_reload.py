@@ -166,7 +166,7 @@ def test_the_python_clients_tell_which_version_answered_and_its_timing(reload_da
 
 
 REFUSALS = [
-    ("missing", [], "version 'missing' has no model.pt or model.pt2"),
+    ("missing", [], "version 'missing' has no model.py, model.pt or model.pt2"),
     ("corrupt", [], "is not a TorchScript or torch.export archive; save it with torch.export.save"),
     ("refuses_big", [], "warm-up of mlp refuses_big at batch 16 failed"),
     ("wide", [], "outputs float32 [N, 8], but the live version outputs float32 [N, 4]"),

@@ -25,6 +25,7 @@ from inferd.models.model_files import PYTHON_FILE
 log = logging.getLogger("inferd.models.repository")
 
 MODEL_FILES = (PYTHON_FILE, "model.pt", "model.pt2")
+MODEL_FILES_SAID = "model.py, model.pt or model.pt2"  # MODEL_FILES in a sentence
 LIVE_FILE = "live_versions.json"
 NUMBERS_FILE = "version_numbers.json"
 CONFIG_KEY = "config"  # what names, in each of them, the config file that saved it
@@ -47,7 +48,7 @@ def model_file(repository: str | Path, version: str) -> Path:
     for name in MODEL_FILES:
         if (folder / name).is_file():
             return folder / name
-    raise RepositoryError(f"version {version!r} has no {' or '.join(MODEL_FILES)} in {Path(repository)}")
+    raise RepositoryError(f"version {version!r} has no {MODEL_FILES_SAID} in {Path(repository)}")
 
 
 def is_python(path: Path) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from inferd import __version__
-from inferd.models.repository import MODEL_FILES, RepositoryError, describe_versions, folders_without_model
+from inferd.models.repository import MODEL_FILES_SAID, RepositoryError, describe_versions, folders_without_model
 from inferd.supervisor.control.control_server import ControlReply, deferred
 from inferd.supervisor.control.report import candidate_status, stats_report, worker_summary
 from inferd.supervisor.shared.candidates import Mode
@@ -149,7 +149,7 @@ class Commands:
         except (RepositoryError, OSError) as exc:
             return str(exc)
         return found + [{"version": folder, "file": None, "size_bytes": 0, "modified": 0.0, "format": None,
-                         "made": {}, "problem": f"the folder holds no {' or '.join(MODEL_FILES)}"} for folder in empty]
+                         "made": {}, "problem": f"the folder holds no {MODEL_FILES_SAID}"} for folder in empty]
 
     def command_status(self) -> dict[str, Any]:
         """The daemon's state, its workers, its gateways and the live version of each model."""
