@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from inferd.errors import InvalidRequest
 from inferd.harness import local_config, to_toml
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -145,6 +147,22 @@ def test_a_reload_of_a_python_model_is_blue_green_and_names_its_outputs(served):
     assert steps_of(served, "scale_one")[0]["loaded"] == ["scale_one v1"], "v2 unloaded once its last batch was back"
 
 
+def test_a_canary_of_a_python_model_takes_its_share_and_versions_and_stats_show_both(served):
+    served.call("reload", timeout=60, model="scale_one", version="v2", canary=50)
+    x = np.ones((1, SCALE_FEATURES), np.float32)
+    with served.client() as client:
+        factors = {float(client.infer("scale_one", x)[0][0, 0]) for _ in range(60)}
+        assert factors == {2.0, 10.0}, "v1 and its canary v2 both answered"
+        served.call("promote", timeout=60, model="scale_one")
+        assert float(client.infer("scale_one", x)[0][0, 0]) == 10.0
+        served.call("reload", timeout=60, model="scale_one", version="v1")
+    stats = served.call("stats")["models"]["scale_one"]
+    assert stats["versions"]["v1"]["requests"]["ok"] > 0 and stats["versions"]["v2"]["requests"]["ok"] > 0
+    versions = served.call("versions", model="scale_one")["scale_one"]
+    assert [(v["version"], v["file"], v["format"], v["live"]) for v in versions] == [
+        ("v1", "model.py", "python", True), ("v2", "model.py", "python", False)]
+
+
 def test_a_step_killed_under_load_is_restarted_and_every_request_is_answered(served):
     before = {s["number"]: s for s in steps_of(served, "scale")}
     rng = np.random.default_rng(11)
@@ -205,3 +223,30 @@ def test_check_config_refuses_a_python_model_without_outputs_and_python_keys_on_
             "shape") in result.stderr
     assert ("models.mlp.processes: processes is for a Python model (a version folder holding model.py), and this "
             "one is a tensor model; remove it") in result.stderr
+
+
+@pytest.mark.serial
+def test_a_python_model_runs_under_an_interpreter_of_its_own_that_has_no_torch(start_daemon, python_repo, tmp_path):
+    # The interpreter as docs/models.md makes it: a venv holding inferd (without its dependencies) and what the
+    # inferd[step] extra names, nothing else.
+    venv = tmp_path / "venv"
+    python = str(venv / "bin" / "python")
+    own = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120, env=own)
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["step"]
+    pip = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, *extra], check=True, timeout=300, env=own, capture_output=True)
+    subprocess.run([*pip, "--no-deps", str(ROOT)], check=True, timeout=300, env=own, capture_output=True)
+    assert subprocess.run([python, "-c", "import torch"], env=own, capture_output=True).returncode != 0
+
+    daemon = start_daemon({"scale": scale(Path("/nonexistent"), repository=str(python_repo / "scale"),
+                                          python=python)})
+    (step,) = steps_of(daemon, "scale")
+    maps = open(f"/proc/{step['pid']}/maps").read()
+    assert f"{venv}/lib" in maps and "libtorch" not in maps, "numpy from the venv, and no torch"
+    assert sys.prefix not in maps, "nothing of the daemon's own environment"
+    x = np.arange(2 * SCALE_FEATURES, dtype=np.float32).reshape(2, SCALE_FEATURES)
+    with daemon.client() as client:
+        scaled, total = client.infer("scale", x)
+    np.testing.assert_array_equal(scaled, x * 2)
+    np.testing.assert_array_equal(total, x.astype(np.float64).sum(axis=1, keepdims=True))

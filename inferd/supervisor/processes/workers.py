@@ -213,7 +213,11 @@ class StepHandle(WorkerHandle):
         """Start its process: `python -m inferd.step` under the model's interpreter, the spec on its stdin."""
         python = config.models[self.model].python
         env = {name: str(config.workers.cpu_threads) for name in THREAD_POOLS if name not in os.environ}
-        if not python and INFERD_HOME.name not in ("site-packages", "dist-packages"):
+        if python:
+            # The daemon's PYTHONPATH is for the daemon's interpreter (it may lead to torch): another interpreter
+            # imports its own packages only.
+            env["PYTHONPATH"] = ""
+        elif INFERD_HOME.name not in ("site-packages", "dist-packages"):
             # Under the daemon's own interpreter, a step finds inferd where the daemon did (a checkout too).
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(INFERD_HOME), os.environ.get("PYTHONPATH")]))
         return self.start_command([python or sys.executable, "-m", "inferd.step"], msgspec.msgpack.encode(spec), env)
