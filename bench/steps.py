@@ -4,19 +4,22 @@
 
 1. One daemon serves two identity models of the same size (float32 [256] in, the same out): `echo`, a TorchScript
    module on the CPU worker, and `pyecho`, a Python model (model.py) on one step process; both with one executor
-   (workers.streams = 1) and max_batch_size 64. The load generator keeps 1, then 64, requests in flight on each,
+   (workers.streams = 1) and max_batch_size 64, and server.spin_us = 0 (the loop's wait for the next request
+   would otherwise count as work). The load generator keeps 1, then 64, requests in flight on each,
    alternately, and each run prints the CPU time every process of the daemon (supervisor, worker, step) spent
    per request answered. Target: the Python model at most 1.5x the tensor model's.
 2. Another daemon serves a CPU-bound Python model (`busy`: a Python loop of `--loops` steps per sample, as a
    tokenizer's or an image decoder's work is) twice, with processes = 1 and 2; 64 requests in flight on each in
    turn. Target: two processes at least 1.7x the samples per second of one, where the step is the bottleneck.
 
-Each run appends its JSON lines to bench/results/steps.jsonl; the table at the end gives the medians.
+Each run appends its JSON lines to bench/results/steps.jsonl, with the machine's load average (a busy machine
+leaves the two processes less than two cores); the table at the end gives the medians.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -89,7 +92,8 @@ def cpu_per_request(daemon: DaemonProcess, model: str, shape: tuple[int, ...], c
     requests = answered(daemon) - before
     used = daemon_cpu_s(daemon) - before_cpu
     return {"daemon_cpu_us_per_request": round(used / requests * 1e6, 1), "requests": requests,
-            "samples_per_s": result["samples_per_s"], "p50_ms": result["latency_ms"]["p50"]}
+            "samples_per_s": result["samples_per_s"], "p50_ms": result["latency_ms"]["p50"],
+            "load_average": round(os.getloadavg()[0], 2)}
 
 
 def overhead(root: Path, runs: int, seconds: float) -> list[dict[str, Any]]:
@@ -102,7 +106,8 @@ def overhead(root: Path, runs: int, seconds: float) -> list[dict[str, Any]]:
         "pyecho": {**batching, "repository": str(python_model(root / "python", "pyecho", IDENTITY)),
                    "outputs": [{"name": "OUTPUT__0", "dtype": "float32", "shape": list(SHAPE)}]},
     }
-    daemon = start_daemon(root / "identity", served, workers={"devices": ["cpu"], "streams": 1})
+    daemon = start_daemon(root / "identity", served, workers={"devices": ["cpu"], "streams": 1},
+                          server={"spin_us": 0})
     rows = []
     try:
         for model in served:
@@ -138,7 +143,8 @@ def scaling(root: Path, runs: int, seconds: float, loops: int) -> list[dict[str,
             for model, processes in (("busy1", 1), ("busy2", 2)):
                 result = run_loadgen(daemon.endpoint, model, ONE, 64, seconds, warmup=0.5)
                 row = {"part": "scaling", "model": model, "processes": processes, "loops": loops, "run": run,
-                       "samples_per_s": result["samples_per_s"], "p50_ms": result["latency_ms"]["p50"]}
+                       "samples_per_s": result["samples_per_s"], "p50_ms": result["latency_ms"]["p50"],
+                       "load_average": round(os.getloadavg()[0], 2)}
                 rows.append(row)
                 print(row, file=sys.stderr, flush=True)
     finally:

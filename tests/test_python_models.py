@@ -4,6 +4,7 @@ each request of a batch alone where one raises, and never importing torch."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -225,6 +226,26 @@ def test_check_config_refuses_a_python_model_without_outputs_and_python_keys_on_
             "one is a tensor model; remove it") in result.stderr
 
 
+def test_an_interpreter_that_cannot_be_started_gives_its_steps_up_and_the_daemon_serves_the_rest(start_daemon,
+                                                                                                   python_repo, repo,
+                                                                                                   workdir):
+    broken = workdir / "python"
+    broken.write_text("#!/nowhere/bin/python3\n")  # executable, so the config passes, but exec fails
+    broken.chmod(0o755)
+    daemon = start_daemon({"scale": scale(Path("/nonexistent"), repository=str(python_repo / "scale"),
+                                          python=str(broken)),
+                           "mlp": {**MLP, "repository": str(repo / "mlp")}}, wait=False)
+    wait_for(lambda: "serving without step scale.0, which failed to start" in daemon.log(), timeout=120,
+             what="the daemon serving without the step")
+    (step,) = steps_of(daemon, "scale")
+    assert step["state"] == "failed" and step["pid"] is None
+    assert step["last_error"].startswith("its process could not be started: [Errno 2] No such file or directory")
+    assert daemon.call("health") == {"healthy": False, "reason": "no ready worker serves scale v1"}
+    daemon.endpoint = daemon.status()["listen"][0]  # the port it picked (start waits for health, which is false)
+    with daemon.client() as client:
+        assert client.infer("mlp", np.ones((1, 16), np.float32)).shape == (1, 4)
+
+
 @pytest.mark.serial
 def test_a_python_model_runs_under_an_interpreter_of_its_own_that_has_no_torch(start_daemon, python_repo, tmp_path):
     # The interpreter as docs/models.md makes it: a venv holding inferd (without its dependencies) and what the
@@ -250,3 +271,29 @@ def test_a_python_model_runs_under_an_interpreter_of_its_own_that_has_no_torch(s
         scaled, total = client.infer("scale", x)
     np.testing.assert_array_equal(scaled, x * 2)
     np.testing.assert_array_equal(total, x.astype(np.float64).sum(axis=1, keepdims=True))
+
+
+def test_the_example_of_the_models_page_serves_as_written(workdir):
+    page = (ROOT / "docs" / "models.md").read_text()
+    example = page[page.index("### An example: the top class of logits"):]
+    source = re.search(r"```python\n(.*?)```", example, re.S).group(1)
+    table = tomllib.loads(re.search(r"```toml\n(.*?)```", example, re.S).group(1))
+    folder = workdir / "models" / "top1" / "v1"  # its repository, "models/top1", is read from the config's folder
+    folder.mkdir(parents=True)
+    (folder / "model.py").write_text(source)
+    daemon = Daemon(workdir, local_config(workdir, table["models"]))
+    try:
+        daemon.start()
+        assert len(steps_of(daemon, "top1")) == table["models"]["top1"]["processes"]
+        logits = np.random.default_rng(3).standard_normal((5, 10)).astype(np.float32)
+        expected = in_process(folder, table["models"]["top1"]["parameters"])({"logits": logits})
+        with daemon.client(retry=RetryPolicy(max_attempts=1)) as client:
+            label, score = client.infer("top1", logits)
+            np.testing.assert_array_equal(label, expected["label"])
+            np.testing.assert_allclose(score, expected["score"], rtol=1e-6)
+            assert label.dtype == np.int64 and score.dtype == np.float32 and score.shape == (5, 1)
+            logits[0, 3] = np.nan
+            with pytest.raises(InvalidRequest, match="^top1 v1: InvalidInput: logits must be finite numbers$"):
+                client.infer("top1", logits)
+    finally:
+        daemon.kill_all()

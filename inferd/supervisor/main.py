@@ -111,7 +111,8 @@ class Supervisor(Parts):
         now = time.monotonic()
         for worker in self.workers.workers:
             self.workers.spawn(worker, now)
-            self._watch(worker)
+            if worker.process is not None:
+                self._watch(worker)
         for front in self.gateways:
             front.start()
             self._watch(front)
@@ -258,9 +259,9 @@ class Supervisor(Parts):
             raise StartupError(f"no worker could start: {'; '.join(sorted(errors)) or 'see the log above'}")
         self.state = DaemonState.SERVING
         notify("READY=1")
-        failed = [w.index for w in workers if w.state == WorkerState.FAILED]
+        failed = [w.name for w in workers if w.state == WorkerState.FAILED]
         if failed:
-            log.warning("serving without worker(s) %s, which failed to start", failed)
+            log.warning("serving without %s, which failed to start", ", ".join(failed))
         log.info("ready: %d worker(s) serving %s", len(workers) - len(failed),
                  ", ".join(f"{n} {v}" for n, v in self.live.items()))
 

@@ -296,7 +296,7 @@ class WorkerTable:
     # -- processes --------------------------------------------------------------
 
     def spawn(self, worker: WorkerHandle, now: float) -> None:
-        """Start a new process, of a new generation, for `worker`."""
+        """Start a new process, of a new generation, for `worker`; one that cannot be started is given up."""
         worker.generation += 1
         spec = ProcessSpec(
             worker=worker.index,
@@ -311,7 +311,12 @@ class WorkerTable:
             title=worker.title(),
             component=worker.name.replace(" ", "-"),
         )
-        pid = worker.launch(spec, self.config)
+        try:
+            pid = worker.launch(spec, self.config)
+        except OSError as exc:  # a step's interpreter gone since the config was checked, say
+            worker.last_error = f"its process could not be started: {exc}"
+            self._give_up(worker, "it cannot start", worker.last_error)
+            return
         worker.state = WorkerState.BOOTING
         worker.started = now
         worker.control = None
