@@ -52,6 +52,24 @@ def describe_error(exc: BaseException) -> str:
     return text.removeprefix("builtins.")
 
 
+def exception_text(exc: BaseException) -> str:
+    """An exception as an error reply names it: its type and its message, cut to MODEL_ERROR_CHARS."""
+    return f"{type(exc).__name__}: {cut(str(exc).strip() or '(no message)', MODEL_ERROR_CHARS)}"
+
+
+def output_offsets(in_place: Sequence[int | None], sizes: Sequence[int], start: int,
+                   slot_end: int) -> tuple[list[int], int]:
+    """Where each output of `sizes` bytes goes in a batch's slot: where it lies already (`in_place`: an input
+    given back, or a view of one, needs no copy, the slot being the batch's until its replies have gone), else
+    the next place from `start`; and the offset past the last one placed. MemoryError where they do not fit."""
+    offsets, end = place(start, [size for size, at in zip(sizes, in_place) if at is None])
+    if end > slot_end:
+        raise MemoryError(f"the outputs need more than the {slot_end - start} bytes left in the arena slot; "
+                          "raise workers.shm_mb")
+    free = iter(offsets)
+    return [at if at is not None else next(free) for at in in_place], end
+
+
 def request_rows(samples: Sequence[int]) -> list[Rows]:
     """Each request's rows in a batch of requests of `samples` samples each, in row order."""
     rows, start = [], 0
@@ -147,8 +165,8 @@ class Executor(threading.Thread):
         return int(os.pread(self._statm, 128, 0).split()[1]) * PAGE_SIZE, 0
 
     def exception_text(self, exc: BaseException) -> str:
-        """An exception as an error reply names it: its type and message (cut to MODEL_ERROR_CHARS)."""
-        return f"{type(exc).__name__}: {cut(str(exc).strip() or '(no message)', MODEL_ERROR_CHARS)}"
+        """An exception as an error reply names it (exception_text; a kind may know better)."""
+        return exception_text(exc)
 
     def on_failure(self, exc: BaseException) -> None:
         """What the process does about an exception before anything is run again (a GPU worker gives its

@@ -14,10 +14,9 @@ import numpy as np
 import zmq
 
 from inferd.compute import executor as compute
-from inferd.compute.executor import Computed, Overlap, Rows
+from inferd.compute.executor import Computed, Overlap, Rows, output_offsets
 from inferd.ipc.arena import Arena
 from inferd.ipc.messages import Hello, RunBatch, TensorRef
-from inferd.ipc.slots import place
 from inferd.protocol import DTYPES
 from inferd.step.runner import PythonRunner
 
@@ -58,15 +57,9 @@ class StepExecutor(compute.Executor):
         """Put each output in the slot from `start` on, but one already in the slot; the refs, and the offset
         past the last one written."""
         in_place = [self._offset_in_slot(output, slot_start, slot_end) for output in outputs]
-        copied = [output for output, at in zip(outputs, in_place) if at is None]
-        offsets, end = place(start, [output.nbytes for output in copied])
-        if end > slot_end:
-            raise MemoryError(f"the outputs need more than the {slot_end - start} bytes left in the arena slot; "
-                              "raise workers.shm_mb")
-        destinations = iter(offsets)
+        offsets, end = output_offsets(in_place, [output.nbytes for output in outputs], start, slot_end)
         refs = []
-        for output, where in zip(outputs, in_place):
-            at = where if where is not None else next(destinations)
+        for output, where, at in zip(outputs, in_place, offsets):
             if where is None:
                 self._bytes[at:at + output.nbytes] = output.reshape(-1).view(np.uint8)
             refs.append(TensorRef(DTYPE_NAMES[output.dtype], tuple(output.shape), at))

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from inferd.compute.executor import exception_text
 from inferd.config.schema import CANARY_ATOL, CANARY_RTOL, ModelConfig, OutputSpec
-from inferd.errors import MODEL_ERROR_CHARS, cut
 from inferd.ipc import messages
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.models.repository import is_python, model_file, writable_by_others
@@ -51,11 +51,6 @@ class ModelContext:
     name: str
     version: str
     parameters: dict[str, Any] = field(default_factory=dict)
-
-
-def exception_text(exc: BaseException) -> str:
-    """An exception as errors name it: its type and its message, cut to MODEL_ERROR_CHARS."""
-    return f"{type(exc).__name__}: {cut(str(exc).strip() or '(no message)', MODEL_ERROR_CHARS)}"
 
 
 @dataclass(frozen=True)

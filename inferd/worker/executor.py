@@ -22,11 +22,10 @@ import zmq
 from inferd import protocol
 from inferd.arrays import from_numpy
 from inferd.compute import executor as compute
-from inferd.compute.executor import Computed, Overlap, Rows, describe_error
+from inferd.compute.executor import Computed, Overlap, Rows, describe_error, output_offsets
 from inferd.errors import MODEL_ERROR_CHARS, cut
 from inferd.ipc.arena import Arena
 from inferd.ipc.messages import Hello, RunBatch, TensorRef
-from inferd.ipc.slots import place
 from inferd.protocol import DTYPES
 from inferd.worker.exits import WorkerExit
 from inferd.worker.runner import DTYPE_NAMES, ModelRunner
@@ -184,18 +183,11 @@ class Executor(compute.Executor):
             if dtype is None:
                 raise TypeError(f"output dtype {output.dtype} cannot travel on the wire")
             names.append(dtype)
-        # An output that is (a view of) an input needs no copy: the slot stays untouched until its reply has gone.
         in_place = [self._offset_in_slot(output, slot_start, slot_end) for output in outputs]
-        copied = [o for o, at in zip(outputs, in_place) if at is None]
-        offsets, end = place(start, [o.numel() * o.element_size() for o in copied])
-        if end > slot_end:
-            raise MemoryError(f"the outputs need more than the {slot_end - start} bytes left in the arena slot; "
-                              "raise workers.shm_mb")
-        destinations = iter(offsets)
+        offsets, end = output_offsets(in_place, [o.numel() * o.element_size() for o in outputs], start, slot_end)
         refs = []
-        for output, dtype, where in zip(outputs, names, in_place):
+        for output, dtype, where, at in zip(outputs, names, in_place, offsets):
             shape = tuple(output.shape)
-            at = where if where is not None else next(destinations)
             if where is None:
                 arena_tensor(self.arena, dtype, shape, at).copy_(output, non_blocking=True)
             refs.append(TensorRef(dtype, shape, at))
