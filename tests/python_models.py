@@ -16,7 +16,7 @@ SCALE_FEATURES = 4
 # holding a negative value is refused with inferd.InvalidInput, one holding a value over 1000 raises ValueError.
 # A batch whose first value is GATE waits at the gate its second value numbers (it writes itself to that file of
 # the folder parameters.gates, which a test made a named pipe: tests/gates.py), then answers zeros; one whose
-# first value is HANG sleeps without end.
+# first value is HANG sleeps without end. Its close() notes its version in the file `closed` of that folder.
 GATE, HANG = 4242, 777
 SCALE = f'''
 import time
@@ -31,6 +31,7 @@ class Model:
     def __init__(self, context):
         self.factor = float(context.parameters.get("factor", 2.0))
         self.gates = Path(context.parameters.get("gates", "/nonexistent"))
+        self.version = context.version
 
     def __call__(self, inputs):
         x = inputs["x"]
@@ -47,7 +48,9 @@ class Model:
         return {{"scaled": x * self.factor, "total": x.astype(np.float64).sum(axis=1, keepdims=True)}}
 
     def close(self):
-        pass
+        if self.gates.is_dir():
+            with open(self.gates / "closed", "a") as said:
+                said.write(self.version + "\\n")
 '''
 
 # Returns its input as its output, the same array: what a model that does nothing costs.
@@ -97,10 +100,15 @@ def write(root: Path, name: str, version: str, source: str) -> Path:
 
 
 def build_python_repository(root: Path) -> None:
-    """Every Python model of the tests: scale v1 and v2 (the same code, another factor in the config's
-    parameters is what a test gives), identity, busy."""
+    """Every Python model of the tests: scale v1, v2 (five times its factor) and bad_canary (v1, whose folder's
+    expected output for its example input is wrong), identity, busy."""
+    import numpy as np
+
     write(root, "scale", "v1", SCALE)
     write(root, "scale", "v2", SCALE.replace('get("factor", 2.0)', 'get("factor", 2.0) * 5'))
+    canary = write(root, "scale", "bad_canary", SCALE)
+    np.save(canary / "example_input.npy", np.ones((2, SCALE_FEATURES), np.float32))
+    np.save(canary / "expected_output.npy", np.zeros((2, SCALE_FEATURES), np.float32))
     write(root, "identity", "v1", IDENTITY)
     write(root, "busy", "v1", BUSY)
 

@@ -25,6 +25,7 @@ from wire import RawPeer
 from inferd import RetryPolicy
 from inferd.errors import InvalidRequest
 from inferd.harness import local_config, to_toml
+from inferd.ipc.control import ControlError
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,12 +136,16 @@ def test_one_bad_request_of_a_batch_fails_alone_with_its_own_status(served):
 
 
 def test_a_reload_of_a_python_model_is_blue_green_and_names_its_outputs(served):
+    closed = Path(served.config["models"]["scale_one"]["parameters"]["gates"]) / "closed"
     x = np.full((2, SCALE_FEATURES), 3, np.float32)
     with served.client() as client:
         np.testing.assert_array_equal(client.infer("scale_one", x)[0], x * 2)
         result = served.call("reload", timeout=60, model="scale_one", version="v2")
         assert result["version"] == "v2" and result["previous"] == "v1"
         np.testing.assert_array_equal(client.infer("scale_one", x)[0], x * 10)
+        wait_for(lambda: closed.exists() and closed.read_text().split() == ["v1"], what="v1's close() called")
+        with pytest.raises(ControlError, match="does not reproduce expected_output.npy"):
+            served.call("reload", timeout=60, model="scale_one", version="bad_canary")
         listed = served.call("models", model="scale_one")["scale_one"]
         assert listed["outputs"] == [["float32", [SCALE_FEATURES]], ["float64", [1]]] and listed["ready"]
         served.call("reload", timeout=60, model="scale_one", version="v1")
@@ -161,7 +166,8 @@ def test_a_canary_of_a_python_model_takes_its_share_and_versions_and_stats_show_
     assert stats["versions"]["v1"]["requests"]["ok"] > 0 and stats["versions"]["v2"]["requests"]["ok"] > 0
     versions = served.call("versions", model="scale_one")["scale_one"]
     assert [(v["version"], v["file"], v["format"], v["live"]) for v in versions] == [
-        ("v1", "model.py", "python", True), ("v2", "model.py", "python", False)]
+        ("bad_canary", "model.py", "python", False), ("v1", "model.py", "python", True),
+        ("v2", "model.py", "python", False)]
 
 
 def test_a_step_killed_under_load_is_restarted_and_every_request_is_answered(served):
