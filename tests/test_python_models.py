@@ -24,7 +24,7 @@ from wire import RawPeer
 
 from inferd import RetryPolicy
 from inferd.errors import InvalidRequest
-from inferd.harness import local_config, to_toml
+from inferd.harness import free_port, local_config, to_toml
 from inferd.ipc.control import ControlError
 
 BIN = Path(sys.executable).parent
@@ -49,7 +49,7 @@ def steps_of(daemon: Daemon, model: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def served(python_repo: Path, repo: Path) -> Iterator[Daemon]:
     """One daemon for the module: scale (two processes), scale_one (the same model, one process) and mlp, a tensor
-    model, beside them."""
+    model, beside them; over the Open Inference Protocol's HTTP too."""
     import tempfile
 
     folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
@@ -58,6 +58,7 @@ def served(python_repo: Path, repo: Path) -> Iterator[Daemon]:
     config = base_config(folder, python_repo, {"scale": scale(gates, processes=2), "scale_one": scale(gates)})
     config["models"]["scale_one"]["repository"] = str(python_repo / "scale")
     config["models"]["mlp"] = {**MLP, "repository": str(repo / "mlp")}
+    config["server"]["http"] = f"127.0.0.1:{free_port()}"
     daemon = Daemon(folder, config)
     try:
         yield daemon.start()
@@ -78,6 +79,26 @@ def test_a_python_model_answers_as_its_model_py_does_in_process(served, python_r
             np.testing.assert_array_equal(total, expected["total"])
             assert scaled.dtype == np.float32 and total.dtype == np.float64 and total.shape == (samples, 1)
         assert client.infer("mlp", np.ones((1, 16), np.float32)).shape == (1, 4), "the tensor model beside it"
+
+
+def test_over_the_open_inference_protocol_its_tensors_have_the_names_and_dtypes_its_config_declares(served):
+    import tritonclient.http as httpclient
+    from tritonclient.utils import InferenceServerException
+
+    oip = httpclient.InferenceServerClient(served.config["server"]["http"])
+    metadata = oip.get_model_metadata("scale")
+    assert [(o["name"], o["datatype"], o["shape"]) for o in metadata["outputs"]] == [
+        ("scaled", "FP32", [-1, SCALE_FEATURES]), ("total", "FP64", [-1, 1])]
+    x = np.arange(2 * SCALE_FEATURES, dtype=np.float32).reshape(2, SCALE_FEATURES)
+    given = httpclient.InferInput("x", list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+    answer = oip.infer("scale", [given])
+    np.testing.assert_array_equal(answer.as_numpy("scaled"), x * 2)
+    np.testing.assert_array_equal(answer.as_numpy("total"), x.astype(np.float64).sum(axis=1, keepdims=True))
+    given.set_data_from_numpy(-x)
+    with pytest.raises(InferenceServerException, match="scale v1: InvalidInput: negative values") as refused:
+        oip.infer("scale", [given])
+    assert refused.value.status() == "400"
 
 
 def test_its_processes_are_listed_titled_and_never_load_torch(served):
