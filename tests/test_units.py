@@ -312,6 +312,19 @@ def test_the_dispatcher_stacks_requests_where_the_layout_says_and_slices_each_re
     assert worker.slots.free == worker.slots.count and worker.batches == 1
 
 
+def test_a_batch_whose_executor_is_gone_before_the_loop_knows_goes_back_to_the_queue_unanswered(table, wired):
+    fake, clients, dispatcher = wired
+    worker = table.table.workers[0]
+    identity = worker.executors[0].identity
+    fake.executor.close()  # its process died; the loop has not read its exit yet
+    wait_for(lambda: not table.table.send(identity, messages.Ping(0.0)), what="ZeroMQ to see the executor go")
+    requests = [clients.request(k, np.ones((1, 16), dtype=np.float32)) for k in range(2)]
+    assert dispatcher.dispatch("mlp", list(requests)) == requests, "back to the queue"
+    assert worker.executors[0].identity is None, "no batch goes there again"
+    assert worker.slots.free == worker.slots.count and not dispatcher.inflight
+    assert not clients.dealer.poll(200), "nothing was answered: the requests wait for another executor"
+
+
 def test_requests_naming_a_version_that_was_replaced_are_refused_not_computed(wired):
     fake, clients, dispatcher = wired
     x = np.ones((1, 16), dtype=np.float32)

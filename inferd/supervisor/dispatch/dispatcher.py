@@ -108,8 +108,9 @@ class Dispatcher:
         """Copy `requests` into a slot of the least busy executor of their version and send it there.
 
         Returns the requests to put back in the queue: during a canary, those that name the version
-        the batch did not go to, when every executor of theirs is busy; and those of a model of BYTES
-        inputs that did not fit the slot beside the others.
+        the batch did not go to, when every executor of theirs is busy; those of a model of BYTES inputs
+        that did not fit the slot beside the others; and those of a batch whose executor could not be reached
+        (its process is gone, which the loop has not heard yet).
         """
         candidate = self.candidates.get(model)
         if candidate is None:
@@ -159,7 +160,8 @@ class Dispatcher:
 
     def _send(self, model: str, version: str, requests: list[QueuedRequest], copy_for_shadow: bool,
               now: float) -> list[QueuedRequest]:
-        """Send `requests` to an executor of `version`; those that must wait for a later batch."""
+        """Stack `requests` into a slot of an executor of `version` and send it the batch; the requests to put
+        back in the queue (those left for a later batch, or all where the executor's process is gone)."""
         executor = self._pick_executor(model, version)
         if executor is None:
             for request in requests:
@@ -192,9 +194,11 @@ class Dispatcher:
                     worker.slots.release(slot)
                     return left
         if not self.workers.send(executor.identity, message):
+            # Nothing of it ran: it waits for another executor (or this one's replacement).
             worker.slots.release(slot)
-            self.replies.failed(batch, f"{worker.name} cannot be reached")
-            return left
+            self.workers.unreachable(executor)
+            log.warning("%s cannot be reached; %s goes back to the queue", worker.name, batch.describe())
+            return [*requests, *left]
         batch.inputs = message.inputs
         if self.config.models[model].variable:
             self._count_shape(batch)

@@ -444,6 +444,11 @@ class WorkerTable:
         """Send to a worker's main thread (load, unload, shutdown)."""
         return self.send(worker.control, message)
 
+    def unreachable(self, executor: ExecutorHandle) -> None:
+        """`executor`'s socket cannot be reached (its process is gone, and its exit is not news to the loop yet):
+        no batch is sent there again (what it may still answer is read as before)."""
+        executor.identity = None
+
     def trim_memory(self, why: str) -> list[int]:
         """Ask every ready worker to return its unused GPU memory now; the indexes of those asked."""
         asked = [w.index for w in self.device_workers
