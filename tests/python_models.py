@@ -100,8 +100,8 @@ def write(root: Path, name: str, version: str, source: str) -> Path:
 
 
 def build_python_repository(root: Path) -> None:
-    """Every Python model of the tests: scale v1, v2 (five times its factor) and bad_canary (v1, whose folder's
-    expected output for its example input is wrong), identity, busy."""
+    """Every Python model of the tests: scale v1, v2 (five times its factor), bad_canary (v1, whose folder's
+    expected output for its example input is wrong) and tensor (a TorchScript module), identity, busy."""
     import numpy as np
 
     write(root, "scale", "v1", SCALE)
@@ -109,6 +109,8 @@ def build_python_repository(root: Path) -> None:
     canary = write(root, "scale", "bad_canary", SCALE)
     np.save(canary / "example_input.npy", np.ones((2, SCALE_FEATURES), np.float32))
     np.save(canary / "expected_output.npy", np.zeros((2, SCALE_FEATURES), np.float32))
+    import models  # a version of scale that torch saved: a model keeps its kind, so it is never served
+    models.save_script(lambda: models.Sleepy(1), root, "scale", "tensor", 1)
     write(root, "identity", "v1", IDENTITY)
     write(root, "busy", "v1", BUSY)
 

@@ -167,6 +167,9 @@ def test_a_reload_of_a_python_model_is_blue_green_and_names_its_outputs(served):
         wait_for(lambda: closed.exists() and closed.read_text().split() == ["v1"], what="v1's close() called")
         with pytest.raises(ControlError, match="does not reproduce expected_output.npy"):
             served.call("reload", timeout=60, model="scale_one", version="bad_canary")
+        with pytest.raises(ControlError, match="^cannot reload scale_one: scale_one tensor is a tensor model \\(a file "
+                                               "torch saved\\), but scale_one is served as a Python model"):
+            served.call("reload", timeout=60, model="scale_one", version="tensor")
         listed = served.call("models", model="scale_one")["scale_one"]
         assert listed["outputs"] == [["float32", [SCALE_FEATURES]], ["float64", [1]]] and listed["ready"]
         served.call("reload", timeout=60, model="scale_one", version="v1")
@@ -187,8 +190,8 @@ def test_a_canary_of_a_python_model_takes_its_share_and_versions_and_stats_show_
     assert stats["versions"]["v1"]["requests"]["ok"] > 0 and stats["versions"]["v2"]["requests"]["ok"] > 0
     versions = served.call("versions", model="scale_one")["scale_one"]
     assert [(v["version"], v["file"], v["format"], v["live"]) for v in versions] == [
-        ("bad_canary", "model.py", "python", False), ("v1", "model.py", "python", True),
-        ("v2", "model.py", "python", False)]
+        ("bad_canary", "model.py", "python", False), ("tensor", "model.pt", "torchscript", False),
+        ("v1", "model.py", "python", True), ("v2", "model.py", "python", False)]
 
 
 def test_a_step_killed_under_load_is_restarted_and_every_request_is_answered(served):
@@ -251,6 +254,13 @@ def test_check_config_refuses_a_python_model_without_outputs_and_python_keys_on_
             "shape") in result.stderr
     assert ("models.mlp.processes: processes is for a Python model (a version folder holding model.py), and this "
             "one is a tensor model; remove it") in result.stderr
+    models["scale"]["outputs"] = SCALE_CONFIG["outputs"]
+    del models["mlp"]["processes"]
+    path.write_text(to_toml(local_config(tmp_path, models)))
+    result = subprocess.run([str(BIN / "inferd"), "convert", "--config", str(path), "--model", "scale", "--from", "v1",
+                             "--to", "v9"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip().endswith(
+        "model.py is a Python model, which runs as it is: there is nothing to convert"), result.stderr
 
 
 def test_an_interpreter_that_cannot_be_started_gives_its_steps_up_and_the_daemon_serves_the_rest(start_daemon,
