@@ -115,6 +115,18 @@ def test_its_processes_are_listed_titled_and_never_load_torch(served):
     assert "libtorch" in open(f"/proc/{workers[0]['pid']}/maps").read()
 
 
+def test_stacks_shows_where_its_processes_are_asked_or_signalled(served):
+    pids = {s["number"]: s["pid"] for s in steps_of(served, "scale")}
+    stacks = served.call("stacks", timeout=10)["workers"]
+    assert "_serve_control" in stacks[f"step scale.0 (pid {pids[0]})"], "the step's main thread, from its own stacks"
+    # A daemon whose control socket does not answer: inferctl signals the processes it finds by their titles.
+    result = subprocess.run([str(BIN / "inferctl"), "--control", served.control, "--timeout", "0.000001", "stacks"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"== step scale.1 (pid {pids[1]})" in result.stdout and "_serve_control" in \
+        result.stdout.partition(f"== step scale.1 (pid {pids[1]})")[2]
+
+
 def test_one_bad_request_of_a_batch_fails_alone_with_its_own_status(served):
     gates = Path(served.config["models"]["scale_one"]["parameters"]["gates"])
     good = [np.full((1, SCALE_FEATURES), value, np.float32) for value in (1, 2, 3)]

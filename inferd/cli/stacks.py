@@ -19,12 +19,18 @@ def signalled_stacks(files: RuntimeFiles) -> dict[str, Any]:
     try:
         pid = int(files.pid.read_text())
         supervisor = psutil.Process(pid)
-        workers = {child: int(child.cmdline()[0].split()[1].removeprefix("worker"))
-                   for child in supervisor.children(recursive=True) if child.cmdline()[0].startswith("inferd: worker")}
+        titles = {child: child.cmdline()[0] for child in supervisor.children(recursive=True)}
+        workers = {child: int(title.split()[1].removeprefix("worker"))
+                   for child, title in titles.items() if title.startswith("inferd: worker")}
+        # A Python model's process: `inferd: step MODEL.NUMBER`.
+        steps = {child: title.split()[2].rpartition(".") for child, title in titles.items()
+                 if title.startswith("inferd: step ")}
     except (OSError, ValueError, IndexError, psutil.Error) as exc:
         raise CliError(f"cannot find the daemon's processes from {files.pid}: {exc}") from None
     targets = {"supervisor": (supervisor, files.stacks),
-               **{f"worker{i} (pid {p.pid})": (p, files.worker_stacks(i)) for p, i in workers.items()}}
+               **{f"worker{i} (pid {p.pid})": (p, files.worker_stacks(i)) for p, i in workers.items()},
+               **{f"step {model}.{number} (pid {p.pid})": (p, files.step_stacks(model, int(number)))
+                  for p, (model, _, number) in steps.items()}}
     sizes = {name: path.stat().st_size if path.exists() else 0 for name, (_, path) in targets.items()}
     for process, _ in targets.values():
         try:

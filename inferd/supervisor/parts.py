@@ -89,7 +89,8 @@ class Parts:
             sockets=[path for path in (self.files.control_socket, self.files.backend,
                                        *(self.files.upstream(name) for name in PROTOCOLS)) if path is not None],
             pid_file=self.files.pid,
-            files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(processes))],
+            files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices))),
+                   *(self.files.step_stacks(model, k) for model, count in pools.items() for k in range(count))],
             folders=[fork_server_folder()],
         )
         start_fork_server()

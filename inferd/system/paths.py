@@ -104,3 +104,7 @@ class RuntimeFiles:
     def worker_stacks(self, worker: int) -> Path:
         """Where SIGUSR1 makes worker `worker` write its thread stacks."""
         return self._sibling(f".worker{worker}.stacks")
+
+    def step_stacks(self, model: str, number: int) -> Path:
+        """Where SIGUSR1 makes process `number` of Python model `model` write its thread stacks."""
+        return self._sibling(f".step-{model}.{number}.stacks")

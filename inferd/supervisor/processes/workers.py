@@ -276,7 +276,7 @@ class WorkerTable:
                 index = len(self.workers)
                 self.workers.append(StepHandle(index=index, device="cpu", arena=_arena(instance, index, step_size),
                                                slots=SlotPool(step_size, PIPELINE_DEPTH),
-                                               stacks_path=self.files.worker_stacks(index), model=model,
+                                               stacks_path=self.files.step_stacks(model, number), model=model,
                                                number=number))
         self.files.backend.parent.mkdir(parents=True, exist_ok=True)
         self.backend.bind(self.endpoint)
