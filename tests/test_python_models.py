@@ -206,6 +206,22 @@ def test_a_canary_of_a_python_model_takes_its_share_and_versions_and_stats_show_
         ("v1", "model.py", "python", True), ("v2", "model.py", "python", False)]
 
 
+def test_a_shadow_of_a_python_model_is_computed_beside_it_and_compared(served):
+    served.call("reload", timeout=60, model="scale_one", version="v2", shadow=100)
+    x = np.ones((1, SCALE_FEATURES), np.float32)
+    with served.client() as client:
+        for _ in range(20):
+            np.testing.assert_array_equal(client.infer("scale_one", x)[0], x * 2)  # clients get the live replies
+
+    def compared() -> dict[str, Any] | None:
+        shadow = served.call("stats")["models"]["scale_one"]["shadow"].get("v2")
+        return shadow if shadow and shadow["compared"] >= 10 else None
+
+    shadow = wait_for(compared, what="the shadow's batches compared")
+    assert shadow["allclose_share"] == 0.0 and shadow["max_abs_difference"] == 8.0, "v2 answers 10x, v1 2x"
+    served.call("rollback", timeout=60, model="scale_one")
+
+
 def test_a_step_killed_under_load_is_restarted_and_every_request_is_answered(served):
     before = {s["number"]: s for s in steps_of(served, "scale")}
     rng = np.random.default_rng(11)
