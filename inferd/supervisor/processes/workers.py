@@ -95,6 +95,7 @@ class WorkerHandle(ChildProcess):
     """One worker slot: a device, an arena, and the process currently serving them."""
 
     starter: ClassVar[SpawnContext | ForkServerContext] = FORKED
+    kind: ClassVar[str] = "worker"  # what status calls it
     index: int
     device: str
     arena: Arena
@@ -143,8 +144,6 @@ class WorkerHandle(ChildProcess):
     def requests_in_flight(self) -> int:
         """Requests in the batches its executors hold."""
         return sum(e.requests for e in self.executors)
-
-    kind: ClassVar[str] = "worker"
 
     @property
     def name(self) -> str:
