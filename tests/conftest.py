@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import models
+import python_models
 from gates import Gate
 from wire import RawPeer, ScriptedServer
 
@@ -242,6 +243,12 @@ def cached_across_runs(root: Path, build: Callable[[Path], Any]) -> None:
         staging.rename(cache)
     except OSError:  # another run cached it first
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def python_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    """The Python models of tests/python_models.py (read-only)."""
+    return built_once(tmp_path_factory, pytestconfig, "python-repo", python_models.build_python_repository)
 
 
 @pytest.fixture(scope="session")

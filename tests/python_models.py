@@ -7,6 +7,7 @@ answers.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,66 @@ class Model:
         return {"y": x + total * 0.0}
 '''
 
+# Triton's simple_string, as Triton's examples call it: INPUT0 and INPUT1, BYTES [16], each element an integer
+# in decimal; OUTPUT0 their sums and OUTPUT1 their differences, written the same way. An element that is no
+# integer is refused with inferd.InvalidInput.
+SIMPLE_STRING = """
+import numpy as np
+
+import inferd
+
+
+def numbers(name, strings):
+    try:
+        return np.array([int(s) for s in strings.flat], dtype=np.int64).reshape(strings.shape)
+    except ValueError as exc:
+        raise inferd.InvalidInput(f"{name} holds an element that is not an integer: {exc}") from None
+
+
+class Model:
+    def __call__(self, inputs):
+        a, b = numbers("INPUT0", inputs["INPUT0"]), numbers("INPUT1", inputs["INPUT1"])
+        return {"OUTPUT0": (a + b).astype(str), "OUTPUT1": (a - b).astype(str)}
+"""
+
+# Triton's simple_identity: INPUT0, BYTES of any length, answered as it came. A batch whose first element is
+# b"gate:NAME" waits at the gate NAME of the folder parameters.gates (tests/gates.py); one whose first element is
+# b"give:KIND" answers an output that is not byte strings, of KIND.
+SIMPLE_IDENTITY = """
+from pathlib import Path
+
+import numpy as np
+
+WRONG = {b"ints": lambda x: np.zeros(x.shape, np.int64), b"fixed": lambda x: x.astype(bytes),
+         b"objects": lambda x: np.full(x.shape, 3, dtype=object)}
+
+
+class Model:
+    def __init__(self, context):
+        self.gates = Path(context.parameters.get("gates", "/nonexistent"))
+
+    def __call__(self, inputs):
+        x = inputs["INPUT0"]
+        first = x.flat[0] if x.size else b""
+        if first.startswith(b"gate:"):
+            (self.gates / first[5:].decode()).write_bytes(first)
+        if first.startswith(b"give:"):
+            return {"OUTPUT0": WRONG[first[5:]](x)}
+        return {"OUTPUT0": x}
+"""
+
+STRINGS_PER_SAMPLE, IDENTITY_MOST = 16, 64
+SIMPLE_STRING_CONFIG: dict[str, Any] = {
+    "inputs": [{"name": name, "dtype": "bytes", "shape": [STRINGS_PER_SAMPLE]} for name in ("INPUT0", "INPUT1")],
+    "outputs": [{"name": name, "dtype": "bytes", "shape": [STRINGS_PER_SAMPLE]} for name in ("OUTPUT0", "OUTPUT1")],
+    "max_batch_size": 8,
+}
+SIMPLE_IDENTITY_CONFIG: dict[str, Any] = {
+    "inputs": [{"name": "INPUT0", "dtype": "bytes", "shape": [-1], "max_shape": [IDENTITY_MOST]}],
+    "outputs": [{"name": "OUTPUT0", "dtype": "bytes", "shape": [-1], "max_shape": [IDENTITY_MOST]}],
+    "max_batch_size": 8,
+}
+
 SCALE_CONFIG: dict[str, Any] = {
     "inputs": [{"dtype": "float32", "shape": [SCALE_FEATURES], "name": "x"}],
     "outputs": [{"name": "scaled", "dtype": "float32", "shape": [SCALE_FEATURES]},
@@ -101,7 +162,8 @@ def write(root: Path, name: str, version: str, source: str) -> Path:
 
 def build_python_repository(root: Path) -> None:
     """Every Python model of the tests: scale v1, v2 (five times its factor), bad_canary (v1, whose folder's
-    expected output for its example input is wrong) and tensor (a TorchScript module), identity, busy."""
+    expected output for its example input is wrong) and tensor (a TorchScript module), identity, busy,
+    simple_string and simple_identity."""
     import numpy as np
 
     write(root, "scale", "v1", SCALE)
@@ -113,6 +175,8 @@ def build_python_repository(root: Path) -> None:
     models.save_script(lambda: models.Sleepy(1), root, "scale", "tensor", 1)
     write(root, "identity", "v1", IDENTITY)
     write(root, "busy", "v1", BUSY)
+    write(root, "simple_string", "v1", SIMPLE_STRING)
+    write(root, "simple_identity", "v1", SIMPLE_IDENTITY)
 
 
 def in_process(folder: Path, parameters: dict[str, Any] | None = None) -> Any:
@@ -123,4 +187,5 @@ def in_process(folder: Path, parameters: dict[str, Any] | None = None) -> Any:
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.Model(ModelContext(folder, folder.parent.name, folder.name, parameters or {}))
+    context = ModelContext(folder, folder.parent.name, folder.name, parameters or {})
+    return module.Model(context) if inspect.signature(module.Model).parameters else module.Model()

@@ -16,8 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import python_models
-from conftest import MLP, Daemon, base_config, built_once, exited, wait_for
+from conftest import MLP, Daemon, base_config, exited, wait_for
 from gates import Gate
 from python_models import HANG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
@@ -29,12 +28,6 @@ from inferd.ipc.control import ControlError
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def python_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
-    """The Python models of tests/python_models.py, beside the tensor models of `repo` (read-only)."""
-    return built_once(tmp_path_factory, pytestconfig, "python-repo", python_models.build_python_repository)
 
 
 def scale(gates: Path, **overrides: Any) -> dict[str, Any]:
@@ -87,6 +80,8 @@ def test_over_the_open_inference_protocol_its_tensors_have_the_names_and_dtypes_
 
     oip = httpclient.InferenceServerClient(served.config["server"]["http"])
     metadata = oip.get_model_metadata("scale")
+    assert metadata["platform"] == "python" and oip.get_model_config("scale")["backend"] == "python"
+    assert oip.get_model_metadata("mlp")["platform"] == "pytorch_libtorch", "a tensor model beside it keeps its own"
     assert [(o["name"], o["datatype"], o["shape"]) for o in metadata["outputs"]] == [
         ("scaled", "FP32", [-1, SCALE_FEATURES]), ("total", "FP64", [-1, 1])]
     x = np.arange(2 * SCALE_FEATURES, dtype=np.float32).reshape(2, SCALE_FEATURES)

@@ -42,10 +42,11 @@ class RawPeer:
         body = {
             "id": request_id,
             "model": model,
-            "inputs": [{"dtype": a.dtype.name, "shape": list(a.shape)} for a in arrays],
+            "inputs": [{"dtype": protocol.wire_dtype(a), "shape": list(a.shape)} for a in arrays],
             **header,
         }
-        self.send_frames([msgspec.json.encode(body), *(np.ascontiguousarray(a).tobytes() for a in arrays)])
+        self.send_frames([msgspec.json.encode(body), *(protocol.pack_bytes(a.flat) if a.dtype == object
+                                                       else np.ascontiguousarray(a).tobytes() for a in arrays)])
 
     def recv(self, timeout: float = 20.0) -> tuple[dict[str, Any], list[np.ndarray]]:
         """The next reply: its header as a dict, and the outputs it carries as arrays.
@@ -59,7 +60,8 @@ class RawPeer:
             frames = frames[1:]
         header = msgspec.json.decode(frames[0])
         outputs = [  # an output written into a client's region has no frame
-            np.frombuffer(frame, dtype=protocol.DTYPES[meta["dtype"]]).reshape(meta["shape"])
+            protocol.bytes_array(frame, meta["shape"]) if meta["dtype"] == protocol.BYTES
+            else np.frombuffer(frame, dtype=protocol.DTYPES[meta["dtype"]]).reshape(meta["shape"])
             for meta, frame in zip([m for m in header.get("outputs", []) if m.get("region") is None], frames[1:])
         ]
         return header, outputs

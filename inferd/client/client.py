@@ -192,9 +192,10 @@ class Client:
                     lambda header, outputs: header.regions or ())
         return self._post(call).result()
 
-    def _in_region(self, array: np.ndarray) -> np.ndarray | protocol.TensorMeta:
+    def _in_region(self, array: np.ndarray | protocol.TensorMeta) -> np.ndarray | protocol.TensorMeta:
         """`array`, or its place in a registered region if it lies in one."""
-        if array.dtype.kind == "O":  # byte strings, which a region holds only as put_bytes lays them out
+        # A description is placed already; byte strings lie in a region only as put_bytes lays them out.
+        if isinstance(array, protocol.TensorMeta) or array.dtype.kind == "O":
             return array
         for region in self._regions.values():
             meta = region.describe(array)

@@ -26,8 +26,8 @@ def as_numpy(value: Array) -> np.ndarray:
     return protocol.wire_array(np.asarray(value))
 
 
-def as_inputs(inputs: Array | Sequence[Array]) -> list[np.ndarray]:
-    """A call's inputs (one array, or a list or tuple of them) as a list of arrays the protocol can send."""
-    if isinstance(inputs, (list, tuple)):
-        return [as_numpy(x) for x in inputs]
-    return [as_numpy(inputs)]
+def as_inputs(inputs: Array | Sequence[Array]) -> list[np.ndarray | protocol.TensorMeta]:
+    """A call's inputs (one array, or a list or tuple of them) as a list of arrays the protocol can send; a
+    description of an input in a region (SharedMemoryRegion.put_bytes) as it is."""
+    return [x if isinstance(x, protocol.TensorMeta) else as_numpy(x)
+            for x in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]

@@ -27,7 +27,6 @@ from inferd.errors import MODEL_ERROR_CHARS, InvalidInput, cut
 from inferd.ipc import messages
 from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RequestFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place
-from inferd.protocol import tensor_bytes
 
 log = logging.getLogger("inferd.compute.executor")
 
@@ -190,7 +189,7 @@ class Executor(threading.Thread):
         rows = request_rows(batch.samples)
         gone = set(expired)
         live = [index for index in range(len(rows)) if index not in gone]
-        start = place(batch.slot_offset, [tensor_bytes(ref.dtype, ref.shape) for ref in batch.inputs])[1]
+        start = place(batch.slot_offset, [ref.nbytes() for ref in batch.inputs])[1]
         token = self.overlap.begin()
         before = self.memory()[0]
         started = time.perf_counter()

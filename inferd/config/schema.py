@@ -688,6 +688,11 @@ def kind_problem(model: ModelConfig, python: bool) -> tuple[str, str] | None:
             if getattr(model, key) != default:
                 return key, (f"{key} is for a Python model (a version folder holding model.py), and this one is a "
                              "tensor model; remove it")
+        strings = next((f"{kind}s" for kind, specs in (("input", model.inputs), ("output", model.outputs))
+                        if any(spec.dtype == BYTES for spec in specs)), None)
+        if strings is not None:
+            return strings, ("a tensor model takes and gives tensors, not byte strings (dtype bytes); decode or encode "
+                             "them in a Python model (a version folder holding model.py)")
         return None
     if not model.outputs or not all(output.declared for output in model.outputs):
         return "outputs", ("a Python model (model.py) lists its outputs, each with its dtype and per-sample shape, "

@@ -13,8 +13,9 @@ from inferd.protocol import BYTES, tensor_bytes
 
 
 class TensorRef(msgspec.Struct, frozen=True, array_like=True):
-    """A tensor in an arena: dtype name, full shape, byte offset from the arena's start; of a BYTES output, where
-    each sample's elements end, in bytes from `offset` (a BYTES input's elements say so themselves)."""
+    """A tensor in an arena: dtype name, full shape, byte offset from the arena's start; of a BYTES tensor, where
+    its elements end, in bytes from `offset`: an output's, after each sample (its replies split it by sample); an
+    input's, after the last (its elements' lengths say the rest)."""
 
     dtype: str
     shape: tuple[int, ...]

@@ -117,6 +117,10 @@ class ModelView:
         self.version: str = state["live_version"]
         self.canary: str | None = state.get("canary_version")  # may be named too while it runs
         self.ready: bool = state["ready"]
+        python = state["kind"] == "python"
+        # Triton's names for what runs a model: its Python backend, or its PyTorch one.
+        self.platform = "python" if python else "pytorch_libtorch"
+        self.backend = "python" if python else "pytorch"
         self.numbers: dict[str, int] = state["version_numbers"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
         self.inputs = self.config.input_names()
@@ -139,7 +143,7 @@ class ModelView:
         """The model metadata response."""
         return {
             "name": self.name, "versions": [self.version, *([self.canary] if self.canary else [])],
-            "platform": "pytorch_libtorch",
+            "platform": self.platform,
             "inputs": [tensors.metadata(n, s.dtype, s.shape) for n, s in zip(self.inputs, self.config.inputs)],
             "outputs": [tensors.metadata(name, dtype, shape)
                         for name, (dtype, shape) in zip(self.output_names, self.outputs)],
@@ -149,7 +153,7 @@ class ModelView:
         """The model configuration extension's answer: the Triton config perf_analyzer reads."""
         gpus = [int(d.split(":")[1]) for d in self._devices if d.startswith("cuda:")]
         config = {
-            "name": self.name, "platform": "pytorch_libtorch", "backend": "pytorch",
+            "name": self.name, "platform": self.platform, "backend": self.backend,
             "max_batch_size": self.config.max_batch_size,
             "input": [{"name": n, "data_type": tensors.TRITON_TYPES[s.dtype], "dims": list(s.shape)}
                       for n, s in zip(self.inputs, self.config.inputs)],
@@ -197,8 +201,9 @@ class ModelView:
             shape = tensors.check_shape(entry.shape, what)
             if entry.region is not None:
                 tensors.check_size(entry.region.byte_size, dtype, shape, what, "bytes in shared_memory_byte_size")
-                by_name[entry.name] = (protocol.TensorMeta(dtype, shape, entry.region.region, entry.region.offset),
-                                       None)
+                byte_size = entry.region.byte_size if dtype == protocol.BYTES else None  # its elements' size
+                by_name[entry.name] = (protocol.TensorMeta(dtype, shape, entry.region.region, entry.region.offset,
+                                                           byte_size), None)
                 continue
             if entry.raw is not None:
                 data = tensors.from_bytes(entry.raw, dtype, shape, what)

@@ -30,7 +30,7 @@ from inferd.config.schema import CANARY_ATOL, CANARY_RTOL, ModelConfig, OutputSp
 from inferd.ipc import messages
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.models.repository import is_python, model_file, writable_by_others
-from inferd.protocol import DTYPES
+from inferd.protocol import BYTES, DTYPES
 
 log = logging.getLogger("inferd.step.runner")
 
@@ -55,10 +55,11 @@ class ModelContext:
 
 @dataclass(frozen=True)
 class Output:
-    """One output a Python model must answer: its name, dtype, per-sample shape (-1: any size up to `bound`)."""
+    """One output a Python model must answer: its name, dtype name, per-sample shape (-1: any size up to
+    `bound`)."""
 
     name: str
-    dtype: np.dtype
+    dtype_name: str
     shape: tuple[int, ...]
     bound: tuple[int, ...]
 
@@ -66,12 +67,18 @@ class Output:
     def declared(cls, index: int, spec: OutputSpec) -> Output:
         """The output as its config declares it (kind_problem made sure it does)."""
         assert spec.dtype is not None and spec.shape is not None
-        return cls(spec.name or f"OUTPUT__{index}", DTYPES[spec.dtype], spec.shape, spec.bound)
+        return cls(spec.name or f"OUTPUT__{index}", spec.dtype, spec.shape, spec.bound)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The numpy dtype of its array: of a BYTES output, object (each element `bytes` or `str`)."""
+        return np.dtype(object) if self.dtype_name == BYTES else DTYPES[self.dtype_name]
 
     def checked(self, value: Any, rows: int) -> np.ndarray:
         """`value` as this output's array of `rows` samples: cast to its dtype where numpy casts it so (float64
-        to float32, say), C-contiguous; ModelError saying how it differs otherwise."""
-        array = np.asarray(value)
+        to float32, say; of a BYTES output, a list or array of str or bytes), C-contiguous; ModelError saying how
+        it differs otherwise."""
+        array = self._strings(value) if self.dtype_name == BYTES else np.asarray(value)
         if array.dtype != self.dtype:
             if not np.can_cast(array.dtype, self.dtype, "same_kind"):
                 raise ModelError(f"output {self.name!r} is {array.dtype}, which does not cast to the "
@@ -89,7 +96,25 @@ class Output:
 
     def spec(self) -> TensorSpec:
         """Its signature as the supervisor keeps it: at its largest, its -1 dims marked as varying."""
-        return TensorSpec(self.dtype.name, self.bound, tuple(d for d, dim in enumerate(self.shape) if dim == -1))
+        return TensorSpec(self.dtype_name, self.bound, tuple(d for d, dim in enumerate(self.shape) if dim == -1))
+
+    def _strings(self, value: Any) -> np.ndarray:
+        """A BYTES output's value as an object array of `bytes` and `str` (each str goes out UTF-8)."""
+        array = np.asarray(value, dtype=object) if isinstance(value, (list, tuple)) else np.asarray(value)
+        if array.dtype.kind == "S":
+            raise ModelError(f"output {self.name!r} is a fixed-width bytes array ({array.dtype}), which has cut the "
+                             "trailing NUL bytes of its elements; answer an object array of bytes "
+                             "(np.array(values, dtype=object)) or a list")
+        if array.dtype.kind == "U":
+            return array.astype(object)
+        if array.dtype != object:
+            raise ModelError(f"output {self.name!r} is {array.dtype}, but its config declares bytes; answer str or "
+                             "bytes elements")
+        strange = next((element for element in array.flat if not isinstance(element, (bytes, str))), None)
+        if strange is not None:
+            raise ModelError(f"output {self.name!r} is bytes, and holds a {type(strange).__name__}; each element "
+                             "must be bytes or str")
+        return array
 
 
 class PythonModel:

@@ -77,6 +77,9 @@ _SHM_ROUTE = re.compile(r"^/v2/(system|cuda)sharedmemory(?:/region/([^/]+))?/(st
 T = TypeVar("T")
 _json = msgspec.json.Decoder()
 FIELD_BYTES = 64 << 10  # the most JSON a request's field other than tensor data may take: names, shapes, parameters
+# A \uD800-\uDFFF escape outside a high-low pair: it names no character. msgspec says "truncated" of one.
+LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                            rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
 class _InputText(msgspec.Struct):
@@ -398,7 +401,11 @@ class RestApp:
 
 def _not_json(exc: Exception, text: memoryview) -> str:
     """Why a request's JSON was refused, in one sentence: msgspec's words, and where they point at NaN or
-    Infinity (which Python's json writes), that JSON has no such numbers."""
+    Infinity (which Python's json writes), that JSON has no such numbers; where it holds a lone surrogate
+    escape, that."""
+    if "truncated" in str(exc) and (lone := LONE_SURROGATE.search(text)) is not None:
+        return (f"the request's JSON holds the escape {lone[0].decode()} outside a surrogate pair, which names no "
+                "character; send byte strings that are not text as binary data (the binary tensor extension)")
     where = re.search(r"\(byte (\d+)\)", str(exc))
     at = bytes(text[int(where[1]):int(where[1]) + 9]) if where else b""
     if at.lstrip(b"-").startswith((b"NaN", b"Infinity")):

@@ -122,6 +122,7 @@ class Commands:
             canary = self.daemon.candidates.canary_version(name)
             result[name] = {
                 "config": msgspec.to_builtins(config),
+                "kind": "python" if name in self.daemon.workers.pools else "tensor",
                 "priority_levels": queue.priority_levels, "default_level": queue.default_level,
                 "live_version": live,
                 "live_from": self.daemon.live.origin(name),

@@ -579,7 +579,8 @@ class Dispatcher:
             raise SlotOverflow
         refs = []
         for index, (input_spec, shape, start, nbytes) in enumerate(zip(spec.inputs, shapes, offsets, sizes)):
-            refs.append(TensorRef(input_spec.dtype, (samples, *shape), start))
+            ends = (nbytes,) if input_spec.dtype == protocol.BYTES else ()
+            refs.append(TensorRef(input_spec.dtype, (samples, *shape), start, ends))
             if input_spec.pad_value is not None and any(tuple(r.header.inputs[index].shape[1:]) != shape
                                                         for r in batch.requests):
                 padding.stack_padded(buf[start:start + nbytes], input_spec.dtype, shape, input_spec.pad_value,
