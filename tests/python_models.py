@@ -99,14 +99,15 @@ class Model:
 
 # Triton's simple_identity: INPUT0, BYTES of any length, answered as it came. A batch whose first element is
 # b"gate:NAME" waits at the gate NAME of the folder parameters.gates (tests/gates.py); one whose first element is
-# b"give:KIND" answers an output that is not byte strings, of KIND.
+# b"give:KIND" answers an output that is not byte strings, of KIND, or (huge) byte strings of 64 MiB.
 SIMPLE_IDENTITY = """
 from pathlib import Path
 
 import numpy as np
 
 WRONG = {b"ints": lambda x: np.zeros(x.shape, np.int64), b"fixed": lambda x: x.astype(bytes),
-         b"objects": lambda x: np.full(x.shape, 3, dtype=object)}
+         b"objects": lambda x: np.full(x.shape, 3, dtype=object),
+         b"huge": lambda x: np.full(x.shape, b"x" * (64 << 20), dtype=object)}
 
 
 class Model:

@@ -229,6 +229,15 @@ def test_an_answer_that_is_not_byte_strings_fails_alone_with_a_sentence_naming_t
             assert getattr(err.value, "status", None) == "internal", err.value
 
 
+def test_an_answer_larger_than_its_slot_fails_that_request_alone_naming_workers_shm_mb(served):
+    with served.client(retry=RetryPolicy(max_attempts=1)) as client:
+        futures = [client.submit("simple_identity", x) for x in (np.array([[b"give:huge"]], dtype=object), AWKWARD)]
+        with pytest.raises(Exception, match=r"simple_identity v1: MemoryError: .*raise workers.shm_mb") as err:
+            futures[0].result()
+        assert getattr(err.value, "status", None) == "internal"
+        assert futures[1].result().tolist() == AWKWARD.tolist()
+
+
 def test_byte_strings_in_shared_memory_both_ways(served):
     a, b = numbers_as_text(2, 5), numbers_as_text(2, 9)
     want = reference(served, "simple_string")({"INPUT0": a, "INPUT1": b})
