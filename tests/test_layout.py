@@ -18,10 +18,11 @@ SUPERVISOR_FOLDERS: dict[str, set[str]] = {
     "processes": {"shared"},
     "queueing": {"shared"},
     "dispatch": {"shared", "queueing", "processes"},
-    "intake": {"shared", "queueing", "dispatch", "processes"},
+    "pipelines": {"shared", "queueing", "dispatch", "processes"},
+    "intake": {"shared", "queueing", "dispatch", "processes", "pipelines"},
     "versions": {"shared", "queueing", "dispatch", "processes"},
-    "control": {"shared", "queueing", "dispatch", "processes", "intake", "versions"},
-    "": {"shared", "queueing", "dispatch", "processes", "intake", "versions", "control"},
+    "control": {"shared", "queueing", "dispatch", "processes", "intake", "versions", "pipelines"},
+    "": {"shared", "queueing", "dispatch", "processes", "intake", "versions", "control", "pipelines"},
 }
 
 

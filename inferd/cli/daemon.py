@@ -55,7 +55,8 @@ def check_config(config_path: str) -> None:
         for problem in problems:
             click.echo(f"{config_path}: {problem}", err=True)
         raise CliError(f"{config_path} has {len(problems)} problem(s)")
-    click.echo(f"{config_path}: ok ({len(config.models)} model(s))")
+    pipelines = f", {len(config.pipelines)} pipeline(s)" if config.pipelines else ""
+    click.echo(f"{config_path}: ok ({len(config.models)} model(s){pipelines})")
 
 
 @inferd.command()

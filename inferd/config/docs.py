@@ -6,7 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-from inferd.config.schema import SECTIONS, CanaryGuard, ModelConfig, doc_extra, field_doc
+from inferd.config.schema import SECTIONS, CanaryGuard, ModelConfig, PipelineConfig, doc_extra, field_doc
 
 BEGIN_MARKER = "<!-- config reference: python -m inferd.config -->\n"
 END_MARKER = "<!-- end of config reference -->"
@@ -32,7 +32,8 @@ def reference_markdown() -> str:
     out: list[str] = []
     tables: list[tuple[str, type[msgspec.Struct]]] = [*((f"[{name}]", cls) for name, cls in SECTIONS.items()),
                                                       ("[models.NAME]", ModelConfig),
-                                                      ("[models.NAME.canary_guard]", CanaryGuard)]
+                                                      ("[models.NAME.canary_guard]", CanaryGuard),
+                                                      ("[pipelines.NAME]", PipelineConfig)]
     for title, cls in tables:
         out += [f"## `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
         for field in msgspec.structs.fields(cls):

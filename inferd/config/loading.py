@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from inferd.config.pipelines import pipeline_problems
 from inferd.config.schema import (
     CHECKS,
     MODEL_NAME,
@@ -22,6 +23,7 @@ from inferd.config.schema import (
     SECTIONS,
     Config,
     ModelConfig,
+    PipelineConfig,
     padding_problem,
 )
 from inferd.system import paths
@@ -156,14 +158,36 @@ def _model_folders(root: str, taken: dict[str, ModelConfig], problems: list[str]
     return models
 
 
+def _pipelines(table: Any, models: dict[str, ModelConfig], problems: list[str],
+               base: Path) -> dict[str, PipelineConfig]:
+    """The [pipelines.NAME] tables, each checked against the models it runs (docs/pipelines.md)."""
+    if not isinstance(table, dict):
+        problems.append(f"pipelines: expected a table of [pipelines.NAME] tables, got {type(table).__name__}")
+        return {}
+    pipelines: dict[str, PipelineConfig] = {}
+    for name, body in table.items():
+        if not MODEL_NAME.match(name):
+            problems.append(f"pipelines.{name}: {NAME_RULE.replace('model', 'pipeline')}")
+            continue
+        pipeline = _build(PipelineConfig, body, f"pipelines.{name}.", problems, base)
+        if pipeline is None:
+            continue
+        found = pipeline_problems(name, pipeline, models)
+        problems += found
+        if not found:
+            pipelines[name] = pipeline
+    return pipelines
+
+
 def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = None) -> Config:
     """Validate a config already read as a dict; raise `ConfigError` naming every problem. Relative
     paths are read from `base` (default: the working folder)."""
     base = (base or Path.cwd()).resolve()
     problems: list[str] = []
     for key in raw:
-        if key not in SECTIONS and key != "models":
-            problems.append(f"{key}: unknown section; known sections are {', '.join([*SECTIONS, 'models'])}")
+        if key not in SECTIONS and key not in ("models", "pipelines"):
+            problems.append(f"{key}: unknown section; known sections are "
+                            f"{', '.join([*SECTIONS, 'models', 'pipelines'])}")
     sections = {name: _build(cls, raw.get(name, {}), f"{name}.", problems, base) for name, cls in SECTIONS.items()}
     server, queue = sections["server"], sections["queue"]
     state_dir = (server.state_dir if server else None) or str(paths.state_dir())
@@ -182,6 +206,7 @@ def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = No
         problems.append("models: no model is configured; add a [models.NAME] table"
                         + (f", or a folder with a {MODEL_TOML} to server.model_root" if server and
                            server.model_root else ""))
+    pipelines = _pipelines(raw.get("pipelines", {}), models, problems, base)
     if server is not None:
         if bool(server.curve_secret_key) != bool(server.curve_authorized_keys):
             problems.append("server.curve_secret_key and server.curve_authorized_keys go together: set both or "
@@ -202,7 +227,7 @@ def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = No
         server, state_dir=state_dir, control=server.control or paths.default_control()
     )
     return Config(
-        server=server, workers=sections["workers"], queue=queue, models=models, source=source
+        server=server, workers=sections["workers"], queue=queue, models=models, source=source, pipelines=pipelines
     )
 
 

@@ -510,6 +510,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Each input's protocol name: its configured name, else INPUT__<i>."""
         return [spec.name or f"INPUT__{index}" for index, spec in enumerate(self.inputs)]
 
+    def output_name(self, index: int) -> str:
+        """Output `index`'s protocol name: the configured one, else OUTPUT__<index>."""
+        named = self.outputs[index].name if index < len(self.outputs) else None
+        return named or f"OUTPUT__{index}"
+
     @property
     def on_demand(self) -> bool:
         """Whether workers load it only when a request needs it."""
@@ -572,6 +577,61 @@ def padding_problem(model: ModelConfig) -> tuple[str, str] | None:
     return None
 
 
+class PipelineInput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One input of a pipeline: its name, dtype and per-sample shape (no batch dim; -1 for a dim of any size up
+    to its `max_shape`), as a model's input."""
+
+    name: str
+    dtype: str
+    shape: Annotated[tuple[int, ...], Meta(max_length=7)]
+    max_shape: Annotated[tuple[int, ...], Meta(max_length=7)] | None = None
+
+    def as_input(self) -> InputSpec:
+        """The same input as a model's, to check requests against."""
+        return InputSpec(self.dtype, self.shape, self.name, self.max_shape)
+
+
+class PipelineStep(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One step of a pipeline: the model it runs, each of that model's inputs and outputs mapped to the
+    pipeline's tensor of that name, and the step's name (default: its model's), which errors and stats use."""
+
+    model: str
+    inputs: dict[str, str]
+    outputs: dict[str, str]
+    name: str | None = None
+
+    @property
+    def title(self) -> str:
+        """The step's name: the one given, else its model's."""
+        return self.name or self.model
+
+
+class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """[pipelines.NAME]: models chained in the daemon, served under the pipeline's own name (docs/pipelines.md)."""
+
+    inputs: Annotated[
+        tuple[PipelineInput, ...], Meta(min_length=1),
+        _doc('What a request of the pipeline carries, each input named, e.g. [{ name = "image", dtype = "bytes", '
+             "shape = [1] }] (a -1 dim needs max_shape, as a model's input)."),
+    ]
+    outputs: Annotated[
+        tuple[str, ...], Meta(min_length=1),
+        _doc('The tensors its reply carries, in order, each produced by a step, e.g. ["labels", "scores"].'),
+    ]
+    steps: Annotated[
+        tuple[PipelineStep, ...], Meta(min_length=1),
+        _doc('The models it runs, each mapping its model\'s input and output names to the pipeline\'s tensors, e.g. '
+             '{ model = "resnet", inputs = { INPUT__0 = "pixels" }, outputs = { OUTPUT__0 = "logits" } }; a step '
+             "runs as soon as its inputs exist, its requests batched with the model's others. `name` (default: the "
+             "model's) is required where a model is a step twice."),
+    ]
+    max_in_flight: Annotated[
+        int, Meta(ge=1, le=1_000_000),
+        _doc("Requests of the pipeline admitted and not yet answered, at most; more are answered `overloaded`, so "
+             "a slow step slows admission instead of holding more in memory.", live=True),
+    ] = 256
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True):
     """The whole validated configuration, with every default resolved."""
 
@@ -580,6 +640,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     queue: QueueConfig
     models: dict[str, ModelConfig]
     source: str | None = None
+    pipelines: dict[str, PipelineConfig] = {}
 
 
 SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -636,6 +697,10 @@ def _check_inputs(value: tuple[InputSpec, ...]) -> str | None:
     return next((problem for index, spec in enumerate(value)
                  if (problem := _check_shape(f"input {index}", spec.shape, spec.max_shape))), None) \
         or _check_names([spec.name for spec in value], "input")
+
+
+def _check_pipeline_inputs(value: tuple[PipelineInput, ...]) -> str | None:
+    return _check_inputs(tuple(spec.as_input() for spec in value))
 
 
 def _check_outputs(value: tuple[OutputSpec, ...]) -> str | None:
@@ -775,6 +840,8 @@ CHECKS: dict[tuple[type, str], Callable[[Any], str | None]] = {
     (ModelConfig, "outputs"): _check_outputs,
     (ModelConfig, "python"): _check_python,
     (ModelConfig, "version"): version_problem,
+    (PipelineConfig, "inputs"): _check_pipeline_inputs,
+    (PipelineConfig, "outputs"): lambda v: _check_names(list(v), "output"),
     (ModelConfig, "precision"): lambda v: None if v in PRECISIONS else f"{v!r}: use one of {', '.join(PRECISIONS)}",
 }
 

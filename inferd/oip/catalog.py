@@ -41,8 +41,7 @@ class Refused(Exception):
 
 def output_name(model: ModelConfig, index: int) -> str:
     """Output `index`'s protocol name: the configured one, else OUTPUT__<index>."""
-    named = model.outputs[index].name if index < len(model.outputs) else None
-    return named or f"OUTPUT__{index}"
+    return model.output_name(index)
 
 
 class GivenInput(NamedTuple):

@@ -125,7 +125,7 @@ class Supervisor(Parts):
             queue_wakeup = self.batcher.next_wakeup(now)
             wait = min(TICK_S if queue_wakeup is None else queue_wakeup, max(0.0, self._next_tick - now),
                        self.systemd.watchdog.wait(now) or TICK_S, max(0.0, self._next_liveness - now),
-                       max(0.0, self.dispatcher.next_deadline() - now))
+                       max(0.0, self.dispatcher.next_deadline() - now), max(0.0, self.pipelines.next_deadline() - now))
             if self.dispatcher.sending:
                 wait = min(wait, SENDING_CHECK_S)
             # Requests waiting mean every executor they could use is busy: the loop will be woken
@@ -150,6 +150,7 @@ class Supervisor(Parts):
             self.dispatcher.expire_running(now)
             if self.dispatcher.sending:
                 self.dispatcher.release_sent()
+            self.pipelines.retry(now)
             self._dispatch()
             if now >= self._next_liveness:
                 # Not on every turn: what it looks for is due at a time it knows, or by the tick.
@@ -223,7 +224,8 @@ class Supervisor(Parts):
         if self.state == DaemonState.STARTING:
             self._check_started()
         elif self.state == DaemonState.DRAINING:
-            if len(self.queue) == 0 and not self.dispatcher.inflight and not self.dispatcher.sending:
+            if (len(self.queue) == 0 and not self.dispatcher.inflight and not self.dispatcher.sending
+                    and not self.pipelines.blocked):
                 self._stop_workers()
             elif now >= self._deadline:
                 log.warning("drain timeout passed; stopping with work left")
@@ -305,6 +307,7 @@ class Supervisor(Parts):
             self.replies.error(request, protocol.UNAVAILABLE, "the daemon stopped before the request ran")
         for worker in self.workers.workers:
             self.dispatcher.fail_worker(worker, "the daemon stopped before the request finished", protocol.UNAVAILABLE)
+        self.pipelines.stop("the daemon stopped before the step ran")
         self._stop_workers()
 
     # -- signals ----------------------------------------------------------------

@@ -35,6 +35,7 @@ from inferd.supervisor.intake.connections import Connections
 from inferd.supervisor.intake.forecast import Forecast
 from inferd.supervisor.intake.frontend import Frontend
 from inferd.supervisor.liveness import Liveness
+from inferd.supervisor.pipelines.runner import Pipelines
 from inferd.supervisor.processes.children import STOP_TIMEOUT_S, fork_server_folder, start_fork_server
 from inferd.supervisor.processes.devices import resolve_devices
 from inferd.supervisor.processes.gateway_processes import configured_gateways
@@ -115,9 +116,10 @@ class Parts:
         self.candidates = Candidates()
         self.replies = Replies(self.stats, self.live)
         self.dispatcher = Dispatcher(config, self.workers, self.replies, self.live, self.candidates, self.stats, times)
+        self.pipelines = Pipelines(config, self.queue, self.replies, self.stats)
         self.frontend = Frontend(self.context, config, self.queue, self.replies, self.stats, self.live,
                                  self.candidates, self.curve, self.regions, self.forecast,
-                                 self.dispatcher.cancel_running, self.workers.signature)
+                                 self.dispatcher.cancel_running, self.workers.signature, self.pipelines)
         self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, self.candidates, saved,
                                      self.wakeup.call_soon_threadsafe)
         self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
@@ -156,6 +158,7 @@ class Parts:
         self.queue.configure(bounds, policies, levels)
         self.batcher.configure(policies)
         self.frontend.configure(config)
+        self.pipelines.configure(config)
         self.dispatcher.configure(config)
         self.workers.configure(config)
         self.reloads.configure(config)

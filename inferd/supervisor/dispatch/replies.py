@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import zmq
 
@@ -49,6 +49,19 @@ class ReplyTo(NamedTuple):
         """The client connection it names: the socket and the peer's routing id (what the queue's
         per-client bounds and a cancel go by)."""
         return id(self.socket), self.envelope[0]
+
+
+class StepOf(Protocol):
+    """Where the answer to a request a pipeline made for one of its steps goes: back to its pipeline, not to a
+    socket (the pipeline answers its client, through `Replies.pipeline`)."""
+
+    def computed(self, request: QueuedRequest, outputs: tuple[TensorMeta, ...], frames: Sequence[Buffer],
+                 version: str, wait_s: float, compute_s: float) -> None:
+        """The step computed `request`: its outputs, their bytes (valid only during the call), the version
+        that computed it, how long it waited and its batch's compute time."""
+
+    def failed(self, request: QueuedRequest, status: str, error: str, version: str) -> None:
+        """The step answered `request` with an error (of `version`, or the live one where none ran it)."""
 
 
 class Replies:
@@ -94,7 +107,14 @@ class Replies:
         return version or self.live[model]
 
     def error(self, request: QueuedRequest, status: str, error: str, version: str | None = None) -> None:
-        """Answer a queued request with an error status; `version`: the one that handled it, if one did."""
+        """Answer a queued request with an error status; `version`: the one that handled it, if one did. A
+        pipeline's step request is answered to its pipeline (and counted against its model)."""
+        if type(request.reply_to) is not ReplyTo:
+            model = request.header.model
+            handled = version or self.live[model]
+            self.stats.reply(time.monotonic(), model, handled, status, None, request.priority)
+            request.reply_to.failed(request, status, error, handled)
+            return
         self.refuse(request.reply_to, request.header.id, status, error, request.header.model, version,
                     request.priority, request.header.version)
 
@@ -130,7 +150,7 @@ class Replies:
         failed = {each.index: each for each in done.failed}
         # Requests of a batch mostly carry the same sample count: their output metadata is shared.
         metas: dict[int, tuple[TensorMeta, ...]] = {}
-        replies = []
+        replies: list[tuple[ReplyTo, list[Buffer]]] = []
         computed = []
         row = late = 0
         for index, request in enumerate(batch.requests):
@@ -174,6 +194,11 @@ class Replies:
                     cut_back[cut.output], frames[cut.output] = padding.cut_rows(
                         frames[cut.output], ref.dtype, (samples, *ref.shape[1:]), cut, request)
                 outputs = tuple(cut_back)
+            if type(request.reply_to) is not ReplyTo:  # a pipeline's step: its outputs go on to its next steps
+                request.reply_to.computed(request, outputs, frames, batch.version, batch.started - request.received,
+                                          done.compute_us / 1e6)
+                computed.append(request)
+                continue
             if request.places:
                 try:
                     outputs, frames = _write_placed(request.places, outputs, frames)
@@ -200,13 +225,24 @@ class Replies:
         trackers = self._send_all(replies, by_reference)
         if self.protocols:  # some came through a gateway: count them by protocol
             for request in computed:
-                gateway = self.protocols.get(request.reply_to.socket)
+                gateway = self.protocols.get(request.reply_to.socket) if type(request.reply_to) is ReplyTo else None
                 if gateway is not None:
                     self.stats.by_protocol[(batch.model, gateway, protocol.OK)] += 1
         self.stats.answered(now, batch.model, batch.version, sum(r.samples for r in computed),
                             [now - r.received for r in computed], [batch.started - r.received for r in computed],
                             done.compute_us / 1e6, [r.priority for r in computed], [us / 1e6 for us in done.phases_us])
         return trackers
+
+    def pipeline(self, reply_to: ReplyTo, pipeline: str, header: ReplyHeader, frames: Sequence[Buffer],
+                 total_s: float) -> None:
+        """Send a pipeline's reply (its outputs, or the error of the step that failed), and count it against the
+        pipeline."""
+        self.stats.reply(time.monotonic(), pipeline, None, header.status, self.protocols.get(reply_to.socket))
+        series = self.stats.pipeline(pipeline)
+        series.replies[header.status] += 1
+        if header.status == protocol.OK:
+            series.total.add(total_s)
+        self.send(reply_to, [protocol.encode_reply(header), *frames])
 
     def _send_all(self, replies: list[tuple[ReplyTo, list[Buffer]]], by_reference: bool) -> list[zmq.MessageTracker]:
         """Send a batch's `ok` replies back to back, so ZeroMQ's I/O thread, woken by the first, finds the

@@ -17,7 +17,6 @@ connections.py.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -38,9 +37,12 @@ from inferd.supervisor.intake.client_regions import ClientRegions, Places
 from inferd.supervisor.intake.connections import Connections
 from inferd.supervisor.intake.forecast import Forecast
 from inferd.supervisor.intake.receive_limits import largest_message, receive_mark
+from inferd.supervisor.pipelines.graph import Graph
+from inferd.supervisor.pipelines.runner import Pipelines
 from inferd.supervisor.processes.workers import WorkerState, WorkerTable
 from inferd.supervisor.queueing.padding import output_bytes
 from inferd.supervisor.queueing.queue import QueuedRequest, Refusal, RequestQueue, Shapes
+from inferd.supervisor.queueing.request_checks import check_against_model
 from inferd.supervisor.shared.backstop import failure
 from inferd.supervisor.shared.candidates import Candidates
 from inferd.supervisor.shared.live import LiveVersions
@@ -58,65 +60,15 @@ MAX_RECV_HWM = 1000  # and a client that floods small requests gets TCP backpres
 SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
 
 
-def check_against_model(header: protocol.RequestHeader, name: str,
-                        model: ModelConfig) -> tuple[int, Shapes, int | None]:
-    """Check a request's inputs against what the model takes; return its sample count, what it batches by
-    (its samples' shapes, or where they are padded to buckets their buckets; () for a model of fixed shapes,
-    or one padded to each batch's longest request: every request batches with every other) and, where the
-    model takes inputs of any size, the input elements of each of its samples; or raise InvalidRequest."""
-    rid = header.id
-    if len(header.inputs) != len(model.inputs):
-        raise InvalidRequest(f"{name} takes {len(model.inputs)} input(s), the request has {len(header.inputs)}", rid)
-    samples = header.inputs[0].shape[0]
-    for index, (meta, spec) in enumerate(zip(header.inputs, model.inputs)):
-        if meta.dtype != spec.dtype:
-            raise InvalidRequest(f"input {index} is {meta.dtype} but {name} takes {spec.dtype}", rid)
-        if not spec.fits(tuple(meta.shape[1:])):
-            bound = f" (each -1 at most as in max_shape {list(spec.bound)})" if spec.variable else ""
-            raise InvalidRequest(
-                f"input {index} has shape {list(meta.shape)}; {name} takes [N, "
-                f"{', '.join(map(str, spec.shape))}]{bound} with the batch dim N first",
-                rid,
-            )
-        if meta.shape[0] != samples:
-            raise InvalidRequest(f"input {index} has batch dim {meta.shape[0]} but input 0 has {samples}", rid)
-    if samples > model.max_batch_size:
-        raise InvalidRequest(
-            f"the request carries {samples} samples, over max_batch_size {model.max_batch_size} of {name}", rid
-        )
-    if not model.variable:
-        return samples, (), None
-    elements = sum(math.prod(meta.shape[1:]) for meta in header.inputs)
-    if not model.batches_by_shape:  # padded to each batch's longest request
-        return samples, (), elements
-    if model.padded:  # a request batches with those of its bucket
-        return samples, tuple(tuple(model.bucket(size, most) if dim == -1 else size
-                                    for size, dim, most in zip(meta.shape[1:], spec.shape, spec.bound))
-                              for meta, spec in zip(header.inputs, model.inputs)), elements
-    return samples, tuple(meta.shape[1:] for meta in header.inputs), elements
-
-
-def _refusal_sentence(refusal: Refusal, queue: RequestQueue) -> str:
-    bounds = queue.bounds
-    return {
-        Refusal.FULL: f"the queue is full ({bounds.max_size} requests); retry later",
-        Refusal.BYTES: f"the queue holds {queue.nbytes} bytes of requests and this one would pass queue.max_bytes "
-                       f"({bounds.max_bytes}); retry later",
-        Refusal.CLIENT_FULL: f"this connection already has {bounds.max_per_client} requests waiting "
-                             "(queue.max_per_client); retry later",
-        Refusal.CLIENT_BYTES: "this connection's waiting requests would pass queue.max_bytes_per_client "
-                              f"({bounds.max_bytes_per_client} bytes); retry later",
-    }[refusal]
-
-
 class Frontend:
     """Client-facing sockets and request admission."""
 
     def __init__(self, context: zmq.Context, config: Config, queue: RequestQueue, replies: Replies, stats: Stats,
                  live: LiveVersions, candidates: Candidates, curve: CurveServer, regions: Regions,
                  forecast: Forecast, cancel_running: Callable[[Hashable, protocol.RequestId], bool],
-                 signature: Callable[[str, str], tuple[TensorSpec, ...] | None]) -> None:
+                 signature: Callable[[str, str], tuple[TensorSpec, ...] | None], pipelines: Pipelines) -> None:
         self.queue = queue
+        self.pipelines = pipelines
         self.replies = replies
         self.forecast = forecast
         self.stats = stats
@@ -274,12 +226,16 @@ class Frontend:
             header = request.header
             if header.peer is not None and reply_to.socket not in self.replies.protocols:
                 raise InvalidRequest("`peer` is for the daemon's own gateways; leave it out", header.id)
+            graph = self.pipelines.graphs.get(header.model)
+            if graph is not None:
+                self._start_pipeline(reply_to, request, graph, now)
+                return
             model = self.config.models.get(header.model)
             if model is None:
-                raise InvalidRequest(
-                    f"unknown model {header.model!r}; this daemon serves {', '.join(sorted(self.config.models))}",
-                    header.id,
-                )
+                pipelines = f" and the pipelines {', '.join(sorted(self.pipelines.graphs))}" if self.pipelines.graphs \
+                    else ""
+                raise InvalidRequest(f"unknown model {header.model!r}; this daemon serves "
+                                     f"{', '.join(sorted(self.config.models))}{pipelines}", header.id)
             name, named = header.model, header.version
             live = self.live.get(name, "")
             if header.version is not None and header.version != live:
@@ -288,19 +244,8 @@ class Frontend:
                     also = f" (and {canary!r} is its canary)" if canary else ""
                     raise InvalidRequest(f"version {header.version!r} of {name} is not live; the live version is "
                                          f"{live!r}{also}", header.id)
-            levels = self.queue.levels
-            priority = levels.default if header.priority is None else header.priority
-            if priority >= levels.count:
-                raise InvalidRequest(f"priority {priority} is not a level; this daemon has levels 0 (the most "
-                                     f"urgent) to {levels.count - 1}", header.id)
-            signature = (name, header.inputs)
-            checked = self._checked.get(signature)
-            if checked is None:
-                checked = check_against_model(header, name, model)
-                if len(self._checked) >= SIGNATURES_KEPT:
-                    self._checked.clear()
-                self._checked[signature] = checked
-            samples, shapes, elements = checked
+            priority = self._priority(header)
+            samples, shapes, elements = self._check(header, name, model)
             buffers: list[Buffer | RegionSlice] = request.buffers  # type: ignore[assignment] # None only with regions
             places: Places = ()
             if header.outputs or None in buffers:
@@ -311,14 +256,9 @@ class Frontend:
             log.debug("request %s invalid: %s", exc.request_id, exc.message)
             self.replies.refuse(reply_to, exc.request_id, protocol.INVALID, exc.message, name, named=named)
             return
-        timeout = header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
-        if self.refusal is not None or name in self.unloadable or (
-                name in self.unserved and (self.back_at is None or now + timeout < self.back_at)):
-            refusal = self.refusal or self.unloadable.get(name) or (
-                f"no worker serves {name} {self.live.get(name)} now, and none will before the request's deadline: "
-                f"{self.back_why}" if self.back_at is not None else
-                f"no worker has {name} {self.live.get(name)} loaded yet" if self.any_ready else
-                f"no worker serves {name} {self.live.get(name)}, and none is coming back: every worker was given up")
+        timeout = self._timeout(header)
+        refusal = self.refusal or self._unavailable(name, now + timeout)
+        if refusal is not None:
             self.replies.refuse(reply_to, header.id, protocol.UNAVAILABLE, refusal, name, priority=priority,
                                 named=named)
             return
@@ -342,9 +282,63 @@ class Frontend:
                                        "was full; retry later")
                 refused = self.queue.put(queued)
         if refused is not None:
-            self.replies.error(queued, protocol.OVERLOADED, _refusal_sentence(refused, self.queue))
+            self.replies.error(queued, protocol.OVERLOADED, self.queue.refusal_sentence(refused))
             return
         self._admitted.add(name)
+
+    def _priority(self, header: protocol.RequestHeader) -> int:
+        """The request's priority level (InvalidRequest if it names none this daemon has)."""
+        levels = self.queue.levels
+        priority = levels.default if header.priority is None else header.priority
+        if priority >= levels.count:
+            raise InvalidRequest(f"priority {priority} is not a level; this daemon has levels 0 (the most "
+                                 f"urgent) to {levels.count - 1}", header.id)
+        return priority
+
+    def _check(self, header: protocol.RequestHeader, name: str, model: ModelConfig) -> tuple[int, Shapes, int | None]:
+        """check_against_model, remembered for the signatures that passed it."""
+        signature = (name, header.inputs)
+        checked = self._checked.get(signature)
+        if checked is None:
+            checked = check_against_model(header, name, model)
+            if len(self._checked) >= SIGNATURES_KEPT:
+                self._checked.clear()
+            self._checked[signature] = checked
+        return checked
+
+    def _timeout(self, header: protocol.RequestHeader) -> float:
+        return header.timeout_ms / 1000 if header.timeout_ms is not None else self.default_timeout_s
+
+    def _unavailable(self, name: str, deadline: float) -> str | None:
+        """Why a request of model `name` due by `deadline` cannot be served (no worker will have the model in
+        time), or None."""
+        if name in self.unloadable:
+            return self.unloadable[name]
+        if name not in self.unserved or (self.back_at is not None and deadline >= self.back_at):
+            return None
+        live = self.live.get(name)
+        return (f"no worker serves {name} {live} now, and none will before the request's deadline: {self.back_why}"
+                if self.back_at is not None else f"no worker has {name} {live} loaded yet" if self.any_ready else
+                f"no worker serves {name} {live}, and none is coming back: every worker was given up")
+
+    def _start_pipeline(self, reply_to: ReplyTo, request: protocol.Request, graph: Graph, now: float) -> None:
+        """Check a request of a pipeline and hand it to the pipelines, or answer it at once."""
+        header = request.header
+        if header.version is not None:
+            raise InvalidRequest(f"{graph.name} is a pipeline, which has no versions of its own (its reply's version "
+                                 "names its steps'); leave version out", header.id)
+        if header.outputs or None in request.buffers:
+            raise InvalidRequest(f"{graph.name} is a pipeline: its inputs come in the request's message and its "
+                                 "outputs in the reply, not in shared-memory regions", header.id)
+        priority = self._priority(header)
+        self._check(header, graph.name, graph.inputs)
+        deadline = now + self._timeout(header)
+        refusal = self.refusal or next((f"pipeline {graph.name}, step {step.title}: {why}" for step in graph.steps
+                                        if (why := self._unavailable(step.model, deadline)) is not None), None)
+        if refusal is not None:
+            self.replies.refuse(reply_to, header.id, protocol.UNAVAILABLE, refusal, priority=priority)
+            return
+        self.pipelines.start(reply_to, header, request.buffers, now, deadline, priority)  # type: ignore[arg-type]
 
     def _check_room_for_outputs(self, header: protocol.RequestHeader, name: str, model: ModelConfig, samples: int,
                                 places: Places) -> None:
@@ -370,6 +364,8 @@ class Frontend:
         """A client's cancel: a waiting request is answered `cancelled` now; a running one is marked in
         its batch, to be answered `cancelled` when the batch comes back; one answered already is left be.
         The cancel itself has no reply."""
+        if self.pipelines.cancel(client, request_id):
+            return
         waiting = self.queue.cancel(client, request_id)
         if waiting is not None:
             log.debug("request %s cancelled while it waited", request_id)

@@ -171,6 +171,19 @@ class RequestQueue:
             return Refusal.CLIENT_BYTES
         return None
 
+    def refusal_sentence(self, refusal: Refusal) -> str:
+        """Why put() refused a request, as its reply says."""
+        bounds = self.bounds
+        return {
+            Refusal.FULL: f"the queue is full ({bounds.max_size} requests); retry later",
+            Refusal.BYTES: f"the queue holds {self.nbytes} bytes of requests and this one would pass queue.max_bytes "
+                           f"({bounds.max_bytes}); retry later",
+            Refusal.CLIENT_FULL: f"this connection already has {bounds.max_per_client} requests waiting "
+                                 "(queue.max_per_client); retry later",
+            Refusal.CLIENT_BYTES: "this connection's waiting requests would pass queue.max_bytes_per_client "
+                                  f"({bounds.max_bytes_per_client} bytes); retry later",
+        }[refusal]
+
     def put(self, request: QueuedRequest) -> Refusal | None:
         """Enqueue, or (changing nothing) say why not."""
         bounds, client, nbytes = self.bounds, request.client, request.nbytes

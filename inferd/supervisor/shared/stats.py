@@ -162,6 +162,32 @@ class ShadowSeries:
 
 
 @dataclass
+class StepSeries:
+    """One step of a pipeline since start: per step request computed, its wait in its model's queue and its
+    batch's compute time."""
+
+    wait: Histogram = field(default_factory=Histogram)
+    compute: Histogram = field(default_factory=Histogram)
+
+
+@dataclass
+class PipelineSeries:
+    """One pipeline since start: its replies by status, the latency of those answered `ok`, and each step's
+    wait and compute (by step name, in the pipeline's order)."""
+
+    replies: Counter = field(default_factory=Counter)
+    total: Histogram = field(default_factory=Histogram)
+    steps: dict[str, StepSeries] = field(default_factory=dict)
+
+    def step(self, name: str) -> StepSeries:
+        """The series of step `name`."""
+        series = self.steps.get(name)
+        if series is None:
+            series = self.steps[name] = StepSeries()
+        return series
+
+
+@dataclass
 class _Window:
     start: float
     series: dict[tuple[str, str], Series] = field(default_factory=dict)
@@ -196,6 +222,7 @@ class Stats:
         # model with inputs of any size, by the per-sample shape of its batches' first input ("2x48").
         self.shapes: dict[tuple[str, str], list[int]] = {}
         self.loading: dict[str, LoadSeries] = {}  # on-demand model -> its loads
+        self.pipelines: dict[str, PipelineSeries] = {}  # pipeline -> its requests and steps, since start
         self._windows: deque[_Window] = deque([_Window(now)], maxlen=WINDOWS)
 
     def _series(self, now: float, model: str, version: str) -> tuple[Series, Series]:
@@ -224,6 +251,13 @@ class Stats:
         series = self.loading.get(model)
         if series is None:
             series = self.loading[model] = LoadSeries()
+        return series
+
+    def pipeline(self, name: str) -> PipelineSeries:
+        """The record of pipeline `name`."""
+        series = self.pipelines.get(name)
+        if series is None:
+            series = self.pipelines[name] = PipelineSeries()
         return series
 
     def new_window(self, now: float) -> None:

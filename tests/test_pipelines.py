@@ -1,0 +1,180 @@
+"""Pipelines: models chained in the daemon under a name of their own, each step batched with its model's other
+requests; checked before serving, with per-step errors, deadlines, backpressure, reload and stats."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import python_models
+from conftest import Daemon, base_config, built_once, reference
+from python_models import SCALE_CONFIG, SCALE_FEATURES, in_process
+from wire import RawPeer
+
+from inferd.harness import to_toml
+
+BIN = Path(sys.executable).parent
+SUM = {"inputs": [{"dtype": "float32", "shape": [SCALE_FEATURES]}], "max_batch_size": 16,
+       "outputs": [{"name": "sum", "dtype": "float32", "shape": [1]}]}
+# scale (x2) -> scale again (x2, named "again") -> sum: the middle step raises where its input passes 1000 (scale's
+# range), so an input between 250 and 1000 fails there alone.
+CHAIN = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": [SCALE_FEATURES]}],
+    "outputs": ["sum", "total"],
+    "steps": [
+        {"model": "scale", "inputs": {"x": "x"}, "outputs": {"scaled": "once", "total": "total"}},
+        {"model": "scale", "name": "again", "inputs": {"x": "once"}, "outputs": {"scaled": "twice"}},
+        {"model": "sum", "inputs": {"INPUT__0": "twice"}, "outputs": {"sum": "sum"}},
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+def python_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
+    """The Python models of tests/python_models.py (read-only)."""
+    return built_once(tmp_path_factory, pytestconfig, "python-repo", python_models.build_python_repository)
+
+
+def served_config(folder: Path, python_repo: Path, repo: Path, **pipeline: Any) -> dict[str, Any]:
+    """scale (Python, factor 2) and sum (TorchScript) with the pipeline `chain` over them."""
+    config = base_config(folder, python_repo, {"scale": {**SCALE_CONFIG, "version": "v1",
+                                                         "parameters": {"factor": 2.0}}})
+    config["models"]["sum"] = {**SUM, "repository": str(repo / "sum")}
+    config["pipelines"] = {"chain": {**CHAIN, **pipeline}}
+    return config
+
+
+@pytest.fixture(scope="module")
+def served(python_repo: Path, repo: Path) -> Iterator[Daemon]:
+    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
+    daemon = Daemon(folder, served_config(folder, python_repo, repo))
+    try:
+        yield daemon.start()
+    finally:
+        daemon.kill_all()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def chained(python_repo: Path, repo: Path) -> Any:
+    """The chain's steps run in this process, one after the other: x -> (sum, total)."""
+    scale = in_process(python_repo / "scale" / "v1", {"factor": 2.0})
+    total = reference(repo, "sum", "v1")
+
+    def run(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        once = scale({"x": x})
+        twice = scale({"x": once["scaled"]})
+        return total(twice["scaled"]), once["total"]
+
+    return run
+
+
+def test_a_pipeline_answers_as_its_steps_do_in_process(served, python_repo, repo):
+    expected = chained(python_repo, repo)
+    rng = np.random.default_rng(3)
+    with RawPeer(served.endpoint) as peer:
+        sent = {}
+        for index in range(24):
+            x = rng.uniform(0, 10, (1 + index % 3, SCALE_FEATURES)).astype(np.float32)
+            sent[index] = x
+            peer.send(index, "chain", [x])
+        for _ in sent:
+            header, outputs = peer.recv()
+            assert header["status"] == "ok", header
+            assert header["model"] == "chain" and header["version"] == "scale:v1,again:v1,sum:v1"
+            want_sum, want_total = expected(sent[header["id"]])
+            np.testing.assert_allclose(outputs[0], want_sum, rtol=1e-6)
+            np.testing.assert_array_equal(outputs[1], want_total)
+
+
+def broken(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with a pipeline beside `chain` for each way a pipeline cannot be served."""
+    config = copy.deepcopy(config)
+    pipes = config["pipelines"]
+
+    def variant(name: str, change: Any) -> None:
+        pipes[name] = copy.deepcopy(CHAIN)
+        change(pipes[name])
+
+    variant("unproduced", lambda p: p["steps"][2]["inputs"].update(INPUT__0="thrice"))
+    variant("twice", lambda p: p["steps"][1]["outputs"].update(total="total"))
+    variant("dtype", lambda p: p["steps"][2]["inputs"].update(INPUT__0="total"))
+    variant("shape", lambda p: p["inputs"][0].update(shape=[5]))
+    variant("cycle", lambda p: p["steps"][0]["inputs"].update(x="twice"))
+    variant("nomodel", lambda p: p["steps"][1].update(model="scaler"))
+    variant("noinput", lambda p: p["steps"][1]["inputs"].update(y="once"))
+    variant("samename", lambda p: p["steps"][1].pop("name"))
+    pipes["sum"] = copy.deepcopy(CHAIN)
+    return config
+
+
+REFUSALS = (
+    "pipelines.unproduced.steps[2]: step sum takes tensor 'thrice' as input 'INPUT__0' of model sum, which neither "
+    "the pipeline's inputs nor any step produces",
+    "pipelines.twice.steps[1]: tensor 'total' is produced twice, by step scale (output 'total' of model scale) and "
+    "by step again (output 'total' of model scale); give each a name of its own",
+    "pipelines.dtype.steps[2]: step sum takes tensor 'total' as input 'INPUT__0' of model sum, which is float32, but "
+    "step scale (output 'total' of model scale) makes it float64",
+    "pipelines.shape.steps[0]: step scale takes tensor 'x' as input 'x' of model scale, which takes samples of "
+    "shape [4], but the pipeline's input makes them [5]",
+    "pipelines.cycle.steps: steps scale, again, sum each wait for another's output (a cycle: step scale takes tensor "
+    "'twice' from step again (output 'scaled' of model scale)), so none can run",
+    "pipelines.nomodel.steps[1]: step again names model 'scaler', which this daemon does not serve; it serves scale, "
+    "sum",
+    "pipelines.noinput.steps[1]: step again maps input 'y', which model scale does not have; it takes x",
+    "pipelines.samename.steps[1]: step name 'scale' is also step 0's; give each step of the same model a name of "
+    'its own (name = "...")',
+    "pipelines.sum: 'sum' is also a model's name, and a pipeline is served under its own name; rename one of them",
+)
+
+
+def test_check_config_refuses_each_pipeline_that_cannot_be_served_in_one_sentence(python_repo, repo, tmp_path):
+    good = served_config(tmp_path, python_repo, repo)
+    path = tmp_path / "inferd.toml"
+    path.write_text(to_toml(good))
+    result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0 and "ok (2 model(s), 1 pipeline(s))" in result.stdout, result.stderr
+    path.write_text(to_toml(broken(good)))
+    result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    said = [line.removeprefix(f"{path}: ") for line in result.stderr.strip().splitlines()]
+    assert sorted(said[:-1]) == sorted(REFUSALS), said
+    assert said[-1] == f"inferd: {path} has {len(REFUSALS)} problem(s)"
+
+
+def test_the_daemon_refuses_to_start_or_to_take_a_sighup_with_a_pipeline_it_cannot_serve(served, python_repo,
+                                                                                         repo, tmp_path):
+    import signal
+
+    from conftest import wait_for
+
+    bad = served_config(tmp_path, python_repo, repo)
+    bad["pipelines"]["chain"]["steps"][2]["inputs"]["INPUT__0"] = "total"
+    path = tmp_path / "bad.toml"
+    path.write_text(to_toml(bad))
+    result = subprocess.run([str(BIN / "inferd"), "serve", "--config", str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert REFUSALS[2].replace("dtype", "chain") in result.stderr
+    running = served.config_path.read_text()
+    bad = copy.deepcopy(served.config)
+    bad["pipelines"]["chain"]["steps"][2]["inputs"]["INPUT__0"] = "total"
+    try:
+        served.config_path.write_text(to_toml(bad))
+        served.signal(signal.SIGHUP)
+        wait_for(lambda: REFUSALS[2].replace("dtype", "chain") in served.log(), what="the SIGHUP refused")
+    finally:
+        served.config_path.write_text(running)
+    with RawPeer(served.endpoint) as peer:  # the pipeline serves on as it was
+        peer.send(1, "chain", [np.ones((1, SCALE_FEATURES), np.float32)])
+        header, outputs = peer.recv()
+        assert header["status"] == "ok" and outputs[0][0, 0] == 16.0
