@@ -19,13 +19,13 @@ from conftest import Daemon, base_config, built_once, reference
 from python_models import SCALE_CONFIG, SCALE_FEATURES, in_process
 from wire import RawPeer
 
-from inferd.harness import to_toml
+from inferd.harness import free_port, to_toml
 
 BIN = Path(sys.executable).parent
 SUM = {"inputs": [{"dtype": "float32", "shape": [SCALE_FEATURES]}], "max_batch_size": 16,
        "outputs": [{"name": "sum", "dtype": "float32", "shape": [1]}]}
 # scale (x2) -> scale again (x2, named "again") -> sum: the middle step raises where its input passes 1000 (scale's
-# range), so an input between 250 and 1000 fails there alone.
+# range), so an input between 500 and 1000 fails there alone.
 CHAIN = {
     "inputs": [{"name": "x", "dtype": "float32", "shape": [SCALE_FEATURES]}],
     "outputs": ["sum", "total"],
@@ -43,12 +43,24 @@ def python_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.C
     return built_once(tmp_path_factory, pytestconfig, "python-repo", python_models.build_python_repository)
 
 
-def served_config(folder: Path, python_repo: Path, repo: Path, **pipeline: Any) -> dict[str, Any]:
-    """scale (Python, factor 2) and sum (TorchScript) with the pipeline `chain` over them."""
-    config = base_config(folder, python_repo, {"scale": {**SCALE_CONFIG, "version": "v1",
-                                                         "parameters": {"factor": 2.0}}})
+# The chain again with its middle step on a model of its own (the same model.py), whose one process a test can
+# hold at gates (tests/gates.py) while the other steps run.
+GAPPED = {**CHAIN, "steps": [CHAIN["steps"][0], {**CHAIN["steps"][1], "model": "scale2"}, CHAIN["steps"][2]]}
+
+
+def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]:
+    """scale (Python, factor 2), scale2 (the same, its gates in folder/gates) and sum (TorchScript), with the
+    pipelines `chain` and `gapped` over them."""
+    gates = folder / "gates"
+    gates.mkdir(exist_ok=True)
+    config = base_config(folder, python_repo, {
+        "scale": {**SCALE_CONFIG, "version": "v1", "parameters": {"factor": 2.0}},
+        "scale2": {**SCALE_CONFIG, "version": "v1", "parameters": {"factor": 2.0, "gates": str(gates)}}})
+    config["models"]["scale2"]["repository"] = str(python_repo / "scale")
     config["models"]["sum"] = {**SUM, "repository": str(repo / "sum")}
-    config["pipelines"] = {"chain": {**CHAIN, **pipeline}}
+    config["pipelines"] = {"chain": CHAIN, "gapped": GAPPED}
+    config["server"].update(metrics=f"127.0.0.1:{free_port()}", http=f"127.0.0.1:{free_port()}",
+                            grpc=f"127.0.0.1:{free_port()}")
     return config
 
 
@@ -127,7 +139,7 @@ REFUSALS = (
     "pipelines.cycle.steps: steps scale, again, sum each wait for another's output (a cycle: step scale takes tensor "
     "'twice' from step again (output 'scaled' of model scale)), so none can run",
     "pipelines.nomodel.steps[1]: step again names model 'scaler', which this daemon does not serve; it serves scale, "
-    "sum",
+    "scale2, sum",
     "pipelines.noinput.steps[1]: step again maps input 'y', which model scale does not have; it takes x",
     "pipelines.samename.steps[1]: step name 'scale' is also step 0's; give each step of the same model a name of "
     'its own (name = "...")',
@@ -141,7 +153,7 @@ def test_check_config_refuses_each_pipeline_that_cannot_be_served_in_one_sentenc
     path.write_text(to_toml(good))
     result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 0 and "ok (2 model(s), 1 pipeline(s))" in result.stdout, result.stderr
+    assert result.returncode == 0 and "ok (3 model(s), 2 pipeline(s))" in result.stdout, result.stderr
     path.write_text(to_toml(broken(good)))
     result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
                             text=True, timeout=60)
@@ -178,3 +190,100 @@ def test_the_daemon_refuses_to_start_or_to_take_a_sighup_with_a_pipeline_it_cann
         peer.send(1, "chain", [np.ones((1, SCALE_FEATURES), np.float32)])
         header, outputs = peer.recv()
         assert header["status"] == "ok" and outputs[0][0, 0] == 16.0
+
+
+def replies_by_id(peer: RawPeer, count: int) -> dict[Any, tuple[dict[str, Any], list[np.ndarray]]]:
+    replies = {}
+    while len(replies) < count:
+        header, outputs = peer.recv(timeout=30)
+        assert header["id"] not in replies, f"request {header['id']} answered twice"
+        replies[header["id"]] = (header, outputs)
+    return replies
+
+
+def test_a_failing_middle_step_fails_its_request_alone_naming_the_step(served, python_repo, repo):
+    expected = chained(python_repo, repo)
+    rng = np.random.default_rng(4)
+    sent = {index: rng.uniform(0, 10, (2, SCALE_FEATURES)).astype(np.float32) for index in range(16)}
+    sent[5] = np.full((1, SCALE_FEATURES), 600, np.float32)  # 1200 at the middle step: over its range
+    sums_before = served.call("stats")["pipelines"]["chain"]["steps"]["sum"]["compute_ms"]["count"]
+    with RawPeer(served.endpoint) as peer:
+        for index, x in sent.items():
+            peer.send(index, "chain", [x])
+        replies = replies_by_id(peer, len(sent))
+    header, outputs = replies.pop(5)
+    assert header["status"] == "internal" and not outputs
+    assert header["error"].startswith("pipeline chain, step again (model scale v1): "), header
+    assert "over 1000" in header["error"] and header["version"] == "scale:v1", header
+    for index, (header, outputs) in replies.items():
+        assert header["status"] == "ok", header
+        want_sum, want_total = expected(sent[index])
+        np.testing.assert_allclose(outputs[0], want_sum, rtol=1e-6)
+        np.testing.assert_array_equal(outputs[1], want_total)
+    steps = served.call("stats")["pipelines"]["chain"]["steps"]
+    assert steps["sum"]["compute_ms"]["count"] == sums_before + len(replies), "the failed request's last step ran"
+
+
+def test_a_deadline_that_passes_between_steps_answers_timeout_naming_the_step(served):
+    from conftest import wait_for
+    from gates import Gate
+    from python_models import gated
+
+    gates = served.workdir / "gates"
+    with RawPeer(served.endpoint) as peer:
+        running, behind = Gate(gates), Gate(gates)  # scale2's process holds two batches: nothing else runs there
+        try:
+            peer.send("running", "scale2", [gated(running.number)], timeout_ms=60_000)
+            peer.send("behind", "scale2", [gated(behind.number, rows=8)], timeout_ms=60_000)
+            wait_for(lambda: next(w for w in served.status()["workers"] if w.get("model") == "scale2")
+                     ["batches_in_flight"] == 2, what="scale2 held")
+            peer.send("late", "gapped", [np.ones((1, SCALE_FEATURES), np.float32)], timeout_ms=300)
+            header, outputs = peer.recv(timeout=30)
+        finally:
+            running.open()
+            behind.open()
+        assert header["id"] == "late" and header["status"] == "timeout" and not outputs
+        assert header["error"] == ("pipeline gapped, step again (model scale2 v1): the deadline passed before the "
+                                   "request ran")
+        assert header["version"] == "scale:v1"  # its first step ran, its last did not
+        assert {peer.recv(timeout=30)[0]["id"] for _ in range(2)} == {"running", "behind"}
+
+
+def test_a_pipeline_has_no_versions_of_its_own(served):
+    from inferd.ipc.control import ControlError
+
+    with RawPeer(served.endpoint) as peer:
+        peer.send(1, "chain", [np.ones((1, SCALE_FEATURES), np.float32)], version="v1")
+        header, _ = peer.recv()
+    assert header["status"] == "invalid" and header["error"] == (
+        "chain is a pipeline, which has no versions of its own (its reply's version names its steps'); leave version "
+        "out")
+    with pytest.raises(ControlError, match=r"^chain is a pipeline, which has no versions of its own: reload, load or "
+                                           r"try versions of the models it runs \(scale, sum\)"):
+        served.call("reload", model="chain", version="v2")
+
+
+def test_stats_and_metrics_show_each_pipeline_and_the_wait_and_compute_of_each_step(served):
+    from test_observability import scrape
+
+    with RawPeer(served.endpoint) as peer:
+        for index in range(5):
+            peer.send(index, "chain", [np.ones((1, SCALE_FEATURES), np.float32)])
+        replies_by_id(peer, 5)
+    stats = served.call("stats")["pipelines"]["chain"]
+    assert list(stats["steps"]) == ["scale", "again", "sum"]
+    assert stats["steps"]["again"]["model"] == "scale" and stats["in_flight"] == 0
+    ok = stats["requests"]["ok"]
+    assert ok >= 5 and stats["latency_ms"]["count"] == ok
+    assert all(step["wait_ms"]["count"] == step["compute_ms"]["count"] >= ok for step in stats["steps"].values())
+    scraped = scrape(served)
+    assert scraped[("inferd_pipeline_requests_total", (("pipeline", "chain"), ("status", "ok")))] == ok
+    assert scraped[("inferd_pipeline_latency_seconds_count", (("pipeline", "chain"),))] == ok
+    for step, part in stats["steps"].items():
+        for phase in ("wait", "compute"):
+            labels = (("phase", phase), ("pipeline", "chain"), ("step", step))
+            assert scraped[("inferd_pipeline_step_seconds_count", labels)] == part[f"{phase}_ms"]["count"]
+    shown = subprocess.run([str(BIN / "inferctl"), "--control", served.control, "stats"], capture_output=True,
+                           text=True, timeout=60)
+    assert shown.returncode == 0 and f"pipeline chain: {sum(stats['requests'].values())} requests" in shown.stdout
+    assert "  again         scale" in shown.stdout

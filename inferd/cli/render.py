@@ -114,6 +114,29 @@ def _shape_lines(stats: dict[str, Any]) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def _pipeline_lines(stats: dict[str, Any]) -> list[str]:
+    """Each pipeline (since start): its requests, latency and requests under way, then per step its model and its
+    requests' queue wait and compute, the model's batch size beside them (the step whose wait grows is the
+    bottleneck)."""
+    lines = []
+    for name, pipeline in stats.get("pipelines", {}).items():
+        requests, latency = pipeline["requests"], pipeline["latency_ms"]
+        p50, p99 = _figure(latency["p50"], 0, latency["count"]), _figure(latency["p99"], 0, latency["count"])
+        lines += ["", f"pipeline {name}: {sum(requests.values())} requests, {requests.get('ok', 0)} ok, p50 {p50} ms, "
+                      f"p99 {p99} ms; {pipeline['in_flight']} in flight (at most {pipeline['max_in_flight']})",
+                  f"  {'step':<14}{'model':<14}{'wait p50':>9}{'wait p99':>9}{'compute p50':>12}{'compute p99':>12}"
+                  f"{'batch':>7}"]
+        for step, part in pipeline["steps"].items():
+            wait, compute = part["wait_ms"], part["compute_ms"]
+            model = stats["models"].get(part["model"], {})
+            batches = sum(model.get("batch_size", {}).get("distribution", {}).values())
+            lines.append(f"  {step:<14}{part['model']:<14}{_figure(wait['p50'], 9, wait['count'])}"
+                         f"{_figure(wait['p99'], 9, wait['count'])}{_figure(compute['p50'], 12, compute['count'])}"
+                         f"{_figure(compute['p99'], 12, compute['count'])}"
+                         f"{_figure(model.get('batch_size', {}).get('mean', 0), 7, batches, 1)}")
+    return lines
+
+
 def stats_table(stats: dict[str, Any]) -> str:
     """The stats object as a few aligned lines a person reads in a terminal."""
     lines = [f"inferd {stats['state']}, up {stats['uptime_s']:.0f} s; latencies over the last minute, "
@@ -139,6 +162,7 @@ def stats_table(stats: dict[str, Any]) -> str:
                 f"{_figure(part['batch_size']['mean'], 7, batches, 1)}"
                 + (f"{model['queue_depth']:>7}{part['queue_depth_peak_60s']:>6}" if version == "all" else "")
             )
+    lines += _pipeline_lines(stats)
     lines += _scheduling_lines(stats)
     lines += _error_lines(stats)
     lines += _shape_lines(stats)

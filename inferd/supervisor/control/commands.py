@@ -290,6 +290,12 @@ class Commands:
                 return next(iter(self.daemon.live))
             raise ValueError(f"this daemon serves several models ({', '.join(sorted(self.daemon.live))}); "
                              "name one with --model")
+        pipeline = self.daemon.config.pipelines.get(model)
+        if pipeline is not None:
+            steps = ", ".join(sorted({step.model for step in pipeline.steps}))
+            raise ValueError(f"{model} is a pipeline, which has no versions of its own: reload, load or try versions "
+                             f"of the models it runs ({steps}), e.g. inferctl reload --model {pipeline.steps[0].model} "
+                             "--version V")
         if model not in self.daemon.live:
             raise ValueError(f"unknown model {model!r}; this daemon serves {', '.join(sorted(self.daemon.live))}")
         return model

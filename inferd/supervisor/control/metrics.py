@@ -91,7 +91,28 @@ def build_families(daemon: DaemonView) -> list[Metric]:
     undelivered.add_metric([], daemon.stats.undelivered)
     families.append(undelivered)
     families += _connection_families(daemon)
+    families += _pipeline_families(daemon)
     return families
+
+
+def _pipeline_families(daemon: DaemonView) -> list[Metric]:
+    """Each pipeline's requests and latency, and per step its requests' queue wait and batches' compute time."""
+    requests = CounterMetricFamily("inferd_pipeline_requests", "Requests of a pipeline answered, by status.",
+                                   labels=["pipeline", "status"])
+    latency = HistogramMetricFamily("inferd_pipeline_latency_seconds", "Time from a pipeline request's arrival to "
+                                    "its reply (ok replies).", labels=["pipeline"])
+    steps = HistogramMetricFamily("inferd_pipeline_step_seconds", "Per step of a pipeline request: its wait in the "
+                                  "step's model's queue (phase wait), its batch's compute time (phase compute).",
+                                  labels=["pipeline", "step", "phase"])
+    for name, graph in sorted(daemon.pipelines.graphs.items()):
+        series = daemon.stats.pipeline(name)
+        for status, count in sorted(series.replies.items()):
+            requests.add_metric([name, status], count)
+        _histogram(latency, [name], series.total)
+        for step in graph.steps:
+            _histogram(steps, [name, step.title, "wait"], series.step(step.title).wait)
+            _histogram(steps, [name, step.title, "compute"], series.step(step.title).compute)
+    return [requests, latency, steps]
 
 
 def _connection_families(daemon: DaemonView) -> list[Metric]:

@@ -213,6 +213,24 @@ def systemd_status(daemon: DaemonView) -> tuple[str, int]:
     return f"{daemon.state}; {ready}/{len(workers)} workers ready; {live}", sum(daemon.stats.replies.values())
 
 
+def pipeline_report(daemon: DaemonView) -> dict[str, Any]:
+    """Each pipeline since start: its replies by status, the latency of those `ok`, its requests under way, and per
+    step (in its order) the step's model, its requests' wait in the model's queue and their batches' compute time:
+    the step whose wait grows is the bottleneck."""
+    report = {}
+    pipelines = daemon.pipelines
+    for name, graph in sorted(pipelines.graphs.items()):
+        series = daemon.stats.pipeline(name)
+        report[name] = {
+            "requests": dict(series.replies), "latency_ms": series.total.summary_ms(),
+            "in_flight": pipelines.in_flight[name], "max_in_flight": graph.config.max_in_flight,
+            "steps": {step.title: {"model": step.model, "wait_ms": series.step(step.title).wait.summary_ms(),
+                                   "compute_ms": series.step(step.title).compute.summary_ms()}
+                      for step in graph.steps},
+        }
+    return report
+
+
 def stats_report(daemon: DaemonView) -> dict[str, Any]:
     """The whole `stats` object."""
     now = time.monotonic()
@@ -261,6 +279,7 @@ def stats_report(daemon: DaemonView) -> dict[str, Any]:
         "uptime_s": round(now - daemon.started, 3),
         "state": daemon.state,
         "models": models,
+        "pipelines": pipeline_report(daemon),
         "workers": worker_report(daemon),
         "undelivered_replies": daemon.stats.undelivered,
         "regions": daemon.regions.status(),

@@ -15,6 +15,7 @@ from inferd.supervisor.control.reconfigure import Reconfigurer
 from inferd.supervisor.dispatch.dispatcher import Dispatcher
 from inferd.supervisor.intake.connections import Connections
 from inferd.supervisor.intake.forecast import Forecast
+from inferd.supervisor.pipelines.runner import Pipelines
 from inferd.supervisor.processes.gateway_processes import Gateway
 from inferd.supervisor.processes.probes import Probes
 from inferd.supervisor.processes.workers import WorkerTable
@@ -107,6 +108,10 @@ class DaemonView(Protocol):
     @property
     def forecast(self) -> Forecast:
         """Compute times, and when a new request would finish."""
+
+    @property
+    def pipelines(self) -> Pipelines:
+        """The pipelines, and their requests under way."""
 
     @property
     def probes(self) -> Probes:
