@@ -287,3 +287,47 @@ def test_stats_and_metrics_show_each_pipeline_and_the_wait_and_compute_of_each_s
                            text=True, timeout=60)
     assert shown.returncode == 0 and f"pipeline chain: {sum(stats['requests'].values())} requests" in shown.stdout
     assert "  again         scale" in shown.stdout
+
+
+def test_a_pipeline_is_served_over_http_and_grpc_as_a_model_is(served, python_repo, repo):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    expected = chained(python_repo, repo)
+    x = np.random.default_rng(6).uniform(0, 10, (3, SCALE_FEATURES)).astype(np.float32)
+    want_sum, want_total = expected(x)
+    versions = "scale:v1,again:v1,sum:v1"
+    for module, address in ((httpclient, served.config["server"]["http"]),
+                            (grpcclient, served.config["server"]["grpc"])):
+        client = module.InferenceServerClient(address)
+        try:
+            assert client.is_model_ready("chain")
+            metadata = client.get_model_metadata("chain")
+            metadata = metadata if isinstance(metadata, dict) else {
+                "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in metadata.inputs],
+                "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in metadata.outputs],
+                "versions": list(metadata.versions)}
+            assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, SCALE_FEATURES]}]
+            assert metadata["outputs"] == [{"name": "sum", "datatype": "FP32", "shape": [-1, 1]},
+                                           {"name": "total", "datatype": "FP64", "shape": [-1, 1]}]
+            assert metadata["versions"] == [versions]
+            given = module.InferInput("x", list(x.shape), "FP32")
+            given.set_data_from_numpy(x)
+            result = client.infer("chain", [given])
+            np.testing.assert_allclose(result.as_numpy("sum"), want_sum, rtol=1e-6)
+            np.testing.assert_array_equal(result.as_numpy("total"), want_total)
+            response = result.get_response()
+            if isinstance(response, dict):
+                assert response["model_version"] == versions
+                assert response["parameters"] == {"step_versions": versions}
+            else:
+                assert response.model_version == versions
+                assert response.parameters["step_versions"].string_param == versions
+            bad = module.InferInput("x", [1, SCALE_FEATURES], "FP32")
+            bad.set_data_from_numpy(np.full((1, SCALE_FEATURES), 600, np.float32))
+            with pytest.raises(Exception, match=r"pipeline chain, step again \(model scale v1\)") as raised:
+                client.infer("chain", [bad])
+            status = raised.value.status()
+            assert status in ("500", "StatusCode.INTERNAL"), status
+        finally:
+            client.close()

@@ -115,6 +115,7 @@ class ModelView:
         self.default_level: int = state["default_level"]
         self.version: str = state["live_version"]
         self.canary: str | None = state.get("canary_version")  # may be named too while it runs
+        self.pipeline: bool = state.get("pipeline", False)  # a pipeline: its version is its steps' versions
         self.ready: bool = state["ready"]
         python = state["kind"] == "python"
         # Triton's names for what runs a model: its Python backend, or its PyTorch one.

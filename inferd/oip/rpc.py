@@ -271,6 +271,8 @@ class InferenceService:
         if reply.status != protocol.OK:
             raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)
+        if model.pipeline:
+            response.parameters["step_versions"].string_param = reply.version or ""
         frames = iter(outputs)
         raw: list[bytes] = []
         for name, meta in zip(model.output_names, reply.outputs):

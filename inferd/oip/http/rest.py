@@ -602,6 +602,8 @@ class JsonRequest(NamedTuple):
                 binary.append(data)
             entries.append(entry)
         response: dict[str, Any] = {"model_name": model.name, "model_version": reply.version, "outputs": entries}
+        if model.pipeline:
+            response["parameters"] = {"step_versions": reply.version}
         if self.request_id is not None:
             response["id"] = self.request_id
         return response, binary

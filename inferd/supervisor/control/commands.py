@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from inferd import __version__
+from inferd.config.schema import OutputSpec
 from inferd.models.repository import MODEL_FILES_SAID, RepositoryError, describe_versions, folders_without_model
 from inferd.supervisor.control.control_server import ControlReply, deferred
 from inferd.supervisor.control.report import candidate_status, stats_report, worker_summary
+from inferd.supervisor.pipelines.graph import Graph
 from inferd.supervisor.shared.candidates import Mode
 from inferd.supervisor.shared.command_replies import Then
 from inferd.supervisor.shared.state import DaemonState
@@ -138,7 +140,33 @@ class Commands:
             }
             if on_disk:
                 result[name]["on_disk"] = self._on_disk(config.repository or "")
+        graphs = self.daemon.pipelines.graphs
+        for name in sorted(graphs) if model is None else [model] if model in graphs else []:
+            result[name] = self._pipeline(graphs[name], result)
         return result
+
+    def _pipeline(self, graph: Graph, models: dict[str, Any]) -> dict[str, Any]:
+        """A pipeline as `models` answers for a model (what a gateway serves it by): its inputs, its outputs as
+        the steps that make them answer them, and its version, its steps' ("decode:v2,resnet:v3,top5:v1")."""
+        live, workers = self.daemon.live, self.daemon.workers.workers
+        ready = all(any(w.serves(step.model, live[step.model]) for w in workers) for step in graph.steps)
+        made = {tensor: (step.model, index) for step in graph.steps for index, tensor in step.makes}
+        outputs = []
+        for tensor in graph.config.outputs:
+            model, index = made[tensor]
+            signature = self.daemon.workers.signature(model, live[model]) or ()
+            outputs.append([signature[index].dtype, signature[index].public_shape()] if index < len(signature)
+                           else None)
+        version = ",".join(f"{step.title}:{live[step.model]}" for step in graph.steps)
+        config = msgspec.structs.replace(graph.inputs, outputs=tuple(OutputSpec(name=t) for t in graph.config.outputs))
+        queue = self.daemon.config.queue
+        return {
+            "config": msgspec.to_builtins(config), "pipeline": True,
+            "priority_levels": queue.priority_levels, "default_level": queue.default_level,
+            "live_version": version, "live_from": "its steps", "canary_version": None, "ready": ready,
+            "loading": False, "load_error": None, "ready_versions": [version] if ready else [],
+            "version_numbers": {}, "outputs": outputs if None not in outputs else [], "versions": {},
+        }
 
     @staticmethod
     def _on_disk(repository: str) -> list[dict[str, Any]] | str:
