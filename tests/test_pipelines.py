@@ -331,3 +331,91 @@ def test_a_pipeline_is_served_over_http_and_grpc_as_a_model_is(served, python_re
             assert status in ("500", "StatusCode.INTERNAL"), status
         finally:
             client.close()
+
+
+def under_load(daemon: Daemon, pipeline: str, count: int, during: Any) -> tuple[list[np.ndarray], list[Any]]:
+    """Requests of `pipeline`, 32 in flight, with `during()` called once `count` // 5 are answered: at least
+    `count` of them, and 64 more once the function `during()` returned says it is done. The inputs and every
+    answer (the client's futures' results, or what they raised), in order."""
+    rng = np.random.default_rng(12)
+    inputs: list[np.ndarray] = []
+    answers: list[Any] = []
+    done: Any = None
+
+    def result(future: Any) -> Any:
+        try:
+            return future.result()
+        except Exception as exc:  # noqa: BLE001 - the test asserts there are none
+            return exc
+
+    with daemon.client() as client:
+        window: list[Any] = []
+        after = None  # once `during` is done: how many requests are sent in all (64 more, to see its effect)
+        while after is None or len(inputs) < after:
+            if after is None and done is not None and done():
+                after = max(count, len(inputs) + 64)
+            inputs.append(rng.uniform(0, 10, (int(rng.integers(1, 4)), SCALE_FEATURES)).astype(np.float32))
+            window.append(client.submit(pipeline, inputs[-1]))
+            if len(window) == 32:
+                answers.append(result(window.pop(0)))
+            if len(answers) == count // 5 and done is None:
+                done = during()
+        answers += [result(future) for future in window]
+    return inputs, answers
+
+
+def test_a_python_step_killed_under_pipeline_load_loses_nothing(served, python_repo, repo):
+    import os
+    import signal
+
+    from conftest import exited, wait_for
+
+    expected = chained(python_repo, repo)
+    [step] = [w for w in served.status()["workers"] if w.get("model") == "scale2"]
+    def kill() -> Any:
+        os.kill(step["pid"], signal.SIGKILL)
+        return lambda: any(w.get("model") == "scale2" and w["state"] == "ready" and w["pid"] != step["pid"]
+                           for w in served.status()["workers"])
+
+    inputs, answers = under_load(served, "gapped", 600, kill)
+    errors = [answer for answer in answers if isinstance(answer, Exception)]
+    assert not errors, errors[:3]
+    for x, (got_sum, got_total) in zip(inputs, answers):
+        want_sum, want_total = expected(x)
+        np.testing.assert_allclose(got_sum, want_sum, rtol=1e-6)
+        np.testing.assert_array_equal(got_total, want_total)
+    wait_for(lambda: exited(step["pid"]), what="the killed step gone")
+    assert "step scale2.0 (ready) died: killed by signal 9" in served.log()
+
+
+def test_a_middle_step_reloaded_under_pipeline_load_drops_nothing(served, python_repo, repo):
+    import threading
+
+    scale = {version: in_process(python_repo / "scale" / version, {"factor": 2.0}) for version in ("v1", "v2")}
+    total = reference(repo, "sum", "v1")
+    reloaded: list[Any] = []
+
+    def reload() -> Any:
+        thread = threading.Thread(target=lambda: reloaded.append(served.call("reload", timeout=60, model="scale2",
+                                                                               version="v2")))
+        thread.start()
+        return lambda: not thread.is_alive()
+
+    try:
+        inputs, answers = under_load(served, "gapped", 600, reload)
+    finally:
+        served.call("reload", timeout=60, model="scale2", version="v1")
+    assert reloaded, "the reload answered"
+    errors = [answer for answer in answers if isinstance(answer, Exception)]
+    assert not errors, errors[:3]
+    matched = {"v1": 0, "v2": 0}
+    for x, (got_sum, got_total) in zip(inputs, answers):
+        once = scale["v1"]({"x": x})
+        np.testing.assert_array_equal(got_total, once["total"])
+        for version in matched:  # each answer is one version's or the other's, never a mixture
+            if np.allclose(got_sum, total(scale[version]({"x": once["scaled"]})["scaled"]), rtol=1e-6):
+                matched[version] += 1
+                break
+        else:
+            raise AssertionError(f"an answer of neither version: {got_sum}")
+    assert matched["v1"] and matched["v2"] and sum(matched.values()) == len(inputs), matched
