@@ -306,7 +306,8 @@ def test_a_pipeline_is_served_over_http_and_grpc_as_a_model_is(served, python_re
             metadata = metadata if isinstance(metadata, dict) else {
                 "inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in metadata.inputs],
                 "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in metadata.outputs],
-                "versions": list(metadata.versions)}
+                "versions": list(metadata.versions), "platform": metadata.platform}
+            assert metadata["platform"] == "ensemble", "as Triton names what chains models"
             assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, SCALE_FEATURES]}]
             assert metadata["outputs"] == [{"name": "sum", "datatype": "FP32", "shape": [-1, 1]},
                                            {"name": "total", "datatype": "FP64", "shape": [-1, 1]}]

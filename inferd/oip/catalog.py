@@ -104,6 +104,10 @@ def priority_level(priority: Any, levels: int) -> int | None:
     return None if priority == 0 else priority - 1
 
 
+# By what the supervisor says a model is ("kind"): Triton's platform and backend for it.
+PLATFORMS = {"tensor": ("pytorch_libtorch", "pytorch"), "python": ("python", "python"), "pipeline": ("ensemble", "")}
+
+
 class ModelView:
     """One model as the protocol sees it."""
 
@@ -115,12 +119,10 @@ class ModelView:
         self.default_level: int = state["default_level"]
         self.version: str = state["live_version"]
         self.canary: str | None = state.get("canary_version")  # may be named too while it runs
-        self.pipeline: bool = state.get("pipeline", False)  # a pipeline: its version is its steps' versions
+        self.pipeline = state["kind"] == "pipeline"  # a pipeline: its version is its steps' versions
         self.ready: bool = state["ready"]
-        python = state["kind"] == "python"
-        # Triton's names for what runs a model: its Python backend, or its PyTorch one.
-        self.platform = "python" if python else "pytorch_libtorch"
-        self.backend = "python" if python else "pytorch"
+        # Triton's names for what runs a model: its ensembles, its Python backend, or its PyTorch one.
+        self.platform, self.backend = PLATFORMS[state["kind"]]
         self.numbers: dict[str, int] = state["version_numbers"]
         self.outputs: list[tuple[str, list[int]]] = [(dtype, list(shape)) for dtype, shape in state["outputs"]]
         self.inputs = self.config.input_names()

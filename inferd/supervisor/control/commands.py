@@ -161,7 +161,7 @@ class Commands:
         config = msgspec.structs.replace(graph.inputs, outputs=tuple(OutputSpec(name=t) for t in graph.config.outputs))
         queue = self.daemon.config.queue
         return {
-            "config": msgspec.to_builtins(config), "pipeline": True,
+            "config": msgspec.to_builtins(config), "kind": "pipeline",
             "priority_levels": queue.priority_levels, "default_level": queue.default_level,
             "live_version": version, "live_from": "its steps", "canary_version": None, "ready": ready,
             "loading": False, "load_error": None, "ready_versions": [version] if ready else [],
