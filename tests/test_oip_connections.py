@@ -326,3 +326,15 @@ def test_a_body_framed_by_both_content_length_and_chunks_is_read_by_its_chunks_t
                            b"Transfer-Encoding: gzip\r\n\r\n%s" % (len(framed), framed))
         [(status, _, body)] = read_responses(connection)
     assert status == 400 and b"Content-Length with a Transfer-Encoding that does not end in chunked" in body
+
+
+def test_zeromq_io_threads_of_each_gateway_do_not_preempt_its_loop(oip_daemon):
+    # SCHED_BATCH, as the supervisor's: a request sent upstream wakes the I/O thread, which then waits for the
+    # gateway's loop to block instead of taking its core.
+    gateways = oip_daemon.status()["gateways"]
+    assert sorted(g["name"] for g in gateways) == ["grpc", "http"]
+    for gateway in gateways:
+        io_threads = [int(task.name) for task in Path(f"/proc/{gateway['pid']}/task").iterdir()
+                      if (task / "comm").read_text().startswith("ZMQbg/IO")]
+        assert io_threads
+        assert all(os.sched_getscheduler(tid) == os.SCHED_BATCH for tid in io_threads), gateway["name"]

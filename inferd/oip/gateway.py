@@ -51,6 +51,12 @@ class FrontEnd(Protocol):
 async def _serve(spec: GatewaySpec, config: Config) -> None:
     context = zmq.asyncio.Context()
     data_context = zmq.Context()
+    if hasattr(os, "SCHED_BATCH"):
+        # As the supervisor's (supervisor/parts.py): ZeroMQ's I/O threads, woken by a request sent upstream,
+        # wait for the loop to block instead of preempting it (at 64 requests in flight, the send held 20 % of
+        # the HTTP gateway's profile before, 8 % after).
+        for each in (context, data_context):
+            each.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
     control = Control(context, spec.control)
     upstream = Upstream(data_context, spec.upstream, config.queue.default_timeout_ms,
                         config.workers.batch_timeout_s + ANSWER_SLACK_S)
