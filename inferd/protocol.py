@@ -123,6 +123,7 @@ def bytes_array(buffer: Buffer, shape: Sequence[int]) -> np.ndarray:
 
 MAX_DIMS = 8
 MAX_TENSORS = 64
+MAX_GROUP = 256  # the most requests (or replies) one message carries as a group
 DEFAULT_MAX_MESSAGE_MB = 64  # server.max_message_mb's default, which the Python client assumes unless told
 
 RequestId = int | str
@@ -248,6 +249,18 @@ class Request(NamedTuple):
     nbytes: int
 
 
+class Group(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The first frame of a message that carries several requests, or several replies: how many frames each
+    member takes, its header's included, in the order they follow."""
+
+    group: Annotated[tuple[Annotated[int, msgspec.Meta(ge=1)], ...], msgspec.Meta(min_length=1,
+                                                                                   max_length=MAX_GROUP)]
+
+
+class _GroupOnly(msgspec.Struct, forbid_unknown_fields=True):
+    group: object = None
+
+
 class _IdOnly(msgspec.Struct):
     id: RequestId | None = None
 
@@ -260,6 +273,8 @@ _request_decoder = msgspec.json.Decoder(RequestHeader)
 _op_field_decoder = msgspec.json.Decoder(_OpOnly)
 _op_decoder = msgspec.json.Decoder(Op)
 _id_decoder = msgspec.json.Decoder(_IdOnly)
+_group_decoder = msgspec.json.Decoder(Group)
+_group_probe = msgspec.json.Decoder(_GroupOnly)
 _reply_decoder = msgspec.json.Decoder(ReplyHeader)
 _encoder = msgspec.json.Encoder()
 
@@ -376,6 +391,43 @@ def decode_message(body: Sequence[Buffer], max_message_bytes: int) -> Request | 
             )
         buffers[index] = buffer
     return Request(header, buffers, size)
+
+
+def group_of(body: Sequence[Buffer], max_message_bytes: int) -> list[Sequence[Buffer]] | None:
+    """The members of a message that carries a group (each member's frames, its header first), or None for a
+    message of one request or reply. InvalidRequest, for the whole message, where its first frame is a group's
+    but the frames do not follow as it says, or the message is over `max_message_bytes`."""
+    first = body[0] if body else b""
+    if len(first) > 16 * MAX_GROUP or b'"group"' not in bytes(first[:16]):  # a request's header starts otherwise
+        return None
+    try:
+        _group_probe.decode(first)  # its one key is "group": a group, whose mistakes are said as a group's
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    try:
+        sizes = _group_decoder.decode(first).group
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"the group's first frame is not a list of 1 to {MAX_GROUP} frame counts, each at "
+                             f"least 1: {exc}") from None
+    if sum(sizes) != len(body) - 1:
+        raise InvalidRequest(f"the group's first frame counts {sum(sizes)} frames, but {len(body) - 1} follow it")
+    size = sum(len(frame) for frame in body)
+    if size > max_message_bytes:
+        raise InvalidRequest(f"the message is {size} bytes, over the limit of {max_message_bytes} bytes "
+                             "(server.max_message_mb), its group's members together")
+    members, at = [], 1
+    for count in sizes:
+        members.append(body[at:at + count])
+        at += count
+    return members
+
+
+def encode_group(members: Sequence[Sequence[Buffer]]) -> list[Buffer]:
+    """Several requests (or replies), each its frames, as the frames of one message."""
+    frames: list[Buffer] = [_encoder.encode(Group(tuple(len(member) for member in members)))]
+    for member in members:
+        frames += member
+    return frames
 
 
 def encode_header(header: RequestHeader) -> bytes:

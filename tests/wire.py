@@ -82,7 +82,8 @@ class RawPeer:
 
 
 class ScriptedServer:
-    """A ROUTER that answers each request with what `answer(attempt, header, buffers)` returns."""
+    """A ROUTER that answers each request (of a group too: each alone) with what `answer(attempt, header,
+    buffers)` returns."""
 
     def __init__(self, answer: Callable[[int, dict, list[bytes]], list[bytes] | None]) -> None:
         self.context = zmq.Context()
@@ -92,6 +93,7 @@ class ScriptedServer:
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.answer = answer
         self.headers: list[dict] = []
+        self.group_sizes: list[int] = []  # how many requests each message carried
         self.reading = threading.Event()  # clear it to stop reading requests for a while
         self.reading.set()
         self._stop = threading.Event()
@@ -102,12 +104,15 @@ class ScriptedServer:
         while not self._stop.is_set():
             if not self.reading.wait(0.02) or not self.socket.poll(20):
                 continue
-            identity, header, *buffers = self.socket.recv_multipart()
-            decoded = msgspec.json.decode(header)
-            self.headers.append(decoded)
-            reply = self.answer(len(self.headers), decoded, buffers)
-            if reply is not None:
-                self.socket.send_multipart([identity, *reply])
+            identity, *body = self.socket.recv_multipart()
+            members = protocol.group_of(body, 1 << 40) or [body]
+            self.group_sizes.append(len(members))
+            for header, *buffers in members:
+                decoded = msgspec.json.decode(header)
+                self.headers.append(decoded)
+                reply = self.answer(len(self.headers), decoded, buffers)
+                if reply is not None:
+                    self.socket.send_multipart([identity, *reply])
 
     def close(self) -> None:
         self._stop.set()

@@ -22,9 +22,10 @@ class AsyncClient:
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
                  client_key: KeyFile | None = None, resolve_interval: float = 30.0,
-                 priority: int | None = None, max_message_mb: float = protocol.DEFAULT_MAX_MESSAGE_MB) -> None:
+                 priority: int | None = None, max_message_mb: float = protocol.DEFAULT_MAX_MESSAGE_MB,
+                 group: bool = True) -> None:
         self._client = Client(endpoints, timeout, retry, server_key, client_key, resolve_interval, priority,
-                              max_message_mb)
+                              max_message_mb, group)
 
     async def __aenter__(self) -> AsyncClient:
         return self

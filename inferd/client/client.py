@@ -51,13 +51,17 @@ class Client:
     level of every call that names none (None: the daemon's queue.default_priority).
     `max_message_mb` is the daemon's server.max_message_mb: a request with more bytes
     to send is refused here, before it is sent (a message far over the daemon's limit
-    would make ZeroMQ drop the connection rather than carry an answer).
+    would make ZeroMQ drop the connection rather than carry an answer). With `group`, the
+    calls submitted while the I/O thread was busy go to a daemon together, as one message
+    (a group, within max_message_mb), and their replies come back the same way where they
+    finish in one batch: fewer messages for both sides to handle under load.
     """
 
     def __init__(self, endpoints: str | Sequence[str], timeout: float = 10.0,
                  retry: RetryPolicy | None = None, server_key: KeyFile | None = None,
                  client_key: KeyFile | None = None, resolve_interval: float = 30.0,
-                 priority: int | None = None, max_message_mb: float = protocol.DEFAULT_MAX_MESSAGE_MB) -> None:
+                 priority: int | None = None, max_message_mb: float = protocol.DEFAULT_MAX_MESSAGE_MB,
+                 group: bool = True) -> None:
         self.timeout = timeout
         self.priority = priority
         self.max_message_mb = max_message_mb
@@ -73,8 +77,9 @@ class Client:
             self._resolver.start()
         self._closed = False
         self._regions: dict[str, SharedMemoryRegion] = {}  # registered, by name; re-registered on reconnect
+        group_bytes = int(max_message_mb * (1 << 20)) if group else 0
         self._thread = threading.Thread(target=IOLoop(self._pool, self._mailbox, self._regions,
-                                                      self._from_region, self._ids).run,
+                                                      self._from_region, self._ids, group_bytes).run,
                                         name="inferd-client", daemon=True)
         self._thread.start()
 

@@ -7,8 +7,9 @@ import concurrent.futures
 import heapq
 import logging
 import os
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from inferd.client.endpoints import Endpoint, EndpointPool
 from inferd.client.mailbox import Cancel, Mailbox
 from inferd.client.retry import Retry
 from inferd.client.shared_memory import SharedMemoryRegion
-from inferd.errors import InferdError, Unavailable
+from inferd.errors import InferdError, InvalidRequest, Unavailable
 
 RESEND_S = 0.005  # how soon a send that found every connected endpoint's queue full is tried again
 FromRegion = Callable[[protocol.TensorMeta], np.ndarray]  # an output written to a region -> a view of it
@@ -45,8 +46,11 @@ class IOLoop:
     """The client's I/O thread: sends calls, reads replies and connection events, keeps deadlines."""
 
     def __init__(self, pool: EndpointPool, mailbox: Mailbox, regions: dict[str, SharedMemoryRegion],
-                 from_region: FromRegion, ids: Iterator[int]) -> None:
+                 from_region: FromRegion, ids: Iterator[int], group_bytes: int = 0) -> None:
+        """`group_bytes`: the most a message of calls posted in one turn, sent as a group, may hold (0: each
+        call its own message)."""
         self.pool = pool
+        self.group_bytes = group_bytes
         self.mailbox = mailbox
         self.regions = regions
         self.from_region = from_region
@@ -115,9 +119,11 @@ class IOLoop:
                 pass
         except BlockingIOError:
             pass
+        posted: list[Call] = []
         while not self.mailbox.items.empty():
             item = self.mailbox.items.get()
             if item is None:
+                self._send_posted(posted)
                 return False
             if isinstance(item, tuple):
                 added, retired = self.pool.update(*item)
@@ -130,8 +136,52 @@ class IOLoop:
             elif not item.future.cancelled():  # left pending, not running: a caller may still cancel it
                 self.pending[item.id] = item
                 heapq.heappush(self.timers, (item.deadline, item.id, "deadline"))
-                self._send(item)
+                posted.append(item)
+        self._send_posted(posted)
         return True
+
+    def _send_posted(self, calls: list[Call]) -> None:
+        """Send the calls posted in one turn: those bound for one daemon together as groups (each within
+        MAX_GROUP calls and group_bytes), a call alone as a message of its own."""
+        if not self.group_bytes or len(calls) < 2:
+            for call in calls:
+                self._send(call)
+            return
+        now = time.monotonic()
+        bound: dict[Endpoint, list[tuple[Call, list[Any]]]] = {}
+        for call in calls:
+            connected = self.pool.ranked(call.avoid, now)
+            if not connected:
+                self._send(call)  # it waits for a connection, or fails, as a call alone does
+                continue
+            # Counted in flight at once, so that the next call ranks the daemons with this one sent.
+            connected[0].in_flight.add(call.id)
+            call.endpoint = connected[0]
+            bound.setdefault(connected[0], []).append((call, call.frames()))
+        for endpoint, members in bound.items():
+            group: list[tuple[Call, list[Any]]] = []
+            size = 0
+            for call, frames in members:
+                nbytes = sum(len(frame) for frame in frames)
+                if group and (len(group) == protocol.MAX_GROUP or size + nbytes > self.group_bytes):
+                    self._send_group(endpoint, group)
+                    group, size = [], 0
+                group.append((call, frames))
+                size += nbytes
+            self._send_group(endpoint, group)
+
+    def _send_group(self, endpoint: Endpoint, group: list[tuple[Call, list[Any]]]) -> None:
+        """Send calls counted in flight at `endpoint` as one message (a group where there are several); where its
+        queue is full, each goes the way of a call alone."""
+        frames = group[0][1] if len(group) == 1 else protocol.encode_group([frames for _, frames in group])
+        try:
+            endpoint.socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            for call, _ in group:
+                endpoint.in_flight.discard(call.id)
+                call.endpoint = None
+                call.attempts -= 1  # its frames were made for an attempt that was not sent
+                self._send(call)
 
     def _send(self, call: Call) -> None:
         frames = call.frames()
@@ -182,17 +232,26 @@ class IOLoop:
 
     def _read_replies(self, endpoint: Endpoint) -> None:
         while endpoint.socket.poll(0):
+            body = [frame.buffer for frame in endpoint.socket.recv_multipart(copy=False)]
             try:
-                frames = endpoint.socket.recv_multipart(copy=False)
-                header, outputs = protocol.decode_reply([frame.buffer for frame in frames], self.from_region)
-            except Exception as exc:  # noqa: BLE001 - whatever a reply not of the protocol raises; no call to give it to
-                log.warning("dropped a malformed reply from %s: %s", endpoint.address, exc)
+                members = protocol.group_of(body, sys.maxsize)
+            except InvalidRequest as exc:
+                log.warning("dropped a malformed group of replies from %s: %s", endpoint.address, exc)
                 continue
-            endpoint.answered(header.status, time.monotonic())
-            call = self.pending.get(header.id) if isinstance(header.id, int) else None  # None: its deadline passed
-            if call is not None:
-                self._finish(call, call.settle(header, outputs))
+            for reply in members or (body,):
+                self._take_reply(endpoint, reply)
         self._forget_if_done(endpoint)
+
+    def _take_reply(self, endpoint: Endpoint, body: Sequence[Any]) -> None:
+        try:
+            header, outputs = protocol.decode_reply(body, self.from_region)
+        except Exception as exc:  # noqa: BLE001 - whatever a reply not of the protocol raises; no call to give it to
+            log.warning("dropped a malformed reply from %s: %s", endpoint.address, exc)
+            return
+        endpoint.answered(header.status, time.monotonic())
+        call = self.pending.get(header.id) if isinstance(header.id, int) else None  # None: its deadline passed
+        if call is not None:
+            self._finish(call, call.settle(header, outputs))
 
     def _read_events(self, endpoint: Endpoint) -> None:
         while endpoint.monitor.poll(0):

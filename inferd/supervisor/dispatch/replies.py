@@ -150,7 +150,7 @@ class Replies:
         failed = {each.index: each for each in done.failed}
         # Requests of a batch mostly carry the same sample count: their output metadata is shared.
         metas: dict[int, tuple[TensorMeta, ...]] = {}
-        replies: list[tuple[ReplyTo, list[Buffer]]] = []
+        replies: list[tuple[QueuedRequest, list[Buffer]]] = []
         computed = []
         row = late = 0
         for index, request in enumerate(batch.requests):
@@ -209,7 +209,7 @@ class Replies:
                             total=int((now - request.received) * 1e6))
             header = ReplyHeader(id=request.header.id, status=protocol.OK, model=batch.model,
                                  version=batch.version, outputs=outputs, timing_us=timing)
-            replies.append((request.reply_to, [*request.reply_to.envelope, protocol.encode_reply(header), *frames]))
+            replies.append((request, [protocol.encode_reply(header), *frames]))
             computed.append(request)
         if expired:
             log.info("%s: %d request(s) not computed, their deadline passed while the batch waited for "
@@ -244,19 +244,27 @@ class Replies:
             series.total.add(total_s)
         self.send(reply_to, [protocol.encode_reply(header), *frames])
 
-    def _send_all(self, replies: list[tuple[ReplyTo, list[Buffer]]], by_reference: bool) -> list[zmq.MessageTracker]:
+    def _send_all(self, replies: list[tuple[QueuedRequest, list[Buffer]]],
+                  by_reference: bool) -> list[zmq.MessageTracker]:
         """Send a batch's `ok` replies back to back, so ZeroMQ's I/O thread, woken by the first, finds the
-        rest waiting and writes them together; `by_reference`: large outputs without a copy (see
-        send_parts_tracked)."""
+        rest waiting and writes them together; those to one connection of requests that came in groups, as
+        one group; `by_reference`: large outputs without a copy (see send_parts_tracked)."""
+        messages: dict[tuple[int, bytes], tuple[ReplyTo, list[list[Buffer]]]] = {}
+        for request, body in replies:
+            key = request.reply_to.connection if request.grouped else (id(request), b"")
+            messages.setdefault(key, (request.reply_to, []))[1].append(body)
         trackers: list[zmq.MessageTracker] = []
-        for reply_to, parts in replies:
-            try:
-                if by_reference:
-                    trackers += send_parts_tracked(reply_to.socket, parts)
-                else:
-                    send_parts(reply_to.socket, parts)
-            except zmq.ZMQError as exc:
-                self._undeliverable(exc)
+        for reply_to, bodies in messages.values():
+            for at in range(0, len(bodies), protocol.MAX_GROUP):
+                some = bodies[at:at + protocol.MAX_GROUP]
+                parts = [*reply_to.envelope, *(some[0] if len(some) == 1 else protocol.encode_group(some))]
+                try:
+                    if by_reference:
+                        trackers += send_parts_tracked(reply_to.socket, parts)
+                    else:
+                        send_parts(reply_to.socket, parts)
+                except zmq.ZMQError as exc:
+                    self._undeliverable(exc)
         return trackers
 
     def _undeliverable(self, exc: zmq.ZMQError) -> None:

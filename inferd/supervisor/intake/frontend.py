@@ -200,15 +200,23 @@ class Frontend:
                 return
             reply_to = ReplyTo(socket, message.envelope)
             try:
-                self.submit(reply_to, message.body, message.first)
-            except Exception:  # noqa: BLE001 - the last guard: one message never takes the daemon down
-                self.replies.refuse(reply_to, None, protocol.INTERNAL, failure("a request"))
+                members = protocol.group_of(message.body, self.max_message_bytes)
+            except InvalidRequest as exc:
+                self.replies.refuse(reply_to, None, protocol.INVALID, exc.message)
+                continue
+            for body in members or (message.body,):
+                try:
+                    self.submit(reply_to, body, message.first, grouped=members is not None)
+                except Exception:  # noqa: BLE001 - the last guard: one message never takes the daemon down
+                    self.replies.refuse(reply_to, None, protocol.INTERNAL, failure("a request"))
 
-    def submit(self, reply_to: ReplyTo, body: Sequence[Buffer], first: zmq.Frame | None = None) -> None:
+    def submit(self, reply_to: ReplyTo, body: Sequence[Buffer], first: zmq.Frame | None = None,
+               grouped: bool = False) -> None:
         """Admit one request body, or answer it at once; every request and region message gets exactly
         one reply (a cancel has none: the request it names is answered).
 
-        `first`: the body's first frame as received, which names its connection (for a region message).
+        `first`: the body's first frame as received, which names its connection (for a region message);
+        `grouped`: the request came in a group, and its client takes replies in groups too.
         """
         now = time.monotonic()
         name = named = None  # the model and version it asks for, once read
@@ -264,7 +272,7 @@ class Frontend:
             return
         client = reply_to.connection
         queued = QueuedRequest(header, buffers, reply_to, client, samples, request.nbytes, now, now + timeout,
-                               priority, places=places, shapes=shapes)
+                               priority, places=places, shapes=shapes, grouped=grouped)
         finish = self.forecast.too_late(name, model.max_batch_size, priority, samples, timeout, now, elements)
         if finish is not None:
             self.stats.deadline_refusals[name] += 1

@@ -61,6 +61,7 @@ class QueuedRequest:
     answered: bool = False  # answered `timeout` at its deadline while its batch ran: the result is dropped
     lost_with: tuple[str, ...] = ()  # the workers that died while its batch ran (it is tried again once)
     shapes: Shapes = ()  # its samples' shape per input, where the model takes any: it batches only with its like
+    grouped: bool = False  # it came in a group: its reply may leave in one with others of its batch
 
 
 @dataclass(frozen=True)
