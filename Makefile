@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-many bench-perf-analyzer bench-canary bench-curve bench-compare bench-priority bench-reload bench-restart bench-soak bench-steps sim clean
+.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-many bench-perf-analyzer bench-canary bench-curve bench-compare bench-priority bench-reload bench-restart bench-soak bench-steps bench-groups sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -109,6 +109,10 @@ bench-soak: $(STAMP)
 # A Python model's cost beside a tensor model's, and a CPU-bound one's throughput with one process and two.
 bench-steps: $(STAMP)
 	$(PY) -m bench.steps
+
+# The mlp at C=64 over ZeroMQ, a request per message against groups, beside the model in-process (issue 53).
+bench-groups: $(STAMP)
+	$(PY) -m bench.wire_groups
 
 # The fleet simulation (deploy/sim/README.md): 16, 64 and 256 nodes, both GPU-sharing modes, the default
 # scheduler and inferd-fleet, a simulated day each (under a minute in all).

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from inferd.harness import DaemonProcess, local_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,12 +28,13 @@ def start_daemon(workdir: Path, models: dict[str, dict[str, Any]], timeout: floa
 
 
 def loadgen_command(endpoint: str, model: str, shape: tuple[int, ...], concurrency: int, seconds: float,
-                    warmup: float = 2.0, trace: Path | None = None, dtype: str = "float32") -> list[str]:
+                    warmup: float = 2.0, trace: Path | None = None, dtype: str = "float32",
+                    group: bool = False) -> list[str]:
     """The command line of one load generator run."""
     command = [sys.executable, "-m", "bench.loadgen", "--endpoint", endpoint, "--model", model,
                "--shape", ",".join(map(str, shape)), "--concurrency", str(concurrency),
                "--seconds", str(seconds), "--warmup", str(warmup), "--dtype", dtype]
-    return command + (["--trace", str(trace)] if trace else [])
+    return command + (["--trace", str(trace)] if trace else []) + (["--group"] if group else [])
 
 
 def run_loadgen(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -90,6 +93,11 @@ def record(name: str, rows: list[dict[str, Any]]) -> Path:
             print(line)
             out.write(line + "\n")
     return path
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> list[float]:
+    """Each process's CPU time so far (user and system), in seconds."""
+    return [sum(p.cpu_times()[:2]) for p in processes]
 
 
 def table(headers: list[str], rows: list[list[Any]]) -> str:

@@ -44,13 +44,15 @@ def percentiles(latencies_s: list[float]) -> dict[str, float]:
 
 def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurrency: int, seconds: float,
         warmup: float, samples: int = 1, timeout_ms: int = 10_000, trace: str | None = None,
-        given: list[list[np.ndarray]] | None = None) -> dict:
+        given: list[list[np.ndarray]] | None = None, group: bool = False) -> dict:
     """Drive the endpoint and return the measurements of the timed part.
 
     With `trace`, also save every timed request (time.monotonic() at send,
     latency in seconds, ok or not) to that .npz file, for benchmarks that split
     one run into phases. With `given` (each request's inputs), the requests
-    cycle through those instead of random ones of `shape`.
+    cycle through those instead of random ones of `shape`. With `group`, the
+    requests sent at one moment (those whose replies came together) go as one
+    message, a group, as the Python client sends what its callers submit at once.
     """
     rng = np.random.default_rng(0)
     payload = samples * int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -80,12 +82,15 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
     stop_at = measure_from + seconds
     while True:
         now = time.monotonic()
-        if now < stop_at:
-            while len(sent_at) < concurrency:
-                request_id = free.popleft()
-                # The encoded frames never change, so large ones may go by reference.
-                send_parts_tracked(socket, encoded[request_id])
-                sent_at[request_id] = time.monotonic()
+        if now < stop_at and len(sent_at) < concurrency:
+            ids = [free.popleft() for _ in range(concurrency - len(sent_at))]
+            # The encoded frames never change, so large ones may go by reference.
+            for frames in ([protocol.encode_group([encoded[i] for i in ids])] if group and len(ids) > 1
+                           else [encoded[i] for i in ids]):
+                send_parts_tracked(socket, frames)
+            at = time.monotonic()
+            for request_id in ids:
+                sent_at[request_id] = at
         elif not sent_at:
             break
         if not socket.poll(1000):
@@ -95,16 +100,18 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
             continue
         while (frames := recv_parts(socket)) is not None:
             done = time.monotonic()
-            header = protocol.decode_reply_header(frames[0].buffer)
-            sent = sent_at.pop(header.id)
-            free.append(header.id)
-            answered += 1
-            if measure_from <= sent < stop_at:
-                statuses[header.status] += 1
-                if header.status == protocol.OK:
-                    latencies.append(done - sent)
-                if trace:
-                    traced.append((sent, done - sent, header.status == protocol.OK))
+            body = [frame.buffer for frame in frames]
+            for reply in (protocol.group_of(body, sys.maxsize) if group else None) or [body]:
+                header = protocol.decode_reply_header(reply[0])
+                sent = sent_at.pop(header.id)
+                free.append(header.id)
+                answered += 1
+                if measure_from <= sent < stop_at:
+                    statuses[header.status] += 1
+                    if header.status == protocol.OK:
+                        latencies.append(done - sent)
+                    if trace:
+                        traced.append((sent, done - sent, header.status == protocol.OK))
     cpu_us_per_request = (time.process_time() - cpu_started) / max(1, answered) * 1e6
     socket.close()
     context.term()
@@ -116,6 +123,7 @@ def run(endpoint: str, model: str, shape: tuple[int, ...], dtype: str, concurren
         "endpoint": endpoint,
         "model": model,
         "concurrency": concurrency,
+        "group": group,
         "samples_per_request": samples,
         "seconds": seconds,
         "requests": sum(statuses.values()),
@@ -276,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-ms", type=int, default=1000, help="open loop: each request's deadline")
     parser.add_argument("--at", type=float, help="open loop: time.monotonic() the timed part begins")
     parser.add_argument("--seed", type=int, default=0, help="open loop: of the schedule")
+    parser.add_argument("--group", action="store_true", help="closed loop: what is sent at once, as one group")
     args = parser.parse_args(argv)
     shape = tuple(int(d) for d in args.shape.split(","))
     if args.rate is not None:
@@ -284,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                                    args.seed)), flush=True)
         return 0
     result = run(args.endpoint, args.model, shape, args.dtype, args.concurrency, args.seconds, args.warmup,
-                 args.samples, trace=args.trace)
+                 args.samples, trace=args.trace, group=args.group)
     print(json.dumps(result), flush=True)
     return 0
 

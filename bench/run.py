@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from bench import models
-from bench.common import ROOT, record, run_loadgen, run_oip_loadgen, start_daemon, table
+from bench.common import ROOT, cpu_seconds, record, run_loadgen, run_oip_loadgen, start_daemon, table
 from inferd.harness import free_port
 
 CONFIGS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (streams, CPU workers)
@@ -101,10 +101,6 @@ def _answered_and_batches(daemon, model: str) -> tuple[int, Counter[int]]:
     return sum(stats["requests"].values()), Counter({int(size): n for size, n in distribution.items()})
 
 
-def _cpu_seconds(processes: list[psutil.Process]) -> list[float]:
-    return [sum(p.cpu_times()[:2]) for p in processes]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="of each load generator run")
@@ -132,21 +128,21 @@ def main() -> int:
             supervisor = psutil.Process(daemon.process.pid)
             gateways = [p for p in supervisor.children() if p.cmdline()[0].startswith("inferd: gateway")]
             processes = [supervisor, *gateways, *(psutil.Process(w["pid"]) for w in daemon.status()["workers"])]
-            before = sum(_cpu_seconds(processes))
+            before = sum(cpu_seconds(processes))
             time.sleep(IDLE_S)
-            idle_percent = (sum(_cpu_seconds(processes)) - before) / IDLE_S * 100
+            idle_percent = (sum(cpu_seconds(processes)) - before) / IDLE_S * 100
             rows.append({"kind": "idle", "streams": streams, "workers": workers,
                          "cpu_percent_of_one_core": round(idle_percent, 2)})
             runs = [("zeromq", case) for case in CASES] + [(name, case) for name in PROTOCOLS for case in OIP_CASES]
             for protocol_name, (name, model, shape, concurrency) in runs:
-                before = _cpu_seconds(processes)
+                before = cpu_seconds(processes)
                 answered_before, batches_before = _answered_and_batches(daemon, model)
                 if protocol_name == "zeromq":
                     result = run_loadgen(daemon.endpoint, model, shape, concurrency, args.seconds)
                 else:
                     result = run_oip_loadgen(protocol_name, front_ends[protocol_name], model, shape, concurrency,
                                              args.seconds)
-                supervisor_s, *rest = (a - b for a, b in zip(_cpu_seconds(processes), before))
+                supervisor_s, *rest = (a - b for a, b in zip(cpu_seconds(processes), before))
                 gateways_s, workers_s = rest[:len(gateways)], rest[len(gateways):]
                 answered, batches = _answered_and_batches(daemon, model)
                 batches -= batches_before
