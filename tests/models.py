@@ -413,3 +413,46 @@ class BigTemporary(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scratch = torch.ones(134_217_728, device=x.device)  # 512 MiB of float32
         return x + scratch[:2].sum() * 0.0
+
+
+# ResNet-18 as He et al. define it ("Deep Residual Learning for Image Recognition", 2015: basic blocks of two 3x3
+# convolutions, stages of [2, 2, 2, 2] blocks at 64, 128, 256 and 512 channels), written here, not copied:
+# torchvision's own cannot be imported beside this machine's CPU torch (its wheels here are CUDA builds).
+class BasicBlock(torch.nn.Module):
+    """Two 3x3 convolutions with batch norm, added to the input (projected by a 1x1 convolution where the
+    stride or the channels change)."""
+
+    def __init__(self, given: int, channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(given, channels, 3, stride, 1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(channels)
+        self.conv2 = torch.nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(channels)
+        self.shortcut = torch.nn.Sequential()
+        if stride != 1 or given != channels:
+            self.shortcut = torch.nn.Sequential(torch.nn.Conv2d(given, channels, 1, stride, bias=False),
+                                                torch.nn.BatchNorm2d(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class ResNet18(torch.nn.Module):
+    """float32 [3, H, W] images -> [1000] logits (H, W at least 32)."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 64, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(64),
+                                        torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+        stages: list[torch.nn.Module] = []
+        given = 64
+        for channels, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            stages += [BasicBlock(given, channels, stride), BasicBlock(channels, channels, 1)]
+            given = channels
+        self.stages = torch.nn.Sequential(*stages)
+        self.fc = torch.nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = torch.nn.functional.adaptive_avg_pool2d(self.stages(self.stem(x)), 1)
+        return self.fc(pooled.flatten(1))
