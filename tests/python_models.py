@@ -75,6 +75,30 @@ class Model:
         return {"y": x + total * 0.0}
 '''
 
+# float32 [2] -> "y" float32 [2], as it came; a batch whose first value is GATE waits at the gate its second value
+# numbers, of the folder parameters.gates (tests/gates.py), first. A CPU step that a test can hold.
+RELAY = f'''
+from pathlib import Path
+
+
+class Model:
+    def __init__(self, context):
+        self.gates = Path(context.parameters.get("gates", "/nonexistent"))
+
+    def __call__(self, inputs):
+        x = inputs["x"]
+        if x[0, 0] == {GATE}:
+            (self.gates / str(int(x[0, 1]))).write_bytes(x.tobytes())
+        return {{"y": x.copy()}}
+'''
+
+# "a" float32 [4] and "b" float64 [1] -> "y" float64 [4], a + b: a step that joins two branches of a pipeline.
+JOIN = '''
+class Model:
+    def __call__(self, inputs):
+        return {"y": inputs["a"] + inputs["b"]}
+'''
+
 # Triton's simple_string, as Triton's examples call it: INPUT0 and INPUT1, BYTES [16], each element an integer
 # in decimal; OUTPUT0 their sums and OUTPUT1 their differences, written the same way. An element that is no
 # integer is refused with inferd.InvalidInput.
@@ -136,6 +160,15 @@ SIMPLE_IDENTITY_CONFIG: dict[str, Any] = {
     "max_batch_size": 8,
 }
 
+RELAY_CONFIG: dict[str, Any] = {
+    "inputs": [{"dtype": "float32", "shape": [2], "name": "x"}],
+    "outputs": [{"name": "y", "dtype": "float32", "shape": [2]}], "max_batch_size": 1,
+}
+JOIN_CONFIG: dict[str, Any] = {
+    "inputs": [{"dtype": "float32", "shape": [SCALE_FEATURES], "name": "a"},
+               {"dtype": "float64", "shape": [1], "name": "b"}],
+    "outputs": [{"name": "y", "dtype": "float64", "shape": [SCALE_FEATURES]}], "max_batch_size": 8,
+}
 SCALE_CONFIG: dict[str, Any] = {
     "inputs": [{"dtype": "float32", "shape": [SCALE_FEATURES], "name": "x"}],
     "outputs": [{"name": "scaled", "dtype": "float32", "shape": [SCALE_FEATURES]},
@@ -164,7 +197,7 @@ def write(root: Path, name: str, version: str, source: str) -> Path:
 def build_python_repository(root: Path) -> None:
     """Every Python model of the tests: scale v1, v2 (five times its factor), bad_canary (v1, whose folder's
     expected output for its example input is wrong) and tensor (a TorchScript module), identity, busy,
-    simple_string and simple_identity."""
+    simple_string, simple_identity, relay and join."""
     import numpy as np
 
     write(root, "scale", "v1", SCALE)
@@ -178,6 +211,8 @@ def build_python_repository(root: Path) -> None:
     write(root, "busy", "v1", BUSY)
     write(root, "simple_string", "v1", SIMPLE_STRING)
     write(root, "simple_identity", "v1", SIMPLE_IDENTITY)
+    write(root, "relay", "v1", RELAY)
+    write(root, "join", "v1", JOIN)
 
 
 def in_process(folder: Path, parameters: dict[str, Any] | None = None) -> Any:

@@ -3,6 +3,7 @@ requests; checked before serving, with per-step errors, deadlines, backpressure,
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
 import subprocess
@@ -15,10 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import python_models
-from conftest import Daemon, base_config, built_once, reference
-from python_models import SCALE_CONFIG, SCALE_FEATURES, in_process
+from conftest import ONE_AT_A_TIME, Daemon, base_config, built_once, reference, wait_for
+from gates import Gate
+from python_models import GATE, JOIN_CONFIG, RELAY_CONFIG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
 
+from inferd import protocol
 from inferd.harness import free_port, to_toml
 
 BIN = Path(sys.executable).parent
@@ -48,17 +51,42 @@ def python_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.C
 GAPPED = {**CHAIN, "steps": [CHAIN["steps"][0], {**CHAIN["steps"][1], "model": "scale2"}, CHAIN["steps"][2]]}
 
 
+# `gapped` again, with one request of it under way at a time.
+NARROW = {**GAPPED, "max_in_flight": 1}
+# A graph: two steps take x side by side (scale's scaled and scale2's total), and join adds what they made.
+FORK = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": [SCALE_FEATURES]}],
+    "outputs": ["y"],
+    "steps": [
+        {"model": "scale", "name": "left", "inputs": {"x": "x"}, "outputs": {"scaled": "a"}},
+        {"model": "scale2", "name": "right", "inputs": {"x": "x"}, "outputs": {"total": "b"}},
+        {"model": "join", "inputs": {"a": "a", "b": "b"}, "outputs": {"y": "y"}},
+    ],
+}
+# A CPU step (relay, a Python model) then a tensor step (variable, TorchScript), each of which a test can hold.
+RELAYED = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
+    "outputs": ["out"],
+    "steps": [{"model": "relay", "inputs": {"x": "x"}, "outputs": {"y": "y"}},
+              {"model": "variable", "inputs": {"INPUT__0": "y"}, "outputs": {"OUTPUT__0": "out"}}],
+}
+
+
 def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]:
-    """scale (Python, factor 2), scale2 (the same, its gates in folder/gates) and sum (TorchScript), with the
-    pipelines `chain` and `gapped` over them."""
+    """scale (Python, factor 2), scale2 (the same), relay, join (Python), sum and variable (TorchScript), the
+    gates of the Python ones in folder/gates; with the pipelines `chain`, `gapped`, `narrow`, `fork` and
+    `relayed` over them."""
     gates = folder / "gates"
     gates.mkdir(exist_ok=True)
     config = base_config(folder, python_repo, {
-        "scale": {**SCALE_CONFIG, "version": "v1", "parameters": {"factor": 2.0}},
-        "scale2": {**SCALE_CONFIG, "version": "v1", "parameters": {"factor": 2.0, "gates": str(gates)}}})
+        "scale": {**SCALE_CONFIG, "version": "v1", "parameters": {"factor": 2.0, "gates": str(gates)}},
+        "scale2": {**SCALE_CONFIG, "version": "v1", "parameters": {"factor": 2.0, "gates": str(gates)}},
+        "relay": {**RELAY_CONFIG, "parameters": {"gates": str(gates)}},
+        "join": JOIN_CONFIG})
     config["models"]["scale2"]["repository"] = str(python_repo / "scale")
     config["models"]["sum"] = {**SUM, "repository": str(repo / "sum")}
-    config["pipelines"] = {"chain": CHAIN, "gapped": GAPPED}
+    config["models"]["variable"] = {**ONE_AT_A_TIME, "repository": str(repo / "variable")}
+    config["pipelines"] = {"chain": CHAIN, "gapped": GAPPED, "narrow": NARROW, "fork": FORK, "relayed": RELAYED}
     config["server"].update(metrics=f"127.0.0.1:{free_port()}", http=f"127.0.0.1:{free_port()}",
                             grpc=f"127.0.0.1:{free_port()}")
     return config
@@ -138,8 +166,8 @@ REFUSALS = (
     "shape [4], but the pipeline's input makes them [5]",
     "pipelines.cycle.steps: steps scale, again, sum each wait for another's output (a cycle: step scale takes tensor "
     "'twice' from step again (output 'scaled' of model scale)), so none can run",
-    "pipelines.nomodel.steps[1]: step again names model 'scaler', which this daemon does not serve; it serves scale, "
-    "scale2, sum",
+    "pipelines.nomodel.steps[1]: step again names model 'scaler', which this daemon does not serve; it serves join, "
+    "relay, scale, scale2, sum, variable",
     "pipelines.noinput.steps[1]: step again maps input 'y', which model scale does not have; it takes x",
     "pipelines.samename.steps[1]: step name 'scale' is also step 0's; give each step of the same model a name of "
     'its own (name = "...")',
@@ -153,7 +181,7 @@ def test_check_config_refuses_each_pipeline_that_cannot_be_served_in_one_sentenc
     path.write_text(to_toml(good))
     result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 0 and "ok (3 model(s), 2 pipeline(s))" in result.stdout, result.stderr
+    assert result.returncode == 0 and "ok (6 model(s), 5 pipeline(s))" in result.stdout, result.stderr
     path.write_text(to_toml(broken(good)))
     result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
                             text=True, timeout=60)
@@ -166,8 +194,6 @@ def test_check_config_refuses_each_pipeline_that_cannot_be_served_in_one_sentenc
 def test_the_daemon_refuses_to_start_or_to_take_a_sighup_with_a_pipeline_it_cannot_serve(served, python_repo,
                                                                                          repo, tmp_path):
     import signal
-
-    from conftest import wait_for
 
     bad = served_config(tmp_path, python_repo, repo)
     bad["pipelines"]["chain"]["steps"][2]["inputs"]["INPUT__0"] = "total"
@@ -224,29 +250,184 @@ def test_a_failing_middle_step_fails_its_request_alone_naming_the_step(served, p
     assert steps["sum"]["compute_ms"]["count"] == sums_before + len(replies), "the failed request's last step ran"
 
 
-def test_a_deadline_that_passes_between_steps_answers_timeout_naming_the_step(served):
-    from conftest import wait_for
-    from gates import Gate
-    from python_models import gated
+def worker_of(daemon: Daemon, model: str) -> dict[str, Any]:
+    """The status of the process that runs Python model `model`."""
+    return next(w for w in daemon.status()["workers"] if w.get("model") == model)
 
-    gates = served.workdir / "gates"
-    with RawPeer(served.endpoint) as peer:
-        running, behind = Gate(gates), Gate(gates)  # scale2's process holds two batches: nothing else runs there
+
+@contextlib.contextmanager
+def held(daemon: Daemon, model: str) -> Iterator[None]:
+    """Keep Python model `model`'s one process busy until the block ends: two batches of it wait at gates
+    (tests/gates.py), one running and one behind it, so that its requests sent meanwhile wait in the queue."""
+    gates = daemon.workdir / "gates"
+    with RawPeer(daemon.endpoint) as peer:
+        running, behind = Gate(gates), Gate(gates)
         try:
-            peer.send("running", "scale2", [gated(running.number)], timeout_ms=60_000)
-            peer.send("behind", "scale2", [gated(behind.number, rows=8)], timeout_ms=60_000)
-            wait_for(lambda: next(w for w in served.status()["workers"] if w.get("model") == "scale2")
-                     ["batches_in_flight"] == 2, what="scale2 held")
-            peer.send("late", "gapped", [np.ones((1, SCALE_FEATURES), np.float32)], timeout_ms=300)
-            header, outputs = peer.recv(timeout=30)
+            peer.send("running", model, [gated(running.number)], timeout_ms=60_000)
+            peer.send("behind", model, [gated(behind.number, rows=8)], timeout_ms=60_000)
+            wait_for(lambda: worker_of(daemon, model)["batches_in_flight"] == 2, what=f"{model} held")
+            yield
         finally:
             running.open()
             behind.open()
+        assert {peer.recv(timeout=30)[0]["id"] for _ in range(2)} == {"running", "behind"}
+
+
+def step_counts(daemon: Daemon, pipeline: str) -> dict[str, int]:
+    """How many requests each step of `pipeline` has computed."""
+    return {step: part["compute_ms"]["count"] for step, part in daemon.call("stats")["pipelines"][pipeline]["steps"]
+            .items()}
+
+
+ONES = np.ones((1, SCALE_FEATURES), np.float32)
+
+
+def test_a_deadline_that_passes_between_steps_answers_timeout_naming_the_step(served):
+    with RawPeer(served.endpoint) as peer:
+        with held(served, "scale2"):
+            peer.send("late", "gapped", [ONES], timeout_ms=300)
+            header, outputs = peer.recv(timeout=30)
         assert header["id"] == "late" and header["status"] == "timeout" and not outputs
         assert header["error"] == ("pipeline gapped, step again (model scale2 v1): the deadline passed before the "
                                    "request ran")
         assert header["version"] == "scale:v1"  # its first step ran, its last did not
-        assert {peer.recv(timeout=30)[0]["id"] for _ in range(2)} == {"running", "behind"}
+
+
+def test_a_cancelled_pipeline_request_is_answered_at_once_and_its_later_steps_never_run(served):
+    before = step_counts(served, "gapped")
+    with RawPeer(served.endpoint) as peer:
+        with held(served, "scale2"):
+            peer.send("doomed", "gapped", [ONES], timeout_ms=60_000)
+            wait_for(lambda: step_counts(served, "gapped")["scale"] == before["scale"] + 1, what="its first step")
+            assert served.status()["models"]["scale2"]["queue_depth"] == 1, "its second step waits in the queue"
+            peer.send_frames([protocol.encode_op(protocol.Cancel(id="doomed"))])
+            header, outputs = peer.recv(timeout=30)
+            assert header["id"] == "doomed" and header["status"] == "cancelled" and not outputs
+            assert header["error"] == ("pipeline gapped, step again (model scale2): cancelled by its client; its "
+                                       "later steps do not run")
+            assert header["version"] == "scale:v1"
+            assert served.status()["models"]["scale2"]["queue_depth"] == 0, "its second step left the queue"
+        peer.send("after", "gapped", [ONES])  # behind anything of the cancelled one that could still run
+        header, _ = peer.recv(timeout=30)
+        assert header["id"] == "after" and header["status"] == "ok"
+    after = step_counts(served, "gapped")
+    assert after == {"scale": before["scale"] + 2, "again": before["again"] + 1, "sum": before["sum"] + 1}, \
+        "the cancelled request's second and third steps never ran"
+
+
+def test_a_pipeline_requests_priority_carries_to_each_of_its_steps(served):
+    def urgent_ok(model: str) -> int:
+        levels = served.call("stats")["models"][model]["priorities"]
+        return levels.get("0", {}).get("requests", {}).get("ok", 0)
+
+    before = {model: urgent_ok(model) for model in ("scale", "sum")}
+    with RawPeer(served.endpoint) as peer:
+        for index in range(3):
+            peer.send(index, "chain", [ONES], priority=0)
+        assert all(header["status"] == "ok" for header, _ in replies_by_id(peer, 3).values())
+    assert urgent_ok("scale") == before["scale"] + 6, "its steps scale and again, each at priority 0"
+    assert urgent_ok("sum") == before["sum"] + 3
+
+
+def test_a_pipeline_past_its_max_in_flight_is_answered_overloaded_and_admits_again_once_one_is_done(served):
+    with RawPeer(served.endpoint) as peer:
+        with held(served, "scale2"):
+            peer.send("first", "narrow", [ONES], timeout_ms=60_000)
+            wait_for(lambda: served.call("stats")["pipelines"]["narrow"]["in_flight"] == 1, what="first admitted")
+            peer.send("second", "narrow", [ONES], timeout_ms=60_000)
+            header, outputs = peer.recv(timeout=30)
+            assert header["id"] == "second" and header["status"] == "overloaded" and not outputs
+            assert header["error"] == ("pipeline narrow has 1 requests in flight (pipelines.narrow.max_in_flight); "
+                                       "retry later")
+        header, _ = peer.recv(timeout=30)
+        assert header["id"] == "first" and header["status"] == "ok"
+        peer.send("third", "narrow", [ONES])
+        header, _ = peer.recv(timeout=30)
+        assert header["id"] == "third" and header["status"] == "ok"
+
+
+def test_a_graph_runs_the_steps_that_take_one_tensor_side_by_side_and_joins_them(served, python_repo):
+    scale = in_process(python_repo / "scale" / "v1", {"factor": 2.0})
+    x = np.random.default_rng(9).uniform(0, 10, (3, SCALE_FEATURES)).astype(np.float32)
+    before = step_counts(served, "fork")
+    with RawPeer(served.endpoint) as peer:
+        with held(served, "scale"):  # the left branch waits; the right one runs meanwhile
+            peer.send("forked", "fork", [x], timeout_ms=60_000)
+            wait_for(lambda: step_counts(served, "fork")["right"] == before["right"] + 1, what="the right branch")
+            assert step_counts(served, "fork") == {**before, "right": before["right"] + 1}
+        header, outputs = peer.recv(timeout=30)
+    assert header["status"] == "ok" and header["version"] == "left:v1,right:v1,join:v1", header
+    want = scale({"x": x})
+    np.testing.assert_allclose(outputs[0], want["scaled"] + want["total"], rtol=1e-6)
+
+
+def test_a_cpu_step_and_a_tensor_step_run_at_once_for_two_requests(served, gates, repo):
+    variable = reference(repo, "variable", "v1")
+    in_tensor_step, in_cpu_step = gates(), Gate(served.workdir / "gates")
+    relay = np.array([[GATE, in_cpu_step.number]], np.float32)
+    before = step_counts(served, "relayed")
+    with RawPeer(served.endpoint) as peer:
+        try:
+            peer.send("a", "relayed", [in_tensor_step.input], timeout_ms=60_000)
+            wait_for(lambda: step_counts(served, "relayed")["relay"] == before["relay"] + 1, what="a's relay step")
+            peer.send("b", "relayed", [relay], timeout_ms=60_000)
+            wait_for(lambda: worker_of(served, "relay")["batches_in_flight"] == 1, what="b in its relay step")
+            # a's tensor step (held at its gate) and b's CPU step (held at its own) are both under way.
+            [tensor] = [w for w in served.status()["workers"] if w["kind"] != "step"]
+            assert tensor["executors_busy"] == 1 and tensor["requests_in_flight"] == 1
+            assert step_counts(served, "relayed") == {"relay": before["relay"] + 1, "variable": before["variable"]}
+        finally:
+            in_cpu_step.open()
+            in_tensor_step.open()
+        answers = replies_by_id(peer, 2)
+    assert answers["a"][0]["status"] == answers["b"][0]["status"] == "ok"
+    np.testing.assert_allclose(answers["b"][1][0], variable(relay), rtol=1e-6)
+
+
+def test_a_later_step_finding_the_queue_full_waits_for_room_until_its_deadline(python_repo, repo):
+    """An admitted request is never answered overloaded: its second step waits for room in the full queue, and
+    is queued once there is some, or answered timeout at its deadline."""
+    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
+    config = served_config(folder, python_repo, repo)
+    config["queue"]["max_size"] = 4
+    config["pipelines"] = {"held_first": {
+        "inputs": CHAIN["inputs"], "outputs": ["sum"],
+        "steps": [{"model": "scale2", "name": "first", "inputs": {"x": "x"}, "outputs": {"scaled": "scaled"}},
+                  {"model": "sum", "inputs": {"INPUT__0": "scaled"}, "outputs": {"sum": "sum"}}]}}
+    daemon = Daemon(folder, config)
+    try:
+        daemon.start()
+        first, second = Gate(folder / "gates"), Gate(folder / "gates")
+        with RawPeer(daemon.endpoint) as peer:
+            # Both first steps held in scale2's process (the one behind the other), each request of its own.
+            peer.send("waits", "held_first", [gated(first.number)], timeout_ms=60_000)
+            wait_for(lambda: worker_of(daemon, "scale2")["batches_in_flight"] == 1, what="waits in its first step")
+            peer.send("expires", "held_first", [gated(second.number)], timeout_ms=8_000)
+            wait_for(lambda: worker_of(daemon, "scale2")["batches_in_flight"] == 2, what="expires behind it")
+            with held(daemon, "scale"):
+                for index in range(4):  # scale's process is busy: these fill the queue
+                    peer.send(index, "scale", [ONES], timeout_ms=60_000)
+                wait_for(lambda: daemon.status()["models"]["scale"]["queue_depth"] == 4, what="the queue full")
+                peer.send("refused", "held_first", [ONES])
+                header, _ = peer.recv(timeout=30)
+                assert header["id"] == "refused" and header["status"] == "overloaded"
+                assert header["error"] == "pipeline held_first, step first: the queue is full (4 requests); retry later"
+                first.open()
+                second.open()
+                header, outputs = peer.recv(timeout=30)  # the queue stays full: its second step cannot be queued
+                assert header["id"] == "expires" and header["status"] == "timeout" and not outputs
+                assert header["error"].startswith(
+                    "pipeline held_first, step sum (model sum): the deadline passed while the step waited for room "
+                    "in the queue (queue.max_size 4, queue.max_bytes "), header
+                assert header["version"] == "first:v1"
+            replies = replies_by_id(peer, 5)  # room once scale ran: the one that waited is answered
+        header, outputs = replies.pop("waits")
+        assert header["status"] == "ok" and header["version"] == "first:v1,sum:v1"
+        np.testing.assert_array_equal(outputs[0], np.zeros((1, 1), np.float32))
+        assert all(header["status"] == "ok" for header, _ in replies.values())
+    finally:
+        daemon.kill_all()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_pipeline_has_no_versions_of_its_own(served):
@@ -369,7 +550,7 @@ def test_a_python_step_killed_under_pipeline_load_loses_nothing(served, python_r
     import os
     import signal
 
-    from conftest import exited, wait_for
+    from conftest import exited
 
     expected = chained(python_repo, repo)
     [step] = [w for w in served.status()["workers"] if w.get("model") == "scale2"]

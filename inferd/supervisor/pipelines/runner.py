@@ -128,21 +128,24 @@ class Pipelines:
 
     def retry(self, now: float) -> None:
         """Queue the later steps' requests that waited for room, in order, while it lasts; answer `timeout` the
-        runs whose deadline passed while their step waited."""
-        while self.blocked:
-            request = self.blocked[0]
+        runs whose deadline passed while their step waited, wherever they are in line (one behind a step that
+        cannot be queued yet is answered at its deadline too)."""
+        if not self.blocked:
+            return
+        waiting: deque[QueuedRequest] = deque()
+        for request in self.blocked:
             target: StepTarget = request.reply_to
             if target.run.finished:
-                self.blocked.popleft()
-            elif request.deadline <= now:
-                self.blocked.popleft()
+                continue
+            if request.deadline <= now:
                 self._fail(target.run, target.step, protocol.TIMEOUT, (
                     f"the deadline passed while the step waited for room in the queue (queue.max_size "
                     f"{self.queue.bounds.max_size}, queue.max_bytes {self.queue.bounds.max_bytes})"), None)
-            elif self.queue.put(request) is None:
-                self.blocked.popleft()
-            else:
-                return
+                continue
+            waiting.append(request)
+        while waiting and self.queue.put(waiting[0]) is None:
+            waiting.popleft()
+        self.blocked = waiting
 
     def next_deadline(self) -> float:
         """The soonest deadline of a step's request waiting here for room (monotonic; inf if none)."""
