@@ -470,6 +470,25 @@ def test_stats_and_metrics_show_each_pipeline_and_the_wait_and_compute_of_each_s
     assert "  again         scale" in shown.stdout
 
 
+def test_the_daemons_reply_count_counts_a_pipeline_request_once_and_its_steps_in_their_models(served):
+    def scale_requests() -> dict[str, int]:
+        return served.call("stats")["models"]["scale"]["requests"]
+
+    replies_before, scale_before = served.status()["replies"], scale_requests()
+    with RawPeer(served.endpoint) as peer:
+        for index in range(4):
+            peer.send(index, "chain", [ONES])
+        peer.send("fails", "chain", [np.full((1, SCALE_FEATURES), 600, np.float32)])  # at its second step
+        answers = replies_by_id(peer, 5)
+    assert answers["fails"][0]["status"] == "internal"
+    replies = served.status()["replies"]
+    assert replies.get("ok", 0) == replies_before.get("ok", 0) + 4, "each request answered ok counted once"
+    assert replies.get("internal", 0) == replies_before.get("internal", 0) + 1, "the failed one counted once"
+    scale = scale_requests()
+    assert scale.get("ok", 0) == scale_before.get("ok", 0) + 9, "steps scale and again of 4, and scale of the 5th"
+    assert scale.get("internal", 0) == scale_before.get("internal", 0) + 1, "its step again, which failed"
+
+
 def test_a_pipeline_is_served_over_http_and_grpc_as_a_model_is(served, python_repo, repo):
     import tritonclient.grpc as grpcclient
     import tritonclient.http as httpclient

@@ -112,7 +112,7 @@ class Replies:
         if type(request.reply_to) is not ReplyTo:
             model = request.header.model
             handled = version or self.live[model]
-            self.stats.reply(time.monotonic(), model, handled, status, None, request.priority)
+            self.stats.reply(time.monotonic(), model, handled, status, None, request.priority, step=True)
             request.reply_to.failed(request, status, error, handled)
             return
         self.refuse(request.reply_to, request.header.id, status, error, request.header.model, version,
@@ -152,7 +152,7 @@ class Replies:
         metas: dict[int, tuple[TensorMeta, ...]] = {}
         replies: list[tuple[QueuedRequest, list[Buffer]]] = []
         computed = []
-        row = late = 0
+        row = late = steps = 0
         for index, request in enumerate(batch.requests):
             if index in expired:
                 if not request.answered:
@@ -198,6 +198,7 @@ class Replies:
                 request.reply_to.computed(request, outputs, frames, batch.version, batch.started - request.received,
                                           done.compute_us / 1e6)
                 computed.append(request)
+                steps += 1
                 continue
             if request.places:
                 try:
@@ -230,7 +231,8 @@ class Replies:
                     self.stats.by_protocol[(batch.model, gateway, protocol.OK)] += 1
         self.stats.answered(now, batch.model, batch.version, sum(r.samples for r in computed),
                             [now - r.received for r in computed], [batch.started - r.received for r in computed],
-                            done.compute_us / 1e6, [r.priority for r in computed], [us / 1e6 for us in done.phases_us])
+                            done.compute_us / 1e6, [r.priority for r in computed], [us / 1e6 for us in done.phases_us],
+                            steps)
         return trackers
 
     def pipeline(self, reply_to: ReplyTo, pipeline: str, header: ReplyHeader, frames: Sequence[Buffer],

@@ -209,7 +209,9 @@ class Stats:
 
     def __init__(self, now: float) -> None:
         self.started = now
-        self.replies: Counter[str] = Counter()  # every reply since start by status, with or without a model
+        # Every reply to a client since start by status, with or without a model: a pipeline's request once, not
+        # its steps' requests too (those count in their models' series).
+        self.replies: Counter[str] = Counter()
         # (model, protocol, status) -> replies since start, for the requests that came through the gateway;
         # the rest came over ZeroMQ.
         self.by_protocol: Counter[tuple[str | None, str, str]] = Counter()
@@ -272,11 +274,13 @@ class Stats:
         return level
 
     def reply(self, now: float, model: str | None, version: str | None, status: str,
-              protocol: str | None = None, priority: int | None = None) -> None:
+              protocol: str | None = None, priority: int | None = None, step: bool = False) -> None:
         """Count a reply other than `ok` (those come through `answered`); against its model and version
         when it has them (a request for an unknown model has neither), its gateway protocol if any, and
-        its priority level once it has one."""
-        self.replies[status] += 1
+        its priority level once it has one. A pipeline `step`'s is no reply to a client: it counts against
+        its model alone."""
+        if not step:
+            self.replies[status] += 1
         if protocol is not None:
             self.by_protocol[(model, protocol, status)] += 1
         if model is not None and version is not None:
@@ -287,11 +291,12 @@ class Stats:
 
     def answered(self, now: float, model: str, version: str, samples: int,
                  totals_s: Sequence[float], queues_s: Sequence[float], compute_s: float,
-                 priorities: Sequence[int], phases_s: Sequence[float] = (0.0, 0.0, 0.0)) -> None:
+                 priorities: Sequence[int], phases_s: Sequence[float] = (0.0, 0.0, 0.0), steps: int = 0) -> None:
         """Count the `ok` replies of one batch: its samples, each request's total and queue
         latency and priority level, the batch's compute time (and its phases) once per request and
-        once per batch. Each is goodput: no `ok` leaves after its deadline."""
-        self.replies["ok"] += len(totals_s)
+        once per batch. Each is goodput: no `ok` leaves after its deadline. `steps` of them were pipelines'
+        step requests, whose answers go on to their pipelines, not to clients."""
+        self.replies["ok"] += len(totals_s) - steps
         requests = len(totals_s)
         for series in self._series(now, model, version):
             if requests:
