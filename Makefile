@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-many bench-perf-analyzer bench-canary bench-curve bench-compare bench-priority bench-reload bench-restart bench-soak bench-steps bench-groups sim clean
+.PHONY: demo test lint docs docs-check proto bench bench-formats bench-shapes bench-many bench-perf-analyzer bench-canary bench-curve bench-compare bench-priority bench-reload bench-restart bench-soak bench-steps bench-groups bench-pipelines sim clean
 
 $(PY):
 	# System site-packages stay visible so a GPU machine's own torch build is used.
@@ -113,6 +113,11 @@ bench-steps: $(STAMP)
 # The mlp at C=64 over ZeroMQ, a request per message against groups, beside the model in-process (issue 53).
 bench-groups: $(STAMP)
 	$(PY) -m bench.wire_groups
+
+# The image pipeline at C=1 and C=32 against its steps chained in-process and by the client over HTTP, and a
+# balanced pipeline (a 5 ms CPU step, a 5 ms model step) against its steps in-process (docs/performance.md).
+bench-pipelines: $(STAMP)
+	$(PY) -m bench.pipelines
 
 # The fleet simulation (deploy/sim/README.md): 16, 64 and 256 nodes, both GPU-sharing modes, the default
 # scheduler and inferd-fleet, a simulated day each (under a minute in all).
