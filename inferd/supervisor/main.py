@@ -128,9 +128,11 @@ class Supervisor(Parts):
                        max(0.0, self.dispatcher.next_deadline() - now), max(0.0, self.pipelines.next_deadline() - now))
             if self.dispatcher.sending:
                 wait = min(wait, SENDING_CHECK_S)
-            # Requests waiting mean every executor they could use is busy: the loop will be woken
-            # by an answer, and the cores are better left to the executors than spun on.
-            events = self._poll(wait, spin=self._active and not len(self.queue))
+            # Requests waiting mean every executor they could use is busy, and executors that will be busy for
+            # longer than a spin have nothing to take: the loop will be woken by an answer, and the cores are
+            # better left to the executors (and the clients) than spun on.
+            spin = self._active and not len(self.queue) and self.dispatcher.free_within(now, self._spin_s)
+            events = self._poll(wait, spin)
             self._active = bool(events)
             # Signals first: a request that arrives with a SIGTERM is already refused.
             readmit = False

@@ -35,7 +35,7 @@ from inferd.supervisor.dispatch.batch import Batch
 from inferd.supervisor.dispatch.compute_times import ComputeTimes
 from inferd.supervisor.dispatch.replies import CANCELLED_ERROR, Replies
 from inferd.supervisor.dispatch.shadow import MAX_AGE_S, ShadowJob, ShadowQueue, compare
-from inferd.supervisor.processes.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerTable
+from inferd.supervisor.processes.workers import PIPELINE_DEPTH, ExecutorHandle, WorkerHandle, WorkerState, WorkerTable
 from inferd.supervisor.queueing import padding
 from inferd.supervisor.queueing.batcher import Capacity
 from inferd.supervisor.queueing.queue import QueuedRequest
@@ -501,6 +501,12 @@ class Dispatcher:
                     self.replies.late(request, batch.version)
             batch.deadline = min((r.deadline for r in batch.requests if not (r.answered or r.cancelled)),
                                  default=math.inf)
+
+    def free_within(self, now: float, seconds: float) -> bool:
+        """Whether a ready executor holds no batch, or is expected to have computed what it holds within
+        `seconds`: only then can what arrives (or its answer) be acted on at once."""
+        return any(executor.free_at() <= now + seconds for worker in self.workers.workers
+                   if worker.state == WorkerState.READY for executor in worker.executors)
 
     def oldest(self) -> Batch | None:
         """The batch that has been running longest, if any runs."""
