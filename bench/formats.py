@@ -9,8 +9,9 @@ For the benchmark mlp and cnn: how long exporting and compiling took, then per f
 has) and through inferd (one CPU worker, streams 2) at concurrency 1 and 64: samples/s, p50, p99, the
 workers' CPU per sample, and the worker's load and warm-up seconds (inductor compiles in the warm-up; the
 in-process "inductor" figures are torch.compile's of the same program). AOTInductor again on two CPU
-workers of one stream each ("aoti 2x1"): its Python binding holds the GIL while it computes, so two
-executors of one worker take turns. Targets, as ratios to TorchScript measured in the same run:
+workers of one stream each ("aoti 2x1"): its Python binding holds the GIL while it computes, so a worker
+runs it on one executor, on the threads of all its executors, where two processes compute side by side.
+Targets, as ratios to TorchScript measured in the same run:
   F1 through inferd, each format's C=64 samples/s ratio to TorchScript's within 10 % of its in-process ratio
   F2 the best format's cnn C=64 samples/s >= 1.2 x TorchScript's
 JSON lines are appended to bench/results/formats.jsonl.

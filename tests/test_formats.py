@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import models
@@ -104,6 +105,28 @@ def test_every_format_is_served_from_a_fresh_start(daemon, in_process):
         for model, version in STARTS_WITH.items():
             np.testing.assert_allclose(client.infer(model, x), in_process[version](torch.from_numpy(x)).numpy(),
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_a_package_runs_on_one_executor_of_a_cpu_worker_where_torchscript_runs_on_both(daemon):
+    # Its binding holds the GIL: the worker gives it one executor, on the threads of both (runner.AllCoresPackage).
+    x = np.ones((1, models.MLP_IN), np.float32)
+
+    def busiest_under_load(model: str, until: Callable[[int], bool]) -> int:
+        most = 0
+        with daemon.client() as client:
+            for _ in range(20):
+                futures = [client.submit(model, x) for _ in range(200)]
+                while not all(future.done() for future in futures):
+                    most = max(most, daemon.status()["workers"][0]["executors_busy"])
+                for future in futures:
+                    future.result()
+                if until(most):
+                    break
+        return most
+
+    assert busiest_under_load("scripted", lambda most: most == 2) == 2, "TorchScript ran on both executors"
+    assert STARTS_WITH["mlp"] == live_version(daemon) == "v3"  # mlp v3 is the package
+    assert busiest_under_load("mlp", lambda most: False) == 1
 
 
 def test_reloads_between_every_format_under_load_drop_nothing(daemon, in_process):

@@ -48,12 +48,13 @@ class TensorSpec(msgspec.Struct, frozen=True, array_like=True):
 
 
 class LoadedModel(msgspec.Struct, frozen=True, array_like=True):
-    """A model version a worker has loaded and warmed, with its output signature and the memory it holds
-    (runner.model_memory)."""
+    """A model version a worker has loaded and warmed, with its output signature, the memory it holds
+    (runner.model_memory), and how many of its executors may run it (0: every one)."""
 
     version: str
     outputs: tuple[TensorSpec, ...]
     memory: int = 0
+    lanes: int = 0
 
 
 class Hello(msgspec.Struct, frozen=True, tag=True, array_like=True):

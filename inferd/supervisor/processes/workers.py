@@ -608,12 +608,13 @@ class WorkerTable:
     # -- batches ----------------------------------------------------------------
 
     def executors_serving(self, model: str, version: str) -> list[ExecutorHandle]:
-        """Executors that serve `version` of `model`, busy or not (said hello, on a ready worker that has it)."""
+        """Executors that serve `version` of `model`, busy or not (said hello, on a ready worker that has it,
+        among the executors the worker runs it on)."""
         return [
             executor
             for worker in self.workers
             if worker.serves(model, version)
-            for executor in worker.executors
+            for executor in worker.executors[:worker.loaded[(model, version)].lanes or None]
             if executor.identity is not None
         ]
 
