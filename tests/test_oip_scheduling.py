@@ -245,6 +245,42 @@ def test_the_gateway_absorbs_the_cancelled_reply_of_a_request_it_cancelled(tmp_p
         context.term()
 
 
+def test_the_gateway_sends_what_one_turn_asks_as_one_group_and_takes_replies_in_groups(tmp_path):
+    """Upstream, on a real socket: three requests made in one turn of the loop reach the supervisor as one
+    message, a group of three; a group of their replies answers each of them."""
+    from inferd.oip.upstream import Upstream
+
+    context = zmq.Context()
+    supervisor = context.socket(zmq.ROUTER)
+    supervisor.bind(f"ipc://{tmp_path}/supervisor")
+    upstream = Upstream(context, f"ipc://{tmp_path}/supervisor", default_timeout_ms=10_000, slack_s=1.0)
+
+    async def three() -> list[tuple[protocol.ReplyHeader, list[memoryview]]]:
+        upstream.start()
+        asked = [asyncio.ensure_future(upstream.infer(
+            model, None, [(protocol.TensorMeta("float32", (1, 2)), bytes(8))], None)) for model in ("a", "b", "c")]
+        while not supervisor.poll(0):
+            await asyncio.sleep(0.01)
+        identity, *body = supervisor.recv_multipart()
+        members = protocol.group_of(body, 1 << 20)
+        assert members is not None and len(members) == 3, "one message for the turn's three requests"
+        requests = [protocol.decode_message(member, 1 << 20) for member in members]
+        assert [r.header.model for r in requests] == ["a", "b", "c"]
+        replies = [[protocol.encode_reply(protocol.ReplyHeader(id=r.header.id, status=protocol.OK, model=r.header.model,
+                                                               outputs=(protocol.TensorMeta("uint8", (1,)),))),
+                    r.header.model.encode()] for r in requests]
+        supervisor.send_multipart([identity, *protocol.encode_group(replies)])
+        return await asyncio.wait_for(asyncio.gather(*asked), 5)
+
+    try:
+        answers = asyncio.run(three())
+    finally:
+        upstream.close()
+        supervisor.close()
+        context.term()
+    assert [(header.model, bytes(outputs[0])) for header, outputs in answers] == [("a", b"a"), ("b", b"b"), ("c", b"c")]
+
+
 # -- priority ----------------------------------------------------------------------------------------
 
 

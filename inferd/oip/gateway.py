@@ -58,12 +58,12 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
         for each in (context, data_context):
             each.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
     control = Control(context, spec.control)
-    upstream = Upstream(data_context, spec.upstream, config.queue.default_timeout_ms,
-                        config.workers.batch_timeout_s + ANSWER_SLACK_S)
-    upstream.start()
-    catalog = Catalog(config.workers.streams, spec.devices, control)
     server = config.server
     max_message_bytes = int(server.max_message_mb * MIB)
+    upstream = Upstream(data_context, spec.upstream, config.queue.default_timeout_ms,
+                        config.workers.batch_timeout_s + ANSWER_SLACK_S, max_message_bytes)
+    upstream.start()
+    catalog = Catalog(config.workers.streams, spec.devices, control)
     # Over HTTP, a sixteenth is kept for small bodies; gRPC cannot tell a small message before it has come.
     budget_bytes = int(server.gateway_buffer_mb * MIB)
     budget = BodyBudget(budget_bytes, budget_bytes // 16 if spec.protocol == "http" else 0)
