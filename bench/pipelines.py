@@ -42,27 +42,10 @@ import numpy as np
 import torch
 
 from bench.common import ROOT, record, table
-from bench.steps import daemon_cpu_s
+from bench.steps import BUSY, daemon_cpu_s
 from inferd.harness import DaemonProcess, free_port, local_config
 
 EXAMPLES = ROOT / "examples"
-BUSY = '''
-import time
-
-
-class Model:
-    """A Python loop of `loops` steps per sample: CPU-bound work that holds the GIL, as a tokenizer's does."""
-
-    def __init__(self, context):
-        self.loops = int(context.parameters["loops"])
-
-    def __call__(self, inputs):
-        x = inputs["x"]
-        total = 0
-        for _ in range(self.loops * len(x)):
-            total += 1
-        return {"y": x + total * 0.0}
-'''
 
 
 class Work(torch.nn.Module):
@@ -119,7 +102,7 @@ def build(root: Path, step_ms: float) -> dict[str, Any]:
     (root / "busy" / "v1").mkdir(parents=True)
     (root / "busy" / "v1" / "model.py").write_text(BUSY)
     busy = step(root / "busy", {"loops": 10_000})
-    loops = int(10_000 * step_ms / ms_per_call(lambda: busy({"x": np.zeros((1, 256), np.float32)})))
+    loops = int(10_000 * step_ms / ms_per_call(lambda: busy({"INPUT__0": np.zeros((1, 256), np.float32)})))
     x = torch.zeros(1, 256)
     with torch.no_grad():
         rounds = max(1, int(100 * step_ms / ms_per_call(lambda: Work(100)(x), 50)))
@@ -128,12 +111,12 @@ def build(root: Path, step_ms: float) -> dict[str, Any]:
     torch.jit.save(torch.jit.script(Work(rounds).eval()), str(root / "work" / "v1" / "model.pt"))
     one = {"max_batch_size": 1, "warmup_batch_sizes": [1]}
     served["busy"] = {**one, "repository": str(root / "busy"), "parameters": {"loops": loops},
-                      "inputs": [{"name": "x", "dtype": "float32", "shape": [256]}],
-                      "outputs": [{"name": "y", "dtype": "float32", "shape": [256]}]}
+                      "inputs": [{"dtype": "float32", "shape": [256]}],
+                      "outputs": [{"dtype": "float32", "shape": [256]}]}
     served["work"] = {**one, "repository": str(root / "work"), "inputs": [{"dtype": "float32", "shape": [256]}]}
     return {"models": served, "pipelines": {"classify": written["pipelines"]["classify"], "balanced": {
         "inputs": [{"name": "x", "dtype": "float32", "shape": [256]}], "outputs": ["out"],
-        "steps": [{"model": "busy", "inputs": {"x": "x"}, "outputs": {"y": "y"}},
+        "steps": [{"model": "busy", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "y"}},
                   {"model": "work", "inputs": {"INPUT__0": "y"}, "outputs": {"OUTPUT__0": "out"}}]}},
         "loops": loops, "rounds": rounds}
 
@@ -238,13 +221,13 @@ def in_process_balanced(root: Path, loops: int, seconds: float) -> dict[str, Any
 
     def chain() -> None:
         with torch.no_grad():
-            work(torch.from_numpy(busy({"x": x})["y"]))
+            work(torch.from_numpy(busy({"INPUT__0": x})["OUTPUT__0"]))
 
     # TorchScript optimizes a module over its first calls: those are left out, and each step's own time is
     # measured now, beside the chain (the machine's load changes what a step takes).
     with torch.no_grad():
         work_ms = ms_per_call(lambda: work(torch.from_numpy(x)), 50)
-    busy_ms = ms_per_call(lambda: busy({"x": x}))
+    busy_ms = ms_per_call(lambda: busy({"INPUT__0": x}))
     return {**threads(lambda _: chain, 1, seconds), "busy_ms": round(busy_ms, 2), "work_ms": round(work_ms, 2)}
 
 

@@ -288,23 +288,33 @@ def replies_across_a_worker_death(daemon: Daemon, gate: Gate, signum: int) -> li
 
 
 @contextlib.contextmanager
-def pipeline_held(daemon: Daemon, gates: Callable[[], Gate], send: Callable[[Gate, bool], Any]) -> Iterator[None]:
-    """Keep the daemon's one executor busy, and the place behind it taken, until the block ends: `send(gate,
-    full)` sends a batch that waits at `gate`, first one that runs, then a full one (which goes behind a
-    running batch at once). So what the test sends meanwhile all waits in the queue, however the batcher
-    sees it arrive: a batch that filled up as the requests came would otherwise go behind the running one,
-    and to an idle executor each would go as it came."""
+def pipeline_held(daemon: Daemon, gates: Callable[[], Gate], send: Callable[[Gate, bool], Any],
+                  worker: Callable[[], dict[str, Any]] | None = None) -> Iterator[None]:
+    """Keep one executor busy, and the place behind it taken, until the block ends: `send(gate, full)` sends
+    a batch that waits at `gate`, first one that runs, then a full one (which goes behind a running batch at
+    once). So what the test sends meanwhile all waits in the queue, however the batcher sees it arrive: a
+    batch that filled up as the requests came would otherwise go behind the running one, and to an idle
+    executor each would go as it came. `worker`: the status of the process held (default: the first
+    worker's; a Python model's process: `step_of`)."""
+    status = worker or (lambda: daemon.status()["workers"][0])
     running, behind = gates(), gates()
     held = [send(running, False)]
-    wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor held")
-    held.append(send(behind, True))
-    wait_for(lambda: daemon.status()["workers"][0]["batches_in_flight"] == 2, what="a batch held behind it")
-    yield
-    running.open()
-    behind.open()
+    try:
+        wait_for(lambda: status()["executors_busy"], what="the executor held")
+        held.append(send(behind, True))
+        wait_for(lambda: status()["batches_in_flight"] == 2, what="a batch held behind it")
+        yield
+    finally:
+        running.open()
+        behind.open()
     for future in held:
         if future is not None:
             future.result()
+
+
+def step_of(daemon: Daemon, model: str) -> dict[str, Any]:
+    """The status of the (first) process that runs Python model `model`."""
+    return next(w for w in daemon.status()["workers"] if w.get("model") == model)
 
 
 def held_reload_repo(reload_repo: Path, folder: Path, *versions: str) -> tuple[Path, Path]:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import python_models
-from conftest import ONE_AT_A_TIME, Daemon, base_config, built_once, reference, wait_for
+from conftest import ONE_AT_A_TIME, Daemon, base_config, built_once, pipeline_held, reference, step_of, wait_for
 from gates import Gate
 from python_models import GATE, JOIN_CONFIG, RELAY_CONFIG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
@@ -250,27 +250,18 @@ def test_a_failing_middle_step_fails_its_request_alone_naming_the_step(served, p
     assert steps["sum"]["compute_ms"]["count"] == sums_before + len(replies), "the failed request's last step ran"
 
 
-def worker_of(daemon: Daemon, model: str) -> dict[str, Any]:
-    """The status of the process that runs Python model `model`."""
-    return next(w for w in daemon.status()["workers"] if w.get("model") == model)
-
-
 @contextlib.contextmanager
 def held(daemon: Daemon, model: str) -> Iterator[None]:
     """Keep Python model `model`'s one process busy until the block ends: two batches of it wait at gates
     (tests/gates.py), one running and one behind it, so that its requests sent meanwhile wait in the queue."""
     gates = daemon.workdir / "gates"
     with RawPeer(daemon.endpoint) as peer:
-        running, behind = Gate(gates), Gate(gates)
-        try:
-            peer.send("running", model, [gated(running.number)], timeout_ms=60_000)
-            peer.send("behind", model, [gated(behind.number, rows=8)], timeout_ms=60_000)
-            wait_for(lambda: worker_of(daemon, model)["batches_in_flight"] == 2, what=f"{model} held")
+        def hold(gate: Gate, full: bool) -> None:
+            peer.send(f"gate{gate.number}", model, [gated(gate.number, rows=8 if full else 1)], timeout_ms=60_000)
+
+        with pipeline_held(daemon, lambda: Gate(gates), hold, lambda: step_of(daemon, model)):
             yield
-        finally:
-            running.open()
-            behind.open()
-        assert {peer.recv(timeout=30)[0]["id"] for _ in range(2)} == {"running", "behind"}
+        assert len({peer.recv(timeout=30)[0]["id"] for _ in range(2)}) == 2, "both held batches answered"
 
 
 def step_counts(daemon: Daemon, pipeline: str) -> dict[str, int]:
@@ -371,7 +362,7 @@ def test_a_cpu_step_and_a_tensor_step_run_at_once_for_two_requests(served, gates
             peer.send("a", "relayed", [in_tensor_step.input], timeout_ms=60_000)
             wait_for(lambda: step_counts(served, "relayed")["relay"] == before["relay"] + 1, what="a's relay step")
             peer.send("b", "relayed", [relay], timeout_ms=60_000)
-            wait_for(lambda: worker_of(served, "relay")["batches_in_flight"] == 1, what="b in its relay step")
+            wait_for(lambda: step_of(served, "relay")["batches_in_flight"] == 1, what="b in its relay step")
             # a's tensor step (held at its gate) and b's CPU step (held at its own) are both under way.
             [tensor] = [w for w in served.status()["workers"] if w["kind"] != "step"]
             assert tensor["executors_busy"] == 1 and tensor["requests_in_flight"] == 1
@@ -401,9 +392,9 @@ def test_a_later_step_finding_the_queue_full_waits_for_room_until_its_deadline(p
         with RawPeer(daemon.endpoint) as peer:
             # Both first steps held in scale2's process (the one behind the other), each request of its own.
             peer.send("waits", "held_first", [gated(first.number)], timeout_ms=60_000)
-            wait_for(lambda: worker_of(daemon, "scale2")["batches_in_flight"] == 1, what="waits in its first step")
+            wait_for(lambda: step_of(daemon, "scale2")["batches_in_flight"] == 1, what="waits in its first step")
             peer.send("expires", "held_first", [gated(second.number)], timeout_ms=8_000)
-            wait_for(lambda: worker_of(daemon, "scale2")["batches_in_flight"] == 2, what="expires behind it")
+            wait_for(lambda: step_of(daemon, "scale2")["batches_in_flight"] == 2, what="expires behind it")
             with held(daemon, "scale"):
                 for index in range(4):  # scale's process is busy: these fill the queue
                     peer.send(index, "scale", [ONES], timeout_ms=60_000)

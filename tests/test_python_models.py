@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import MLP, Daemon, base_config, exited, wait_for
+from conftest import MLP, Daemon, base_config, exited, pipeline_held, wait_for
 from gates import Gate
 from python_models import HANG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
@@ -130,17 +130,14 @@ def test_one_bad_request_of_a_batch_fails_alone_with_its_own_status(served):
     sent = [good[0], invalid, good[1], out_of_range, good[2]]
     before = served.call("stats")["models"]["scale_one"]["batch_size"]["distribution"]
     with RawPeer(served.endpoint) as peer:
+        def hold(gate: Gate, full: bool) -> None:
+            peer.send(f"gate{gate.number}", "scale_one", [gated(gate.number, rows=8 if full else 1)], timeout_ms=60_000)
+
         # Its one executor holds a batch at a gate and a full one behind it: the five wait, then go as one batch.
-        running, behind = Gate(gates), Gate(gates)
-        peer.send("running", "scale_one", [gated(running.number)], timeout_ms=60_000)
-        wait_for(lambda: steps_of(served, "scale_one")[0]["executors_busy"], what="the step held")
-        peer.send("behind", "scale_one", [gated(behind.number, rows=8)], timeout_ms=60_000)
-        wait_for(lambda: steps_of(served, "scale_one")[0]["batches_in_flight"] == 2, what="a full batch behind it")
-        for index, x in enumerate(sent):
-            peer.send(index, "scale_one", [x], timeout_ms=60_000)
-        wait_for(lambda: served.status()["models"]["scale_one"]["queue_depth"] == 5, what="the five queued")
-        running.open()
-        behind.open()
+        with pipeline_held(served, lambda: Gate(gates), hold, lambda: steps_of(served, "scale_one")[0]):
+            for index, x in enumerate(sent):
+                peer.send(index, "scale_one", [x], timeout_ms=60_000)
+            wait_for(lambda: served.status()["models"]["scale_one"]["queue_depth"] == 5, what="the five queued")
         replies = {}
         while len(replies) < 7:
             header, outputs = peer.recv(timeout=30)
