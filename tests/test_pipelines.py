@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import python_models
-from conftest import ONE_AT_A_TIME, Daemon, base_config, built_once, pipeline_held, reference, step_of, wait_for
+from conftest import ONE_AT_A_TIME, Daemon, base_config, pipeline_held, reference, step_of, wait_for
 from gates import Gate
 from python_models import GATE, JOIN_CONFIG, RELAY_CONFIG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
@@ -40,12 +39,6 @@ CHAIN = {
 }
 
 
-@pytest.fixture(scope="session")
-def python_repo(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Path:
-    """The Python models of tests/python_models.py (read-only)."""
-    return built_once(tmp_path_factory, pytestconfig, "python-repo", python_models.build_python_repository)
-
-
 # The chain again with its middle step on a model of its own (the same model.py), whose one process a test can
 # hold at gates (tests/gates.py) while the other steps run.
 GAPPED = {**CHAIN, "steps": [CHAIN["steps"][0], {**CHAIN["steps"][1], "model": "scale2"}, CHAIN["steps"][2]]}
@@ -63,6 +56,13 @@ FORK = {
         {"model": "join", "inputs": {"a": "a", "b": "b"}, "outputs": {"y": "y"}},
     ],
 }
+# x of any length up to 8 where its one step's model takes 4: a request of another length passes the
+# pipeline's own check, and its first step refuses it.
+LOOSE = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": [-1], "max_shape": [2 * SCALE_FEATURES]}],
+    "outputs": ["a"],
+    "steps": [{"model": "scale", "inputs": {"x": "x"}, "outputs": {"scaled": "a"}}],
+}
 # A CPU step (relay, a Python model) then a tensor step (variable, TorchScript), each of which a test can hold.
 RELAYED = {
     "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
@@ -74,8 +74,8 @@ RELAYED = {
 
 def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]:
     """scale (Python, factor 2), scale2 (the same), relay, join (Python), sum and variable (TorchScript), the
-    gates of the Python ones in folder/gates; with the pipelines `chain`, `gapped`, `narrow`, `fork` and
-    `relayed` over them."""
+    gates of the Python ones in folder/gates; with the pipelines `chain`, `gapped`, `narrow`, `fork`, `loose`
+    and `relayed` over them."""
     gates = folder / "gates"
     gates.mkdir(exist_ok=True)
     config = base_config(folder, python_repo, {
@@ -86,7 +86,8 @@ def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]
     config["models"]["scale2"]["repository"] = str(python_repo / "scale")
     config["models"]["sum"] = {**SUM, "repository": str(repo / "sum")}
     config["models"]["variable"] = {**ONE_AT_A_TIME, "repository": str(repo / "variable")}
-    config["pipelines"] = {"chain": CHAIN, "gapped": GAPPED, "narrow": NARROW, "fork": FORK, "relayed": RELAYED}
+    config["pipelines"] = {"chain": CHAIN, "gapped": GAPPED, "narrow": NARROW, "fork": FORK, "loose": LOOSE,
+                           "relayed": RELAYED}
     config["server"].update(metrics=f"127.0.0.1:{free_port()}", http=f"127.0.0.1:{free_port()}",
                             grpc=f"127.0.0.1:{free_port()}")
     return config
@@ -181,7 +182,7 @@ def test_check_config_refuses_each_pipeline_that_cannot_be_served_in_one_sentenc
     path.write_text(to_toml(good))
     result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 0 and "ok (6 model(s), 5 pipeline(s))" in result.stdout, result.stderr
+    assert result.returncode == 0 and "ok (6 model(s), 6 pipeline(s))" in result.stdout, result.stderr
     path.write_text(to_toml(broken(good)))
     result = subprocess.run([str(BIN / "inferd"), "check-config", "--config", str(path)], capture_output=True,
                             text=True, timeout=60)
@@ -433,6 +434,19 @@ def test_a_pipeline_has_no_versions_of_its_own(served):
     with pytest.raises(ControlError, match=r"^chain is a pipeline, which has no versions of its own: reload, load or "
                                            r"try versions of the models it runs \(scale, sum\)"):
         served.call("reload", model="chain", version="v2")
+
+
+def test_a_request_its_first_step_cannot_take_is_refused_invalid_naming_the_step(served):
+    # Its pipeline takes x of any length up to 8, its first step's model 4: the step refuses 3 (not `overloaded`,
+    # which a client would retry).
+    with RawPeer(served.endpoint) as peer:
+        peer.send("short", "loose", [np.ones((1, SCALE_FEATURES - 1), np.float32)])
+        peer.send("fits", "loose", [np.ones((1, SCALE_FEATURES), np.float32)])
+        replies = replies_by_id(peer, 2)
+    refused = replies["short"][0]
+    assert refused["status"] == "invalid" and refused["error"].startswith("pipeline loose, step scale: "), refused
+    assert replies["fits"][0]["status"] == "ok"
+    assert served.call("stats")["pipelines"]["loose"]["in_flight"] == 0
 
 
 def test_stats_and_metrics_show_each_pipeline_and_the_wait_and_compute_of_each_step(served):

@@ -69,8 +69,8 @@ class Pipelines:
         first, *others = graph.ready(run.tensors, run.started)
         refused = self._put(run, first, now, run.client)
         if refused is not None:
-            self._refuse(reply_to, header.id, name, protocol.OVERLOADED,
-                         f"pipeline {name}, step {first.title}: {refused}")
+            status, why = refused
+            self._refuse(reply_to, header.id, name, status, f"pipeline {name}, step {first.title}: {why}")
             return
         key = (run.client, header.id)
         if key in self.runs:  # the client reused an id: the older run can no longer be cancelled by it
@@ -96,22 +96,25 @@ class Pipelines:
                              client, samples, sum(len(b) for b in buffers), now, run.deadline, run.priority,
                              shapes=shapes)
 
-    def _put(self, run: Run, step: Step, now: float, client: Hashable) -> str | None:
-        """Queue the first step's request; why it was refused (a sentence), if it was."""
+    def _put(self, run: Run, step: Step, now: float, client: Hashable) -> tuple[str, str] | None:
+        """Queue the first step's request; the status and sentence it was refused with, if it was (`invalid`
+        where its model cannot take the request's tensors, `overloaded` where the queue is full)."""
         try:
             request = self._request(run, step, now, client)
         except InvalidRequest as exc:
-            return exc.message
+            return protocol.INVALID, exc.message
         refused = self.queue.put(request)
         if refused is not None:
-            return self.queue.refusal_sentence(refused)
+            return protocol.OVERLOADED, self.queue.refusal_sentence(refused)
         run.started.add(step.index)
         run.active[step.index] = request
         return None
 
     def _step(self, run: Run, step: Step, now: float) -> None:
         """Queue a later step's request (or hold it here until the queue has room), unless the run's deadline
-        has passed."""
+        has passed, or the run was answered already (a step beside it failed)."""
+        if run.finished:
+            return
         run.started.add(step.index)
         if now >= run.deadline:
             self._fail(run, step, protocol.TIMEOUT, "the deadline passed before the step could run", None)
