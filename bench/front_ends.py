@@ -15,6 +15,8 @@ p50 at most ZeroMQ's + 0.2 ms.
 
 A variant is a checkout of inferd whose daemon runs with that PYTHONPATH (`--variant before=../before`
 beside `--variant after=.`): two versions compared in one run, alternating. Without one, this checkout.
+bench/variants/ holds folders to add to a variant's PYTHONPATH that swap a front end's server (Granian for
+uvicorn, grpcio's sync server for its asyncio one); each file says how to run it.
 JSON lines are appended to bench/results/front_ends.jsonl.
 """
 
