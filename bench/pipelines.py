@@ -8,13 +8,16 @@ and a balanced pipeline, where its CPU step and its model step overlap.
    as torchvision's cannot load on every machine), at C=1 and C=32 (requests in flight, one JPEG each) over
    ZeroMQ, against (a) the same three steps called in this process one after another (one image at a time for
    C=1, 32 at a time for C=32), and (b) this process calling the three models itself over HTTP (Triton's
-   client, C threads each chaining its calls), and beside each step's own throughput through inferd at C=32.
+   client, C threads each chaining its calls), and beside each step called alone through inferd at C=1 and 32.
    The daemon's CPU per request is measured for the pipeline and for (b). Targets: the pipeline at C=32 at
    least 0.8x its slowest step's own throughput, and at least (b)'s with less CPU per request; at C=1 its
    median latency at most the in-process chain's + 1 ms.
 2. `balanced` (a Python step that loops in Python for --step-ms, then a TorchScript model that computes for about
    as long, one request a batch) at C=32 against the same two steps called in this process one after another.
    Target: at least 1.6x, which only overlap gives.
+3. What a hop costs: pipelines of one and of three steps of a model that computes almost nothing (TorchScript,
+   one 256 x 256 layer), at C=1, beside the model called alone; a hop (a step's answer taken by the supervisor
+   and the next step's request sent to its worker) costs half of what three steps take over one.
 
 Every row is a JSON line, also appended to bench/results/pipelines.jsonl, with the machine's load average; the
 table at the end gives the ratios, each of two numbers measured in the same run.
@@ -114,11 +117,23 @@ def build(root: Path, step_ms: float) -> dict[str, Any]:
                       "inputs": [{"dtype": "float32", "shape": [256]}],
                       "outputs": [{"dtype": "float32", "shape": [256]}]}
     served["work"] = {**one, "repository": str(root / "work"), "inputs": [{"dtype": "float32", "shape": [256]}]}
+    (root / "hop" / "v1").mkdir(parents=True)
+    torch.jit.save(torch.jit.script(Work(1).eval()), str(root / "hop" / "v1" / "model.pt"))
+    served["hop"] = {"repository": str(root / "hop"), "inputs": [{"dtype": "float32", "shape": [256]}]}
     return {"models": served, "pipelines": {"classify": written["pipelines"]["classify"], "balanced": {
         "inputs": [{"name": "x", "dtype": "float32", "shape": [256]}], "outputs": ["out"],
         "steps": [{"model": "busy", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "y"}},
-                  {"model": "work", "inputs": {"INPUT__0": "y"}, "outputs": {"OUTPUT__0": "out"}}]}},
+                  {"model": "work", "inputs": {"INPUT__0": "y"}, "outputs": {"OUTPUT__0": "out"}}]},
+        "hop1": hops(1), "hop3": hops(3)},
         "loops": loops, "rounds": rounds}
+
+
+def hops(count: int) -> dict[str, Any]:
+    """A pipeline of `count` steps of the model `hop`, one after the other."""
+    tensors = ["x", *(f"t{i}" for i in range(count))]
+    return {"inputs": [{"name": "x", "dtype": "float32", "shape": [256]}], "outputs": [tensors[-1]],
+            "steps": [{"name": f"hop{i}", "model": "hop", "inputs": {"INPUT__0": tensors[i]},
+                       "outputs": {"OUTPUT__0": tensors[i + 1]}} for i in range(count)]}
 
 
 def jpeg() -> np.ndarray:
@@ -262,13 +277,18 @@ def measure(root: Path, seconds: float, step_ms: float) -> list[dict[str, Any]]:
                 add(part="image", way="in-process chain", concurrency=concurrency,
                     **in_process_image(models, image, concurrency, seconds))
             for model, given in (("thumbnail", image), ("resnet18", pixels), ("top5", logits)):
-                add(part="image", way=f"step {model} alone, ZeroMQ", concurrency=32,
-                    **closed_loop(lambda m=model, g=given: client.submit(m, g), 32, seconds))
+                for concurrency in (1, 32):
+                    add(part="image", way=f"step {model} alone, ZeroMQ", concurrency=concurrency,
+                        **closed_loop(lambda m=model, g=given, c=concurrency: client.submit(m, g), concurrency,
+                                      seconds))
             closed_loop(lambda: client.submit("balanced", x), 32, 1.0)
             add(part="balanced", way="pipeline, ZeroMQ", concurrency=32, step_ms=step_ms,
                 **closed_loop(lambda: client.submit("balanced", x), 32, seconds))
             add(part="balanced", way="in-process chain", concurrency=1, step_ms=step_ms,
                 **in_process_balanced(root, built["loops"], seconds))
+            for name in ("hop", "hop1", "hop3"):
+                closed_loop(lambda n=name: client.submit(n, x), 1, 1.0)
+                add(part="hops", way=name, concurrency=1, **closed_loop(lambda n=name: client.submit(n, x), 1, seconds))
     finally:
         daemon.stop()
     return rows
@@ -300,7 +320,12 @@ def main() -> int:
                       f"{local['samples_per_s']}/s, p50 {local['p50_ms']} ms",
                       f"{pipe['requests_per_s'] / http['requests_per_s']:.2f}x (b), "
                       f"{pipe['requests_per_s'] / local['samples_per_s']:.2f}x (a)"])
-    slowest = min((r for r in rows if r["way"].startswith("step ")), key=lambda r: r["requests_per_s"])
+    alone = [r for r in rows if r["way"].startswith("step ") and r["concurrency"] == 1]
+    pipe = pick(rows, part="image", way="pipeline, ZeroMQ", concurrency=1)
+    lines.append(["image, C=1, against its steps called alone", f"p50 {pipe['p50_ms']} ms", "",
+                  f"p50s added {sum(r['p50_ms'] for r in alone):.2f} ms", ""])
+    slowest = min((r for r in rows if r["way"].startswith("step ") and r["concurrency"] == 32),
+                  key=lambda r: r["requests_per_s"])
     pipe = pick(rows, part="image", way="pipeline, ZeroMQ", concurrency=32)
     lines.append([f"image, C=32, against its slowest step ({slowest['way'].split()[1]})",
                   f"{pipe['requests_per_s']}/s", "", f"{slowest['requests_per_s']}/s alone",
@@ -311,6 +336,9 @@ def main() -> int:
                   f"{pipe['requests_per_s']}/s", "",
                   f"{local['requests_per_s']}/s", f"{pipe['requests_per_s'] / local['requests_per_s']:.2f}x "
                   "(target >= 1.6x)"])
+    alone, one, three = (pick(rows, part="hops", way=name) for name in ("hop", "hop1", "hop3"))
+    lines.append(["a hop, C=1: half of (3 steps - 1 step)", f"{(three['p50_ms'] - one['p50_ms']) / 2:.2f} ms",
+                  "", f"the model alone {alone['p50_ms']} ms, in a pipeline of 1 {one['p50_ms']} ms", ""])
     print(table(["measure", "pipeline (ZeroMQ)", "(b) client chains, HTTP", "(a) in-process chain", "ratio"], lines))
     return 0
 
