@@ -370,3 +370,6 @@ def test_an_exported_version_is_compiled_while_it_warms_and_a_restarted_worker_t
                        r"the compile cache", daemon.log())
     assert len(again) == 2 and again[1][0] == "0" and int(again[1][1]) == int(compiled[0][0]), again
     answers_like_the_file()
+    # Stopped, not killed with its session at the test's end: inductor's compile workers then close their
+    # semaphores (/dev/shm/sem.mp-*), which a SIGKILL of every process, their resource tracker too, leaves.
+    assert daemon.stop() == 0
