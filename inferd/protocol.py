@@ -124,6 +124,9 @@ def bytes_array(buffer: Buffer, shape: Sequence[int]) -> np.ndarray:
 MAX_DIMS = 8
 MAX_TENSORS = 64
 MAX_GROUP = 256  # the most requests (or replies) one message carries as a group
+# The `peer` a gateway names its own region's messages and requests with (oip/hop_region.py): no client's
+# connection is named so (shm.peer_name).
+GATEWAY_PEER = "(gateway)"
 DEFAULT_MAX_MESSAGE_MB = 64  # server.max_message_mb's default, which the Python client assumes unless told
 
 RequestId = int | str
@@ -146,11 +149,14 @@ class TensorMeta(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_d
     byte_size: Annotated[int, msgspec.Meta(ge=0)] | None = None  # of a BYTES tensor in a region: its bytes there
 
 
-class OutputPlace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where a request asks one of its outputs written: a region of its connection, from `offset` on."""
+class OutputPlace(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """Where a request asks one of its outputs written: a region of its connection, from `offset` on; with
+    `byte_size`, at most that many bytes there, and a larger output comes in the reply's frames instead (without
+    it, an output the region cannot hold fails its request)."""
 
     region: RegionName
     offset: Offset = 0
+    byte_size: Annotated[int, msgspec.Meta(ge=0)] | None = None
 
 
 class RequestHeader(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -332,6 +332,27 @@ def test_an_output_region_too_small_for_the_output_is_refused_before_it_is_compu
         assert header["status"] == "ok" and header["outputs"][0]["region"] == "out", header
 
 
+def test_an_output_larger_than_its_places_byte_size_comes_in_the_reply_instead(shm_daemon, shm_file, repo):
+    x = np.random.default_rng(17).standard_normal((3, models.MLP_IN)).astype(np.float32)  # its output: 48 bytes
+    expected = reference(repo, "mlp", live(shm_daemon, "mlp"))(x)
+    key = shm_file(64)
+    with RawPeer(shm_daemon.endpoint) as peer:
+        assert ask(peer, register("out", key, 64))["status"] == "ok"
+        # Room for 40 bytes where the region has 64: the output, computed, comes back in a frame.
+        header, frames = infer_raw(peer, "larger", "mlp", [x], outputs=(OutputPlace("out", 8, byte_size=40),))
+        assert header["status"] == "ok" and "region" not in header["outputs"][0], header
+        np.testing.assert_allclose(np.frombuffer(frames[0], np.float32).reshape(expected.shape), expected, rtol=1e-5)
+        assert (SHM_DIR / key).read_bytes() == bytes(64), "nothing was written in the region"
+        # Room for all 48: written there.
+        header, frames = infer_raw(peer, "fits", "mlp", [x], outputs=(OutputPlace("out", 8, byte_size=48),))
+        assert header["status"] == "ok" and header["outputs"][0]["region"] == "out" and not frames, header
+        written = np.frombuffer((SHM_DIR / key).read_bytes()[8:56], np.float32).reshape(expected.shape)
+        np.testing.assert_allclose(written, expected, rtol=1e-5)
+        # The room itself must lie in the region.
+        header, _ = infer_raw(peer, "past", "mlp", [x], outputs=(OutputPlace("out", 32, byte_size=48),))
+        assert header["status"] == "invalid" and "needs bytes 32 to 80 of region 'out'" in header["error"], header
+
+
 # --- The rules --------------------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from inferd.supervisor.dispatch.batch import Batch
 from inferd.supervisor.queueing import padding
 from inferd.supervisor.queueing.queue import QueuedRequest
 from inferd.supervisor.shared.live import LiveVersions
-from inferd.supervisor.shared.regions import Region
+from inferd.supervisor.shared.regions import Place
 from inferd.supervisor.shared.stats import Stats
 
 log = logging.getLogger("inferd.replies")
@@ -276,20 +276,20 @@ class Replies:
         log.debug("reply undeliverable (%s)", exc.strerror)
 
 
-def _write_placed(places: tuple[tuple[Region, int] | None, ...], metas: tuple[TensorMeta, ...],
+def _write_placed(places: tuple[Place | None, ...], metas: tuple[TensorMeta, ...],
                   frames: list[memoryview]) -> tuple[tuple[TensorMeta, ...], list[memoryview]]:
-    """Write the outputs a request placed in its regions there: the reply's output metadata (saying
-    where each was written) and the frames left to send."""
+    """Write the outputs a request placed in its regions there (one larger than its place's limit stays a
+    frame): the reply's output metadata (saying where each was written) and the frames left to send."""
     if len(places) > len(metas):
         raise InvalidRequest(f"the request places {len(places)} outputs, but the model has {len(metas)}")
     described, left = [], []
     for index, (meta, frame) in enumerate(zip(metas, frames)):
         place = places[index] if index < len(places) else None
-        if place is None:
+        if place is None or (place.limit is not None and len(frame) > place.limit):
             described.append(meta)
             left.append(frame)
             continue
-        region, offset = place
+        region, offset, _ = place
         region.write_from([frame], offset)
         described.append(TensorMeta(meta.dtype, meta.shape, region.name, offset,
                                     len(frame) if meta.dtype == protocol.BYTES else None))

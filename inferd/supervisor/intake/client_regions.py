@@ -7,6 +7,11 @@ connection it came over (its descriptor, zmq.SRCFD), which the socket's monitor 
 when it drops. With server.client_shm_scope "server", every gateway client's regions have one owner
 (SERVER_OWNER), filed under no connection: they stay until unregistered, whichever connection or protocol
 uses them.
+
+A gateway's own region (oip/hop_region.py: its large requests' inputs), which it names with
+protocol.GATEWAY_PEER, is allowed whatever server.allow_client_shm says: a gateway is the daemon's own
+process, on a socket only the daemon's user can reach. Its shared-memory name is the gateways' (not a client's
+prefix), and it goes with the gateway's connection.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from inferd.errors import InvalidRequest
 from inferd.ipc.addresses import loopback
 from inferd.protocol import Buffer, RegionInfo
 from inferd.supervisor.intake.connections import Connections
-from inferd.supervisor.shared.regions import Region, Regions, RegionSlice
+from inferd.supervisor.shared.regions import Place, Region, Regions, RegionSlice
+from inferd.system.shm_names import GATEWAY_REGION_PREFIX
 
 log = logging.getLogger("inferd.frontend")
 
 Owner = tuple[int, bytes, str | None]  # (socket, routing id, gateway peer)
-Places = tuple[tuple[Region, int] | None, ...]  # per output: the region and offset to write it at
+Places = tuple[Place | None, ...]  # per output: where to write it
 SERVER_OWNER: Owner = (0, b"", "server")
 
 
@@ -49,13 +55,15 @@ class ClientRegions:
         self._names[socket] = name
         if gateway:
             self._gateways[socket] = protocol_name
+            self._connections.on_drop(socket, lambda fd: self._dropped(socket, fd))
         if protocol_name not in self._protocols:
             return
         if not (address.startswith("ipc://") or loopback(address)):
             log.warning("client shared memory stays off on %s %s: it is reachable beyond this machine", name, address)
             return
         self._allowed.add(socket)
-        self._connections.on_drop(socket, lambda fd: self._dropped(socket, fd))
+        if not gateway:
+            self._connections.on_drop(socket, lambda fd: self._dropped(socket, fd))
         log.info("client shared memory allowed on %s", name)
 
     def _dropped(self, socket: zmq.Socket, fd: int) -> None:
@@ -76,10 +84,12 @@ class ClientRegions:
                 self._connections.take(socket)
                 link = (id(socket), first.get(zmq.SRCFD)) if first is not None and owner is not SERVER_OWNER \
                     else None
-                who = (f"{self._gateways[socket]} client {op.peer}" if op.peer is not None
+                own = op.peer == protocol.GATEWAY_PEER
+                who = (f"the {self._gateways[socket]} gateway" if own
+                       else f"{self._gateways[socket]} client {op.peer}" if op.peer is not None
                        else f"{self._names[socket]} connection {identity.hex()}")
                 regions = [self.regions.register(owner, op.name, op.key, op.offset, op.byte_size, describe=who,
-                                                 link=link)]
+                                                 link=link, prefix=GATEWAY_REGION_PREFIX if own else None)]
                 log.info("region %r (shared memory %s, %d bytes from %d) registered by %s", op.name,
                          regions[0].key, op.byte_size, op.offset, who)
             elif isinstance(op, protocol.UnregisterRegion):  # a name not registered is already unregistered
@@ -99,7 +109,7 @@ class ClientRegions:
         sizes = protocol.input_sizes(header.inputs, header.id)
         used: set[Region] = set()
         resolved: list[Buffer | RegionSlice] = []
-        places: list[tuple[Region, int] | None] = []
+        places: list[Place | None] = []
         try:
             for index, (meta, buffer) in enumerate(zip(header.inputs, buffers)):
                 if buffer is not None:
@@ -120,9 +130,9 @@ class ClientRegions:
                     places.append(None)
                     continue
                 region = self.regions.get(owner, place.region)
-                region.check(place.offset, 0, "an output")
+                region.check(place.offset, place.byte_size or 0, "an output")
                 used.add(region)
-                places.append((region, place.offset))
+                places.append(Place(region, place.offset, place.byte_size))
         except InvalidRequest as exc:
             raise InvalidRequest(exc.message, header.id) from None
         for region in used:
@@ -135,6 +145,8 @@ class ClientRegions:
 
     def _owner(self, socket: zmq.Socket, identity: bytes, peer: str | None,
                request_id: protocol.RequestId) -> Owner:
+        if peer == protocol.GATEWAY_PEER and socket in self._gateways:
+            return (id(socket), identity, peer)
         if socket not in self._allowed:
             where = "" if self._protocols else " (server.allow_client_shm is off)"
             raise InvalidRequest(f"client shared memory is not allowed on {self._names[socket]}{where}; "

@@ -23,7 +23,7 @@ from enum import StrEnum
 from typing import Any
 
 from inferd.protocol import Buffer, RequestHeader, RequestId
-from inferd.supervisor.shared.regions import Region, RegionSlice
+from inferd.supervisor.shared.regions import Place, RegionSlice
 
 # Each input's per-sample shape, for a request of a model that takes inputs of any size in some dim.
 Shapes = tuple[tuple[int, ...], ...]
@@ -56,7 +56,7 @@ class QueuedRequest:
     deadline: float
     priority: int = 0
     state: int = WAITING
-    places: tuple[tuple[Region, int] | None, ...] = ()  # per output: the region and offset to write it at
+    places: tuple[Place | None, ...] = ()  # per output: where in a region to write it
     cancelled: bool = False  # its client cancelled it while its batch ran: the result is dropped
     answered: bool = False  # answered `timeout` at its deadline while its batch ran: the result is dropped
     lost_with: tuple[str, ...] = ()  # the workers that died while its batch ran (it is tried again once)

@@ -19,13 +19,22 @@ import stat
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from inferd.errors import InvalidRequest
 from inferd.system.shm_names import ARENA_NAME, SHM_DIR
 
 KEY = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 MAX_REGIONS_PER_CONNECTION = 64
+
+
+class Place(NamedTuple):
+    """Where a request's output goes: a region, the offset in it, and the most bytes it may take there (None: an
+    output that does not fit fails its request; else it comes back in the reply's frames)."""
+
+    region: Region
+    offset: int
+    limit: int | None
 
 
 @dataclass(eq=False)
@@ -141,9 +150,10 @@ class Regions:
         self._link_of: dict[Hashable, Hashable] = {}
 
     def register(self, owner: Hashable, name: str, key: str, offset: int, size: int, *,
-                 describe: str = "", link: Hashable = None) -> Region:
+                 describe: str = "", link: Hashable = None, prefix: str | None = None) -> Region:
         """Open shared memory `key` (a POSIX name: a leading '/' is allowed) and register `size` bytes of
-        it from `offset` on as `owner`'s region `name`; InvalidRequest with a sentence if any rule forbids."""
+        it from `offset` on as `owner`'s region `name`; InvalidRequest with a sentence if any rule forbids.
+        `prefix`: what `key` must start with, where not a client's (server.client_shm_prefix)."""
         owned = self._by_owner.get(owner, {})
         if name in owned:
             raise InvalidRequest(f"region {name!r} is already registered on this connection; unregister it first")
@@ -151,7 +161,7 @@ class Regions:
             raise InvalidRequest(f"this connection has {MAX_REGIONS_PER_CONNECTION} regions registered, "
                                  "the most one may have")
         key = key.removeprefix("/")
-        fd = _open(key, offset, size, self.prefix, self._folder)
+        fd = _open(key, offset, size, self.prefix if prefix is None else prefix, self._folder)
         region = Region(name, key, offset, size, fd, describe or str(owner))
         self._by_owner.setdefault(owner, {})[name] = region
         self._by_link.setdefault(link, set()).add(owner)
