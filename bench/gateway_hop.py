@@ -1,5 +1,5 @@
-"""The gateway's hop to the supervisor: a large request's tensors in the frames of its message (as inferd sends
-them) against through a shared-memory region the gateway owns (bench/variants/gateway_shm), in one run.
+"""The gateway's hop to the supervisor: a large request's inputs through the gateway's own shared-memory region
+(inferd/oip/hop_region.py) against in the frames of its message (bench/variants/frames_only), in one run.
 
     python -m bench.gateway_hop [--rounds 3] [--seconds 4] [--protocols http,grpc]
 
@@ -26,7 +26,7 @@ from inferd.harness import DaemonProcess, free_port, local_config
 
 SIZES = {"echo1m": models.ECHO_SIZES["1MB"], "echo16m": models.ECHO_SIZES["16MB"]}
 CONCURRENCY = 4
-WAYS = {"frames": {}, "region": {"INFERD_GATEWAY_SHM_KIB": "256"}}  # the region's way from 256 KiB up
+WAYS = {"frames": {"INFERD_FRAMES_ONLY": "1"}, "region": {}}
 
 
 def start(workdir: Path, repo: Path, env: dict[str, str]) -> DaemonProcess:
@@ -66,7 +66,7 @@ def main() -> int:
     for round_number in range(args.rounds):
         turn = round_number % len(ways)
         for way, extra in ways[turn:] + ways[:turn]:
-            env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'bench' / 'variants' / 'gateway_shm'}", **extra}
+            env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'bench' / 'variants' / 'frames_only'}", **extra}
             daemon = start(root / f"{way}-{round_number}", root / "repo", env)
             try:
                 for protocol in protocols:

@@ -220,12 +220,16 @@ class ModelView:
         return Requested([by_name[n] for n in self.inputs], None if timeout is None else timeout_ms(timeout),
                          priority_level(priority, self.priority_levels))
 
+    def output_bytes(self, samples: int) -> list[int | None] | None:
+        """Each output's bytes for a request of `samples` samples, where the model fixes its shape (None where
+        it follows the inputs' or is BYTES); None for a pipeline, whose tensors travel in its messages only."""
+        return None if self.pipeline else [_fixed_bytes(dtype, shape, samples) for dtype, shape in self.outputs]
+
     def place(self, name: str, region: InRegion, samples: int) -> protocol.OutputPlace:
         """Where output `name` of a request of `samples` samples goes: InvalidRequest if it does not fit."""
-        dtype, shape = self.outputs[self.output_names.index(name)]
         # An output whose size follows the inputs' is checked by the daemon, from the request's own sizes (and a
         # BYTES one as it is written).
-        needed = 0 if -1 in shape or dtype == protocol.BYTES else samples * protocol.tensor_bytes(dtype, shape)
+        needed = _fixed_bytes(*self.outputs[self.output_names.index(name)], samples) or 0
         if region.byte_size < needed:
             raise InvalidRequest(f"output {name!r} is {needed} bytes, but its shared_memory_byte_size is "
                                  f"{quoted(region.byte_size)}")
@@ -238,6 +242,12 @@ class ModelView:
         if name not in self.output_names:
             raise InvalidRequest(f"{self.name} has no output {quoted(name)}; it has {', '.join(self.output_names)}")
         return name
+
+
+def _fixed_bytes(dtype: str, shape: Sequence[int], samples: int) -> int | None:
+    """An output's bytes for `samples` samples, where its shape is fixed (None where it follows the inputs' or it
+    is BYTES)."""
+    return None if -1 in shape or dtype == protocol.BYTES else samples * protocol.tensor_bytes(dtype, shape)
 
 
 class Catalog:

@@ -63,6 +63,7 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
     upstream = Upstream(data_context, spec.upstream, config.queue.default_timeout_ms,
                         config.workers.batch_timeout_s + ANSWER_SLACK_S, max_message_bytes)
     upstream.start()
+    await upstream.open_hop_region()
     catalog = Catalog(config.workers.streams, spec.devices, control)
     # Over HTTP, a sixteenth is kept for small bodies; gRPC cannot tell a small message before it has come.
     budget_bytes = int(server.gateway_buffer_mb * MIB)
@@ -88,7 +89,7 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
         scheme = "grpcs" if server.tls_cert else "grpc"
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, front.stop)
-    giving_back = loop.create_task(_give_back_freed_memory())
+    giving_back = loop.create_task(_give_back_freed_memory(upstream))
 
     async def listening() -> None:
         # The daemon is ready, and says so to systemd and `inferctl health`, only once its front ends take
@@ -106,12 +107,14 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
         data_context.term()
 
 
-async def _give_back_freed_memory() -> None:
+async def _give_back_freed_memory(upstream: Upstream) -> None:
     """Hand the system, each GIVE_BACK_S, what the requests freed: glibc keeps freed memory for the process, and
-    after a flood of large requests a gateway would keep the flood's size (system/heap.py)."""
+    the hop region its pages; after a flood of large requests a gateway would keep the flood's size
+    (system/heap.py)."""
     while True:
         await asyncio.sleep(GIVE_BACK_S)
         heap.give_back()
+        upstream.give_back()
 
 
 def gateway_main(encoded_spec: bytes) -> None:

@@ -267,7 +267,8 @@ class InferenceService:
         # Cancelled by its client, or past its deadline, the call's task is cancelled and with it the request.
         reply, outputs = await self.upstream.infer(model.name, version, requested.inputs,
                                                    _within_deadline(requested.timeout_ms, call.time_remaining()),
-                                                   places, peer_if_needed, requested.level)
+                                                   places, peer_if_needed, requested.level,
+                                                   model.output_bytes(requested.samples))
         if reply.status != protocol.OK:
             raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)

@@ -17,6 +17,8 @@ import zmq.asyncio
 from inferd import protocol
 from inferd.errors import InvalidRequest
 from inferd.ipc.control import answer_result, decode_answer, encode_command
+from inferd.oip.hop_region import NAME as HOP_NAME
+from inferd.oip.hop_region import HopRegion, Lease
 from inferd.protocol import Buffer, ReplyHeader
 
 log = logging.getLogger("inferd.oip.upstream")
@@ -50,6 +52,8 @@ class Upstream:
 
     def __init__(self, context: zmq.Context, endpoint: str, default_timeout_ms: int, slack_s: float,
                  max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_MB << 20) -> None:
+        self._hop: HopRegion | None = None
+        self._leases: dict[int, Lease] = {}  # by request: blocks of the hop region the supervisor may still use
         self._default_timeout_ms = default_timeout_ms
         self._slack_s = slack_s
         self._max_message_bytes = max_message_bytes
@@ -70,25 +74,58 @@ class Upstream:
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._socket.getsockopt(zmq.FD), self._read)
 
+    async def open_hop_region(self) -> None:
+        """Register a region of the gateway's own with the supervisor, for large requests' tensors
+        (hop_region.py); without one (the supervisor refused it, say), they go in frames."""
+        try:
+            region = HopRegion()
+        except OSError as exc:
+            log.warning("large tensors go to the supervisor in frames: the gateway's region cannot be made (%s)", exc)
+            return
+        try:
+            reply = await self.region(protocol.RegisterRegion, protocol.GATEWAY_PEER, name=HOP_NAME, key=region.key,
+                                      byte_size=region.size)
+        finally:
+            region.registered()
+        if reply.status != protocol.OK:
+            log.warning("large tensors go to the supervisor in frames: it refused the gateway's region (%s)",
+                        reply.error)
+            return
+        self._hop = region
+
+    def give_back(self) -> None:
+        """Hand the system the pages of the hop region that no request uses."""
+        if self._hop is not None:
+            self._hop.give_back()
+
     async def infer(self, model: str, version: str | None,
                     inputs: Sequence[tuple[protocol.TensorMeta, Buffer | None]], timeout_ms: int | None,
                     outputs: Sequence[protocol.OutputPlace | None] = (),
-                    peer: str | None = None, priority: int | None = None) -> tuple[ReplyHeader, list[memoryview]]:
+                    peer: str | None = None, priority: int | None = None,
+                    output_bytes: Sequence[int | None] | None = None) -> tuple[ReplyHeader, list[memoryview]]:
         """Send one request (each input's metadata and its bytes, None for one in a region, in the model's
         order; `outputs`: where to write them, if in regions; `peer`: whose regions; `priority`: inferd's
-        level, None for the default); its reply.
+        level, None for the default); its reply. With `output_bytes` (each output's size, None where the model
+        decides it), a large request of no client's region goes through the gateway's own (hop_region.py).
 
         Cancelled while it waits (its client went away: the HTTP connection closed, the gRPC call was
         cancelled or passed its deadline), it tells the supervisor with a Cancel, which takes the request
         out of the queue (or drops its result once its batch finishes); the supervisor's `cancelled` reply
         then finds no one waiting and is dropped."""
         request_id = next(self._ids)
+        lease = None
+        if self._hop is not None and output_bytes is not None and not outputs and peer is None:
+            lease = self._hop.lease(inputs, output_bytes)
+            if lease is not None:
+                inputs, outputs, peer = lease.inputs, lease.places, protocol.GATEWAY_PEER
+                self._leases[request_id] = lease  # until the supervisor answers, even if the client has gone
         header = protocol.RequestHeader(id=request_id, model=model, version=version, timeout_ms=timeout_ms,
                                         priority=priority, inputs=tuple(meta for meta, _ in inputs),
                                         outputs=tuple(outputs), peer=peer)
         frames = [protocol.encode_header(header), *(data for _, data in inputs if data is not None)]
         limit_s = (timeout_ms or self._default_timeout_ms) / 1000 + self._slack_s
-        return await self._exchange(request_id, frames, limit_s, model, cancellable=True)
+        reply, answered = await self._exchange(request_id, frames, limit_s, model, cancellable=True)
+        return (reply, answered) if lease is None else lease.answer(reply, answered)
 
     async def region(self, kind: type[protocol.RegionOp], peer: str, **fields: Any) -> ReplyHeader:
         """Send a region message of `kind` for the client `peer`; the supervisor's answer."""
@@ -177,6 +214,8 @@ class Upstream:
         except msgspec.DecodeError:
             log.warning("malformed reply from the supervisor dropped")
             return
+        if self._leases and isinstance(header.id, int):
+            self._leases.pop(header.id, None)
         waiting = self._waiting.get(header.id) if isinstance(header.id, int) else None
         if waiting is not None and not waiting.future.done():
             waiting.future.set_result((header, [memoryview(frame) for frame in reply[1:]]))
@@ -189,6 +228,7 @@ class Upstream:
             self._sweep.cancel()
         for waiting in self._waiting.values():
             waiting.future.cancel()
+        self._leases.clear()
         self._socket.close()
 
 

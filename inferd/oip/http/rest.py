@@ -362,7 +362,8 @@ class RestApp:
         requested = parsed.requested
         reply, outputs = await _unless_gone(scope, self.upstream.infer(
             model.name, version, requested.inputs, requested.timeout_ms, places,
-            self.shared_memory.http_peer(_peer(scope)) if places or requested.in_regions else None, requested.level))
+            self.shared_memory.http_peer(_peer(scope)) if places or requested.in_regions else None, requested.level,
+            model.output_bytes(requested.samples)))
         if reply.status != protocol.OK:
             extra = OVERLOAD_HEADERS if reply.status == protocol.OVERLOADED else []
             raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)

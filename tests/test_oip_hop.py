@@ -1,0 +1,161 @@
+"""The gateways' own shared-memory regions (inferd/oip/hop_region.py): a large request's tensors go to the
+supervisor through its gateway's region and its answer's come back there, over HTTP and gRPC, spoken by
+Triton's clients; answers checked against the models in-process. The region's blocks, on a real file in
+/dev/shm, are tried directly."""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import models
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from conftest import MLP, Daemon, base_config, reference, wait_for
+
+from inferd import protocol
+from inferd.harness import free_port
+from inferd.oip import hop_region
+from inferd.oip.hop_region import HopRegion
+from inferd.protocol import ReplyHeader, TensorMeta
+from inferd.system.shm_names import GATEWAY_REGION_PREFIX, SHM_DIR
+
+CLIENTS = {"http": httpclient, "grpc": grpcclient}
+FEATURES = 1 << 16  # 256 KiB of float32 a sample: a request of one is as large as the region takes
+LARGE = {"inputs": [{"dtype": "float32", "shape": [FEATURES]}], "max_batch_size": 4}
+
+
+@pytest.fixture(scope="module")
+def daemon(repo: Path) -> Iterator[Daemon]:
+    """`variable` (its input back) and `sum` (a large input, a small output) at FEATURES, the mlp, and a
+    pipeline of `sum`, over HTTP and gRPC; client shared memory off, as by default."""
+    path = Path(tempfile.mkdtemp(prefix="inferd-h"))
+    config = base_config(path, repo, {"variable": LARGE, "sum": LARGE, "mlp": MLP},
+                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
+    config["pipelines"] = {"summed": {
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [FEATURES]}], "outputs": ["total"],
+        "steps": [{"model": "sum", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "total"}}]}}
+    started = Daemon(path, config)
+    started.start()
+    yield started
+    started.kill_all()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def gateway_region(daemon: Daemon, protocol_name: str) -> dict[str, Any]:
+    """The region the gateway of `protocol_name` registered, as `inferctl stats` lists it."""
+    (region,) = [r for r in daemon.call("stats")["regions"] if r["owner"] == f"the {protocol_name} gateway"]
+    return region
+
+
+def infer(daemon: Daemon, protocol_name: str, model: str, x: np.ndarray, name: str = "INPUT__0") -> np.ndarray:
+    module = CLIENTS[protocol_name]
+    client = module.InferenceServerClient(daemon.config["server"][protocol_name])
+    given = module.InferInput(name, list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+    result = client.infer(model, [given])
+    return result.as_numpy(result.get_response(**({"as_json": True} if protocol_name == "grpc" else {}))
+                           ["outputs"][0]["name"])
+
+
+@pytest.mark.parametrize("protocol_name", CLIENTS)
+def test_a_large_requests_tensors_go_through_its_gateways_region_and_answer_like_the_model(daemon, repo,
+                                                                                         protocol_name):
+    rng = np.random.default_rng(21)
+    before = gateway_region(daemon, protocol_name)
+    assert before["key"].startswith(GATEWAY_REGION_PREFIX)
+    assert not list(SHM_DIR.glob(f"{GATEWAY_REGION_PREFIX}*")), "a gateway's region left a name in /dev/shm"
+    for samples in (1, 3):
+        x = rng.random((samples, FEATURES), dtype=np.float32)
+        x[:, 0] = 0  # `variable` computes as many steps as its first value says
+        np.testing.assert_array_equal(infer(daemon, protocol_name, "variable", x), x)  # in and out the region
+        np.testing.assert_allclose(infer(daemon, protocol_name, "sum", x), reference(repo, "sum", "v1")(x),
+                                   rtol=1e-5)
+    assert gateway_region(daemon, protocol_name)["requests"] == before["requests"] + 4
+    small = rng.standard_normal((2, models.MLP_IN), dtype=np.float32)
+    np.testing.assert_allclose(infer(daemon, protocol_name, "mlp", small), reference(repo, "mlp", "v2")(small),
+                               rtol=1e-5, atol=1e-6)
+    assert gateway_region(daemon, protocol_name)["requests"] == before["requests"] + 4, "a small request went there"
+
+
+@pytest.mark.parametrize("protocol_name", CLIENTS)
+def test_a_pipeline_takes_a_large_request_in_its_message(daemon, repo, protocol_name):
+    x = np.random.default_rng(22).random((2, FEATURES), dtype=np.float32)
+    before = gateway_region(daemon, protocol_name)["requests"]
+    np.testing.assert_allclose(infer(daemon, protocol_name, "summed", x, "x"), reference(repo, "sum", "v1")(x),
+                               rtol=1e-5)
+    assert gateway_region(daemon, protocol_name)["requests"] == before
+
+
+def test_a_gateways_region_goes_with_the_gateway(daemon):
+    old = gateway_region(daemon, "http")
+    (gateway,) = [g for g in daemon.status()["gateways"] if g["protocol"] == "http"]
+    os.kill(gateway["pid"], signal.SIGKILL)
+
+    def replaced() -> bool:
+        regions = [r for r in daemon.call("stats")["regions"] if r["owner"] == "the http gateway"]
+        return len(regions) == 1 and regions[0]["key"] != old["key"]
+
+    wait_for(replaced, timeout=60, what="the new gateway's region, and the old one's gone")
+    x = np.random.default_rng(23).random((1, FEATURES), dtype=np.float32)
+    x[:, 0] = 0
+    wait_for(lambda: _answers(daemon, x), timeout=60, what="the new gateway answering")
+    assert gateway_region(daemon, "http")["requests"] >= 1
+
+
+def _answers(daemon: Daemon, x: np.ndarray) -> bool:
+    try:
+        return bool(np.array_equal(infer(daemon, "http", "variable", x), x))
+    except Exception:  # noqa: BLE001 - the gateway is not listening yet
+        return False
+
+
+@pytest.fixture
+def region() -> Iterator[HopRegion]:
+    made = HopRegion(4 << 20)
+    made.registered()  # no supervisor here: the name goes at once, as once one has the file open
+    yield made
+
+
+def written(lease: Any, outputs: list[tuple[int, ...]]) -> ReplyHeader:
+    """The reply the supervisor sends once it wrote `outputs` (float32 shapes) at the lease's places."""
+    return ReplyHeader(id=1, status=protocol.OK, outputs=tuple(
+        TensorMeta("float32", shape, hop_region.NAME, place.offset) for shape, place in zip(outputs, lease.places)))
+
+
+def test_a_block_is_taken_again_only_once_its_lease_and_its_answers_views_are_gone(region):
+    x = np.arange(1 << 18, dtype=np.float32).reshape(1, -1)  # 1 MiB, and an output of 1 MiB: 2 MiB a block
+    inputs = [(TensorMeta("float32", x.shape), memoryview(x))]
+    first, second = region.lease(inputs, [x.nbytes]), region.lease(inputs, [x.nbytes])
+    assert first is not None and second is not None and region.lease(inputs, [x.nbytes]) is None, "4 MiB hold two"
+    (meta, data), = first.inputs
+    assert data is None and meta.region == hop_region.NAME
+    _, (view,) = first.answer(written(first, [x.shape]), [])
+    del first
+    gc.collect()
+    assert region.lease(inputs, [x.nbytes]) is None, "a view of its answer still holds the block"
+    del view
+    gc.collect()
+    assert region.lease(inputs, [x.nbytes]) is not None, "the block came back"
+    gc.collect()
+    del second
+    gc.collect()
+    assert region.lease(inputs, [3 * x.nbytes]) is not None, "the blocks given back join into one"
+
+
+def test_a_small_request_or_one_of_bytes_goes_in_frames(region):
+    small = np.zeros((1, 16), np.float32)
+    assert region.lease([(TensorMeta("float32", small.shape), memoryview(small))], [64]) is None
+    big = np.zeros((1, FEATURES), np.float32)
+    text = protocol.pack_bytes([b"a"])
+    assert region.lease([(TensorMeta("float32", big.shape), memoryview(big)),
+                         (TensorMeta(protocol.BYTES, (1, 1)), text)], [None]) is None
+    assert region.lease([(TensorMeta("float32", big.shape), None)], [None]) is None, "an input in a client's region"
