@@ -1,5 +1,6 @@
-"""The gateway's hop to the supervisor: a large request's inputs through the gateway's own shared-memory region
-(inferd/oip/hop_region.py) against in the frames of its message (bench/variants/frames_only), in one run.
+"""The gateway's hop to the supervisor: a large request's tensors through the gateway's own shared-memory region
+(inferd/oip/hop_region.py, here from 256 KiB on) against in the frames of its message, in one run (both ways set
+by bench/variants/gateway_hop).
 
     python -m bench.gateway_hop [--rounds 3] [--seconds 4] [--protocols http,grpc]
 
@@ -26,7 +27,7 @@ from inferd.harness import DaemonProcess, free_port, local_config
 
 SIZES = {"echo1m": models.ECHO_SIZES["1MB"], "echo16m": models.ECHO_SIZES["16MB"]}
 CONCURRENCY = 4
-WAYS = {"frames": {"INFERD_FRAMES_ONLY": "1"}, "region": {}}
+WAYS = {"frames": {"INFERD_FRAMES_ONLY": "1"}, "region": {"INFERD_HOP_MIN_KIB": "256"}}
 
 
 def start(workdir: Path, repo: Path, env: dict[str, str]) -> DaemonProcess:
@@ -66,7 +67,7 @@ def main() -> int:
     for round_number in range(args.rounds):
         turn = round_number % len(ways)
         for way, extra in ways[turn:] + ways[:turn]:
-            env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'bench' / 'variants' / 'frames_only'}", **extra}
+            env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'bench' / 'variants' / 'gateway_hop'}", **extra}
             daemon = start(root / f"{way}-{round_number}", root / "repo", env)
             try:
                 for protocol in protocols:

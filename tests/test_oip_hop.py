@@ -29,8 +29,8 @@ from inferd.protocol import ReplyHeader, TensorMeta
 from inferd.system.shm_names import GATEWAY_REGION_PREFIX, SHM_DIR
 
 CLIENTS = {"http": httpclient, "grpc": grpcclient}
-FEATURES = 1 << 16  # 256 KiB of float32 a sample: a request of one is as large as the region takes
-LARGE = {"inputs": [{"dtype": "float32", "shape": [FEATURES]}], "max_batch_size": 4}
+FEATURES = 1 << 20  # 4 MiB of float32 a sample: a request of one is as large as the region takes
+LARGE = {"inputs": [{"dtype": "float32", "shape": [FEATURES]}], "max_batch_size": 2}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,8 @@ def daemon(repo: Path) -> Iterator[Daemon]:
     pipeline of `sum`, over HTTP and gRPC; client shared memory off, as by default."""
     path = Path(tempfile.mkdtemp(prefix="inferd-h"))
     config = base_config(path, repo, {"variable": LARGE, "sum": LARGE, "mlp": MLP},
-                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
+                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"},
+                         workers={"shm_mb": 128})
     config["pipelines"] = {"summed": {
         "inputs": [{"name": "x", "dtype": "float32", "shape": [FEATURES]}], "outputs": ["total"],
         "steps": [{"model": "sum", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "total"}}]}}
@@ -73,7 +74,7 @@ def test_a_large_requests_tensors_go_through_its_gateways_region_and_answer_like
     before = gateway_region(daemon, protocol_name)
     assert before["key"].startswith(GATEWAY_REGION_PREFIX)
     assert not list(SHM_DIR.glob(f"{GATEWAY_REGION_PREFIX}*")), "a gateway's region left a name in /dev/shm"
-    for samples in (1, 3):
+    for samples in (1, 2):
         x = rng.random((samples, FEATURES), dtype=np.float32)
         x[:, 0] = 0  # `variable` computes as many steps as its first value says
         np.testing.assert_array_equal(infer(daemon, protocol_name, "variable", x), x)  # in and out the region
@@ -120,7 +121,7 @@ def _answers(daemon: Daemon, x: np.ndarray) -> bool:
 
 @pytest.fixture
 def region() -> Iterator[HopRegion]:
-    made = HopRegion(4 << 20)
+    made = HopRegion(4 * hop_region.MIN_BYTES)
     made.registered()  # no supervisor here: the name goes at once, as once one has the file open
     yield made
 
@@ -132,10 +133,10 @@ def written(lease: Any, outputs: list[tuple[int, ...]]) -> ReplyHeader:
 
 
 def test_a_block_is_taken_again_only_once_its_lease_and_its_answers_views_are_gone(region):
-    x = np.arange(1 << 18, dtype=np.float32).reshape(1, -1)  # 1 MiB, and an output of 1 MiB: 2 MiB a block
+    x = np.arange(hop_region.MIN_BYTES // 4, dtype=np.float32).reshape(1, -1)  # and an output of its size
     inputs = [(TensorMeta("float32", x.shape), memoryview(x))]
     first, second = region.lease(inputs, [x.nbytes]), region.lease(inputs, [x.nbytes])
-    assert first is not None and second is not None and region.lease(inputs, [x.nbytes]) is None, "4 MiB hold two"
+    assert first is not None and second is not None and region.lease(inputs, [x.nbytes]) is None, "it holds two"
     (meta, data), = first.inputs
     assert data is None and meta.region == hop_region.NAME
     _, (view,) = first.answer(written(first, [x.shape]), [])
@@ -152,8 +153,8 @@ def test_a_block_is_taken_again_only_once_its_lease_and_its_answers_views_are_go
 
 
 def test_a_small_request_or_one_of_bytes_goes_in_frames(region):
-    small = np.zeros((1, 16), np.float32)
-    assert region.lease([(TensorMeta("float32", small.shape), memoryview(small))], [64]) is None
+    small = np.zeros((1, hop_region.MIN_BYTES // 8), np.float32)  # half of it, and an output of 4 bytes
+    assert region.lease([(TensorMeta("float32", small.shape), memoryview(small))], [4]) is None
     big = np.zeros((1, FEATURES), np.float32)
     text = protocol.pack_bytes([b"a"])
     assert region.lease([(TensorMeta("float32", big.shape), memoryview(big)),
