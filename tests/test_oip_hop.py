@@ -6,6 +6,8 @@ Triton's clients; answers checked against the models in-process. The region's bl
 from __future__ import annotations
 
 import gc
+import http.client
+import json
 import os
 import shutil
 import signal
@@ -31,6 +33,8 @@ from inferd.system.shm_names import GATEWAY_REGION_PREFIX, SHM_DIR
 CLIENTS = {"http": httpclient, "grpc": grpcclient}
 FEATURES = 1 << 20  # 4 MiB of float32 a sample: a request of one is as large as the region takes
 LARGE = {"inputs": [{"dtype": "float32", "shape": [FEATURES]}], "max_batch_size": 2}
+SUMMED = {"inputs": [{"name": "x", "dtype": "float32", "shape": [FEATURES]}], "outputs": ["total"],
+          "steps": [{"model": "sum", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "total"}}]}
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +45,7 @@ def daemon(repo: Path) -> Iterator[Daemon]:
     config = base_config(path, repo, {"variable": LARGE, "sum": LARGE, "mlp": MLP},
                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"},
                          workers={"shm_mb": 128})
-    config["pipelines"] = {"summed": {
-        "inputs": [{"name": "x", "dtype": "float32", "shape": [FEATURES]}], "outputs": ["total"],
-        "steps": [{"model": "sum", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "total"}}]}}
+    config["pipelines"] = {"summed": SUMMED}
     started = Daemon(path, config)
     started.start()
     yield started
@@ -51,9 +53,15 @@ def daemon(repo: Path) -> Iterator[Daemon]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def gateway_regions(daemon: Daemon, protocol_name: str) -> list[dict[str, Any]]:
+    """The regions the gateway of `protocol_name` registered, as `inferctl stats` lists them."""
+    return [r for r in daemon.call("stats")["regions"] if r["owner"] == f"the {protocol_name} gateway"]
+
+
 def gateway_region(daemon: Daemon, protocol_name: str) -> dict[str, Any]:
-    """The region the gateway of `protocol_name` registered, as `inferctl stats` lists it."""
-    (region,) = [r for r in daemon.call("stats")["regions"] if r["owner"] == f"the {protocol_name} gateway"]
+    """The one region the gateway of `protocol_name` has (it registers it once connected to the supervisor)."""
+    wait_for(lambda: len(gateway_regions(daemon, protocol_name)) == 1, what=f"the {protocol_name} gateway's region")
+    (region,) = gateway_regions(daemon, protocol_name)
     return region
 
 
@@ -102,7 +110,7 @@ def test_a_gateways_region_goes_with_the_gateway(daemon):
     os.kill(gateway["pid"], signal.SIGKILL)
 
     def replaced() -> bool:
-        regions = [r for r in daemon.call("stats")["regions"] if r["owner"] == "the http gateway"]
+        regions = gateway_regions(daemon, "http")
         return len(regions) == 1 and regions[0]["key"] != old["key"]
 
     wait_for(replaced, timeout=60, what="the new gateway's region, and the old one's gone")
@@ -119,9 +127,38 @@ def _answers(daemon: Daemon, x: np.ndarray) -> bool:
         return False
 
 
+def test_a_request_too_large_as_inferds_message_is_refused_and_the_connection_kept(repo):
+    # 2 x FEATURES zeros as JSON are a 4 MiB body, within server.max_message_mb; as float32 they are 8 MiB, over
+    # it. A pipeline's tensors always go in frames: sent to the supervisor, that message would make ZeroMQ drop
+    # the gateway's connection, with every reply on it and the gateway's region.
+    path = Path(tempfile.mkdtemp(prefix="inferd-h"))
+    config = base_config(path, repo, {"variable": LARGE, "sum": LARGE}, workers={"shm_mb": 128},
+                         server={"http": f"127.0.0.1:{free_port()}", "max_message_mb": 5})
+    config["pipelines"] = {"summed": SUMMED}
+    daemon = Daemon(path, config)
+    try:
+        daemon.start()
+        body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, %d], "data": [%s0]}]}' % (
+            FEATURES, b"0," * (2 * FEATURES - 1))
+        connection = http.client.HTTPConnection(daemon.config["server"]["http"], timeout=30)
+        connection.request("POST", "/v2/models/summed/infer", body, {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        error = json.loads(answer.read())["error"]
+        assert answer.status == 400 and "over server.max_message_mb (5 MiB)" in error, error
+        x = np.random.default_rng(24).random((1, FEATURES), dtype=np.float32)
+        x[:, 0] = 0
+        before = gateway_region(daemon, "http")
+        np.testing.assert_array_equal(infer(daemon, "http", "variable", x), x)
+        assert gateway_region(daemon, "http") == {**before, "requests": before["requests"] + 1}, \
+            "the gateway's connection, and its region, were kept"
+    finally:
+        daemon.kill_all()
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def region() -> Iterator[HopRegion]:
-    made = HopRegion(4 * hop_region.MIN_BYTES)
+    made = HopRegion("test", 4 * hop_region.MIN_BYTES)
     made.registered()  # no supervisor here: the name goes at once, as once one has the file open
     yield made
 
@@ -129,7 +166,7 @@ def region() -> Iterator[HopRegion]:
 def written(lease: Any, outputs: list[tuple[int, ...]]) -> ReplyHeader:
     """The reply the supervisor sends once it wrote `outputs` (float32 shapes) at the lease's places."""
     return ReplyHeader(id=1, status=protocol.OK, outputs=tuple(
-        TensorMeta("float32", shape, hop_region.NAME, place.offset) for shape, place in zip(outputs, lease.places)))
+        TensorMeta("float32", shape, place.region, place.offset) for shape, place in zip(outputs, lease.places)))
 
 
 def test_a_block_is_taken_again_only_once_its_lease_and_its_answers_views_are_gone(region):
@@ -138,7 +175,7 @@ def test_a_block_is_taken_again_only_once_its_lease_and_its_answers_views_are_go
     first, second = region.lease(inputs, [x.nbytes]), region.lease(inputs, [x.nbytes])
     assert first is not None and second is not None and region.lease(inputs, [x.nbytes]) is None, "it holds two"
     (meta, data), = first.inputs
-    assert data is None and meta.region == hop_region.NAME
+    assert data is None and meta.region == region.name
     _, (view,) = first.answer(written(first, [x.shape]), [])
     del first
     gc.collect()

@@ -63,7 +63,6 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
     upstream = Upstream(data_context, spec.upstream, config.queue.default_timeout_ms,
                         config.workers.batch_timeout_s + ANSWER_SLACK_S, max_message_bytes)
     upstream.start()
-    await upstream.open_hop_region()
     catalog = Catalog(config.workers.streams, spec.devices, control)
     # Over HTTP, a sixteenth is kept for small bodies; gRPC cannot tell a small message before it has come.
     budget_bytes = int(server.gateway_buffer_mb * MIB)

@@ -14,9 +14,10 @@ always does.
 The region is registered with the supervisor as a local client's is (the supervisor opens the file and reads
 and writes it through its descriptor, never mapped), under the gateway's own name (protocol.GATEWAY_PEER),
 and its name removed from /dev/shm at once: nothing is left there if either process dies, and it goes with
-the gateway's connection. A request's block is reused only once the supervisor has answered the request (one
-cancelled by its client may still be computed and its outputs written) and nothing holds a view of its
-outputs any more.
+the gateway's connection (a new connection gets a new region: upstream.py). A block's pages are allocated
+before it is used, so a full /dev/shm sends a request in frames rather than failing a write into the mapping.
+A request's block is reused only once the supervisor has answered the request (one cancelled by its client may
+still be computed and its outputs written) and nothing holds a view of its outputs any more.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import secrets
 import weakref
 from collections.abc import Sequence
 
@@ -34,30 +36,29 @@ from inferd import protocol
 from inferd.protocol import Buffer, ReplyHeader, TensorMeta
 from inferd.system.shm_names import GATEWAY_REGION_PREFIX, SHM_DIR
 
-NAME = "gateway"  # the region's name among the gateway's regions (it has no other)
 # A request's tensor bytes (inputs, and outputs of fixed size) from which they go here: bench.gateway_hop found
 # a gain at 16 MiB a request and none at 1 MiB.
 MIN_BYTES = 4 << 20
 REGION_BYTES = 256 << 20  # what the region spans; only the pages in use are memory
-ALIGN = 4096
+ALIGN = mmap.PAGESIZE  # blocks start on pages, which is where their pages can be given back
 
 
 class HopRegion:
     """The region and its free space: first fit over the free blocks, by offset."""
 
-    def __init__(self, size: int = REGION_BYTES) -> None:
-        self.key = f"{GATEWAY_REGION_PREFIX}{os.getpid()}"
-        # A file of this name is a dead process's of the same pid, killed before it took its name out.
-        (SHM_DIR / self.key).unlink(missing_ok=True)
+    def __init__(self, name: str, size: int = REGION_BYTES) -> None:
+        self.name = name  # among the gateway's regions on its connection
+        self.key = f"{GATEWAY_REGION_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(SHM_DIR / self.key, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
             self.mapping = mmap.mmap(fd, size)
         except BaseException:
+            os.close(fd)
             os.unlink(SHM_DIR / self.key)
             raise
-        finally:
-            os.close(fd)
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
         self.size = size
         self._free: list[tuple[int, int]] = [(0, size)]  # (offset, size) by offset, no two touching
 
@@ -78,6 +79,11 @@ class HopRegion:
         size = sum(_aligned(len(part)) for part in parts) + sum(_aligned(n or 0) for n in output_bytes)
         offset = self._take(size)
         if offset is None:
+            return None
+        try:
+            os.posix_fallocate(self._fd, offset, size)
+        except OSError:  # /dev/shm is full: a write into the mapping would kill the process
+            self.release(offset, size)
             return None
         return Lease(self, offset, size, inputs, parts, output_bytes)
 
@@ -129,11 +135,11 @@ class Lease:
         self.inputs: list[tuple[TensorMeta, Buffer | None]] = []  # each input's metadata naming the region
         for (meta, _), part in zip(inputs, parts):
             self._block[at:at + len(part)] = part
-            self.inputs.append((TensorMeta(meta.dtype, meta.shape, NAME, offset + at), None))
+            self.inputs.append((TensorMeta(meta.dtype, meta.shape, region.name, offset + at), None))
             at += _aligned(len(part))
         self.places: list[protocol.OutputPlace | None] = []
         for limit in output_bytes:
-            self.places.append(protocol.OutputPlace(NAME, offset + at, limit) if limit else None)
+            self.places.append(protocol.OutputPlace(region.name, offset + at, limit) if limit else None)
             at += _aligned(limit or 0)
 
     def answer(self, reply: ReplyHeader, frames: list[memoryview]) -> tuple[ReplyHeader, list[memoryview]]:

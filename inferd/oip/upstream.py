@@ -17,7 +17,6 @@ import zmq.asyncio
 from inferd import protocol
 from inferd.errors import InvalidRequest
 from inferd.ipc.control import answer_result, decode_answer, encode_command
-from inferd.oip.hop_region import NAME as HOP_NAME
 from inferd.oip.hop_region import HopRegion, Lease
 from inferd.protocol import Buffer, ReplyHeader
 
@@ -48,12 +47,20 @@ class Upstream:
 
     What one turn of the loop sends goes at the turn's end as one message, a group (within MAX_GROUP and
     `max_message_bytes`), and the supervisor answers in groups what one batch computed: a message's
-    handling, on both sides, is shared by the requests of a turn."""
+    handling, on both sides, is shared by the requests of a turn. A request larger than that is refused
+    here: ZeroMQ would drop the connection for it, and with it every reply on the way.
+
+    The gateway's hop region (hop_region.py) is its connection's: registered once the connection is made,
+    and made anew with each new connection (the supervisor closes a connection's regions when it drops, and
+    the replies to requests sent on it are lost with it). A request sent through the region that comes back
+    `invalid` is sent once more in frames: the region may have gone with a connection before the gateway knew."""
 
     def __init__(self, context: zmq.Context, endpoint: str, default_timeout_ms: int, slack_s: float,
                  max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_MB << 20) -> None:
         self._hop: HopRegion | None = None
         self._leases: dict[int, Lease] = {}  # by request: blocks of the hop region the supervisor may still use
+        self._regions = itertools.count(1)  # the hop regions' names, one for each connection
+        self._opening: asyncio.Task[None] | None = None
         self._default_timeout_ms = default_timeout_ms
         self._slack_s = slack_s
         self._max_message_bytes = max_message_bytes
@@ -62,6 +69,8 @@ class Upstream:
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.RCVHWM, 0)
         self._socket.linger = 0
+        # Before connecting, so that the first connection is reported too.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED)
         self._socket.connect(endpoint)
         self._ids = itertools.count(1)
         self._waiting: dict[int, _Waiting] = {}
@@ -70,28 +79,44 @@ class Upstream:
         self._sweep: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
-        """Start reading replies (on the running loop)."""
+        """Start reading replies (on the running loop), and register a hop region with each connection to the
+        supervisor."""
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(self._socket.getsockopt(zmq.FD), self._read)
+        self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_connection)
+        self._on_connection()  # the descriptor is edge-triggered: a connection made already has signalled
 
-    async def open_hop_region(self) -> None:
-        """Register a region of the gateway's own with the supervisor, for large requests' tensors
-        (hop_region.py); without one (the supervisor refused it, say), they go in frames."""
+    def _on_connection(self) -> None:
+        assert self._loop is not None
+        while self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._monitor.recv_multipart()
+            self._hop = None  # until the new connection has its own
+            self._leases.clear()  # their replies went with the old connection
+            if self._opening is None:
+                self._opening = self._loop.create_task(self._open_hop_region())
+
+    async def _open_hop_region(self) -> None:
+        """Register a new region of the gateway's own on the connection just made; without one (the supervisor
+        refused it, or /dev/shm has no room), large requests' tensors go in frames."""
         try:
-            region = HopRegion()
-        except OSError as exc:
-            log.warning("large tensors go to the supervisor in frames: the gateway's region cannot be made (%s)", exc)
-            return
-        try:
-            reply = await self.region(protocol.RegisterRegion, protocol.GATEWAY_PEER, name=HOP_NAME, key=region.key,
-                                      byte_size=region.size)
+            try:
+                region = HopRegion(f"gateway-{next(self._regions)}")
+            except OSError as exc:
+                log.warning("large tensors go to the supervisor in frames: no room for the gateway's region (%s)",
+                            exc)
+                return
+            try:
+                reply = await self.region(protocol.RegisterRegion, protocol.GATEWAY_PEER, name=region.name,
+                                          key=region.key, byte_size=region.size)
+            finally:
+                region.registered()
+            if reply.status != protocol.OK:
+                log.warning("large tensors go to the supervisor in frames: it refused the gateway's region (%s)",
+                            reply.error)
+                return
+            self._hop = region
         finally:
-            region.registered()
-        if reply.status != protocol.OK:
-            log.warning("large tensors go to the supervisor in frames: it refused the gateway's region (%s)",
-                        reply.error)
-            return
-        self._hop = region
+            self._opening = None
 
     def give_back(self) -> None:
         """Hand the system the pages of the hop region that no request uses."""
@@ -117,15 +142,24 @@ class Upstream:
         if self._hop is not None and output_bytes is not None and not outputs and peer is None:
             lease = self._hop.lease(inputs, output_bytes)
             if lease is not None:
-                inputs, outputs, peer = lease.inputs, lease.places, protocol.GATEWAY_PEER
                 self._leases[request_id] = lease  # until the supervisor answers, even if the client has gone
+        sent = (lease.inputs, lease.places, protocol.GATEWAY_PEER) if lease is not None else (inputs, outputs, peer)
         header = protocol.RequestHeader(id=request_id, model=model, version=version, timeout_ms=timeout_ms,
-                                        priority=priority, inputs=tuple(meta for meta, _ in inputs),
-                                        outputs=tuple(outputs), peer=peer)
-        frames = [protocol.encode_header(header), *(data for _, data in inputs if data is not None)]
+                                        priority=priority, inputs=tuple(meta for meta, _ in sent[0]),
+                                        outputs=tuple(sent[1]), peer=sent[2])
+        frames = [protocol.encode_header(header), *(data for _, data in sent[0] if data is not None)]
+        size = sum(len(frame) for frame in frames)
+        if size > self._max_message_bytes:
+            return ReplyHeader(id=request_id, status=protocol.INVALID, error=(
+                f"the request comes to {size} bytes as inferd's message, over server.max_message_mb "
+                f"({self._max_message_bytes / (1 << 20):g} MiB); send fewer samples a request")), []
         limit_s = (timeout_ms or self._default_timeout_ms) / 1000 + self._slack_s
         reply, answered = await self._exchange(request_id, frames, limit_s, model, cancellable=True)
-        return (reply, answered) if lease is None else lease.answer(reply, answered)
+        if lease is None:
+            return reply, answered
+        if reply.status == protocol.INVALID:
+            return await self.infer(model, version, inputs, timeout_ms, priority=priority)
+        return lease.answer(reply, answered)
 
     async def region(self, kind: type[protocol.RegionOp], peer: str, **fields: Any) -> ReplyHeader:
         """Send a region message of `kind` for the client `peer`; the supervisor's answer."""
@@ -224,11 +258,16 @@ class Upstream:
         """Stop reading and close the socket; whoever still waits gets CancelledError."""
         if self._loop is not None:
             self._loop.remove_reader(self._socket.getsockopt(zmq.FD))
+            self._loop.remove_reader(self._monitor.getsockopt(zmq.FD))
         if self._sweep is not None:
             self._sweep.cancel()
         for waiting in self._waiting.values():
             waiting.future.cancel()
         self._leases.clear()
+        if self._opening is not None:
+            self._opening.cancel()
+        self._socket.disable_monitor()
+        self._monitor.close()
         self._socket.close()
 
 

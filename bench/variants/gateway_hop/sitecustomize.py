@@ -15,10 +15,10 @@ from inferd.oip.upstream import Upstream
 
 
 async def _no_region(self: Upstream) -> None:
-    """Leave the gateway without a hop region."""
+    """Leave the gateway's connection without a hop region."""
 
 
 if os.environ.get("INFERD_FRAMES_ONLY"):
-    Upstream.open_hop_region = _no_region  # type: ignore[method-assign]
+    Upstream._open_hop_region = _no_region  # type: ignore[method-assign]
 if os.environ.get("INFERD_HOP_MIN_KIB"):
     hop_region.MIN_BYTES = int(os.environ["INFERD_HOP_MIN_KIB"]) << 10
