@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import subprocess
 import sys
-import tempfile
 import tomllib
 import uuid
 from collections.abc import Iterator
@@ -22,7 +20,7 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from conftest import Daemon, base_config, pipeline_held, step_of, wait_for
+from conftest import Daemon, base_config, module_daemon, pipeline_held, step_of, wait_for
 from gates import Gate
 from python_models import IDENTITY_MOST, SIMPLE_IDENTITY_CONFIG, SIMPLE_STRING_CONFIG, STRINGS_PER_SAMPLE, in_process
 from tritonclient.utils import serialize_byte_tensor
@@ -40,19 +38,14 @@ BIN = Path(sys.executable).parent
 def served(python_repo: Path) -> Iterator[Daemon]:
     """simple_string and simple_identity (whose gates are a folder of the daemon's) over ZeroMQ, HTTP and gRPC,
     with client shared memory allowed."""
-    folder = Path(tempfile.mkdtemp(prefix="inferd-b"))
-    gates = folder / "gates"
-    gates.mkdir()
-    config = base_config(folder, python_repo, {
-        "simple_string": SIMPLE_STRING_CONFIG,
-        "simple_identity": {**SIMPLE_IDENTITY_CONFIG, "parameters": {"gates": str(gates)}}},
-        server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}", "allow_client_shm": True})
-    daemon = Daemon(folder, config)
-    try:
-        yield daemon.start()
-    finally:
-        daemon.kill_all()
-        shutil.rmtree(folder, ignore_errors=True)
+    def gated(config: dict[str, Any], folder: Path) -> None:
+        (folder / "gates").mkdir()
+        config["models"]["simple_identity"]["parameters"] = {"gates": str(folder / "gates")}
+
+    with module_daemon(python_repo, {"simple_string": SIMPLE_STRING_CONFIG, "simple_identity": SIMPLE_IDENTITY_CONFIG},
+                       gated, server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
+                                      "allow_client_shm": True}) as daemon:
+        yield daemon
 
 
 def reference(daemon: Daemon, model: str) -> Any:

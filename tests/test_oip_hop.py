@@ -9,9 +9,7 @@ import gc
 import http.client
 import json
 import os
-import shutil
 import signal
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import MLP, Daemon, base_config, reference, wait_for
+from conftest import MLP, Daemon, module_daemon, reference, wait_for
 
 from inferd import protocol
 from inferd.harness import free_port
@@ -41,16 +39,13 @@ SUMMED = {"inputs": [{"name": "x", "dtype": "float32", "shape": [FEATURES]}], "o
 def daemon(repo: Path) -> Iterator[Daemon]:
     """`variable` (its input back) and `sum` (a large input, a small output) at FEATURES, the mlp, and a
     pipeline of `sum`, over HTTP and gRPC; client shared memory off, as by default."""
-    path = Path(tempfile.mkdtemp(prefix="inferd-h"))
-    config = base_config(path, repo, {"variable": LARGE, "sum": LARGE, "mlp": MLP},
-                         server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"},
-                         workers={"shm_mb": 128})
+    with module_daemon(repo, {"variable": LARGE, "sum": LARGE, "mlp": MLP}, with_summed, workers={"shm_mb": 128},
+                       server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"}) as started:
+        yield started
+
+
+def with_summed(config: dict[str, Any], _: Path) -> None:
     config["pipelines"] = {"summed": SUMMED}
-    started = Daemon(path, config)
-    started.start()
-    yield started
-    started.kill_all()
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def gateway_regions(daemon: Daemon, protocol_name: str) -> list[dict[str, Any]]:
@@ -131,13 +126,8 @@ def test_a_request_too_large_as_inferds_message_is_refused_and_the_connection_ke
     # 2 x FEATURES zeros as JSON are a 4 MiB body, within server.max_message_mb; as float32 they are 8 MiB, over
     # it. A pipeline's tensors always go in frames: sent to the supervisor, that message would make ZeroMQ drop
     # the gateway's connection, with every reply on it and the gateway's region.
-    path = Path(tempfile.mkdtemp(prefix="inferd-h"))
-    config = base_config(path, repo, {"variable": LARGE, "sum": LARGE}, workers={"shm_mb": 128},
-                         server={"http": f"127.0.0.1:{free_port()}", "max_message_mb": 5})
-    config["pipelines"] = {"summed": SUMMED}
-    daemon = Daemon(path, config)
-    try:
-        daemon.start()
+    with module_daemon(repo, {"variable": LARGE, "sum": LARGE}, with_summed, workers={"shm_mb": 128},
+                       server={"http": f"127.0.0.1:{free_port()}", "max_message_mb": 5}) as daemon:
         body = b'{"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, %d], "data": [%s0]}]}' % (
             FEATURES, b"0," * (2 * FEATURES - 1))
         connection = http.client.HTTPConnection(daemon.config["server"]["http"], timeout=30)
@@ -151,9 +141,6 @@ def test_a_request_too_large_as_inferds_message_is_refused_and_the_connection_ke
         np.testing.assert_array_equal(infer(daemon, "http", "variable", x), x)
         assert gateway_region(daemon, "http") == {**before, "requests": before["requests"] + 1}, \
             "the gateway's connection, and its region, were kept"
-    finally:
-        daemon.kill_all()
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import importlib.util
 import io
 import json
 import shutil
-import tempfile
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +20,10 @@ import pytest
 import torch
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from conftest import Daemon, built_once
+from conftest import Daemon, built_once, module_daemon
 from python_models import in_process
 
-from inferd.harness import free_port, local_config
+from inferd.harness import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 TEXTS = [b"The cat sat on the mat", b"a DOG ran fast under the table and the cat " * 3, "zebra \u00e9".encode(), b"",
@@ -62,16 +61,10 @@ def served(examples: Path) -> Iterator[Daemon]:
     written = tomllib.loads((examples / "inferd.toml").read_text())
     table = {name: {**body, "repository": str((examples / body["repository"]).resolve())}
              for name, body in written["models"].items()}
-    folder = Path(tempfile.mkdtemp(prefix="inferd-x"))
-    config = local_config(folder, table, workers={"shm_mb": 32},
-                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"})
-    config["pipelines"] = written["pipelines"]
-    daemon = Daemon(folder, config)
-    try:
-        yield daemon.start()
-    finally:
-        daemon.kill_all()
-        shutil.rmtree(folder, ignore_errors=True)
+    with module_daemon(examples, table, lambda config, _: config.update(pipelines=written["pipelines"]),
+                       workers={"shm_mb": 32},
+                       server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"}) as daemon:
+        yield daemon
 
 
 def text_chain(examples: Path) -> Any:

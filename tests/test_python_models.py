@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import MLP, Daemon, base_config, exited, pipeline_held, wait_for
+from conftest import MLP, Daemon, exited, module_daemon, pipeline_held, wait_for
 from gates import Gate
 from python_models import HANG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
@@ -43,21 +42,15 @@ def steps_of(daemon: Daemon, model: str) -> list[dict[str, Any]]:
 def served(python_repo: Path, repo: Path) -> Iterator[Daemon]:
     """One daemon for the module: scale (two processes), scale_one (the same model, one process) and mlp, a tensor
     model, beside them; over the Open Inference Protocol's HTTP too."""
-    import tempfile
+    def gated(config: dict[str, Any], folder: Path) -> None:
+        (folder / "gates").mkdir()
+        config["models"]["scale"].update(scale(folder / "gates", processes=2))
+        config["models"]["scale_one"].update(scale(folder / "gates"))
 
-    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
-    gates = folder / "gates"
-    gates.mkdir()
-    config = base_config(folder, python_repo, {"scale": scale(gates, processes=2), "scale_one": scale(gates)})
-    config["models"]["scale_one"]["repository"] = str(python_repo / "scale")
-    config["models"]["mlp"] = {**MLP, "repository": str(repo / "mlp")}
-    config["server"]["http"] = f"127.0.0.1:{free_port()}"
-    daemon = Daemon(folder, config)
-    try:
-        yield daemon.start()
-    finally:
-        daemon.kill_all()
-        shutil.rmtree(folder, ignore_errors=True)
+    with module_daemon(python_repo, {"scale": {}, "scale_one": {"repository": str(python_repo / "scale")},
+                                     "mlp": {**MLP, "repository": str(repo / "mlp")}},
+                       gated, server={"http": f"127.0.0.1:{free_port()}"}) as daemon:
+        yield daemon
 
 
 def test_a_python_model_answers_as_its_model_py_does_in_process(served, python_repo):
