@@ -148,7 +148,7 @@ class Upstream:
                                         priority=priority, inputs=tuple(meta for meta, _ in sent[0]),
                                         outputs=tuple(sent[1]), peer=sent[2])
         frames = [protocol.encode_header(header), *(data for _, data in sent[0] if data is not None)]
-        size = sum(len(frame) for frame in frames)
+        size = _nbytes(frames)
         if size > self._max_message_bytes:
             return ReplyHeader(id=request_id, status=protocol.INVALID, error=(
                 f"the request comes to {size} bytes as inferd's message, over server.max_message_mb "
@@ -212,7 +212,7 @@ class Upstream:
         assert self._loop is not None
         if not self._outbox:
             self._loop.call_soon(self._flush)
-        self._outbox.append((frames, sum(len(frame) for frame in frames)))
+        self._outbox.append((frames, _nbytes(frames)))
 
     def _flush(self) -> None:
         assert self._loop is not None
@@ -269,6 +269,11 @@ class Upstream:
         self._socket.disable_monitor()
         self._monitor.close()
         self._socket.close()
+
+
+def _nbytes(frames: Sequence[Any]) -> int:
+    # Bytes, not len(): a tensor decoded from nested JSON is a buffer of more than one dimension.
+    return sum(memoryview(frame).nbytes for frame in frames)
 
 
 class Control:
