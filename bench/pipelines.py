@@ -84,7 +84,8 @@ def step(folder: Path, parameters: dict[str, Any] | None = None) -> Any:
 
 
 def ms_per_call(call: Callable[[], Any], calls: int = 20) -> float:
-    call()
+    for _ in range(3):  # TorchScript optimizes a module over its first calls
+        call()
     started = time.perf_counter()
     for _ in range(calls):
         call()
@@ -104,11 +105,12 @@ def build(root: Path, step_ms: float) -> dict[str, Any]:
               for name, body in written["models"].items() if name in ("thumbnail", "resnet18", "top5")}
     (root / "busy" / "v1").mkdir(parents=True)
     (root / "busy" / "v1" / "model.py").write_text(BUSY)
-    busy = step(root / "busy", {"loops": 10_000})
-    loops = int(10_000 * step_ms / ms_per_call(lambda: busy({"INPUT__0": np.zeros((1, 256), np.float32)})))
-    x = torch.zeros(1, 256)
+    x = np.zeros((1, 256), np.float32)
+    loops = tuned(lambda size: ms_per_call(lambda busy=step(root / "busy", {"loops": size}): busy({"INPUT__0": x})),
+                  10_000, step_ms)
     with torch.no_grad():
-        rounds = max(1, int(100 * step_ms / ms_per_call(lambda: Work(100)(x), 50)))
+        rounds = tuned(lambda size: ms_per_call(lambda work=torch.jit.script(Work(size).eval()): work(
+            torch.from_numpy(x))), 100, step_ms)
     (root / "work" / "v1").mkdir(parents=True)
     torch.manual_seed(0)
     torch.jit.save(torch.jit.script(Work(rounds).eval()), str(root / "work" / "v1" / "model.pt"))
@@ -126,6 +128,15 @@ def build(root: Path, step_ms: float) -> dict[str, Any]:
                   {"model": "work", "inputs": {"INPUT__0": "y"}, "outputs": {"OUTPUT__0": "out"}}]},
         "hop1": hops(1), "hop3": hops(3)},
         "loops": loops, "rounds": rounds}
+
+
+def tuned(ms_at: Callable[[int], float], size: int, step_ms: float) -> int:
+    """The size (loops, rounds) at which a step takes `step_ms` a call, as `ms_at(size)` measures it on the step as
+    it is served (a scripted module, not the eager one, whose every operation costs more): scaled from `size`,
+    then measured at that size and scaled once more, as the cost is not quite linear in it."""
+    for _ in range(2):
+        size = max(1, round(size * step_ms / ms_at(size)))
+    return size
 
 
 def hops(count: int) -> dict[str, Any]:
@@ -238,8 +249,8 @@ def in_process_balanced(root: Path, loops: int, seconds: float) -> dict[str, Any
         with torch.no_grad():
             work(torch.from_numpy(busy({"INPUT__0": x})["OUTPUT__0"]))
 
-    # TorchScript optimizes a module over its first calls: those are left out, and each step's own time is
-    # measured now, beside the chain (the machine's load changes what a step takes).
+    # Each step's own time is measured now, just before the chain (the machine's load changes what a step takes),
+    # which also leaves the module's first, unoptimized, calls out of the chain.
     with torch.no_grad():
         work_ms = ms_per_call(lambda: work(torch.from_numpy(x)), 50)
     busy_ms = ms_per_call(lambda: busy({"INPUT__0": x}))
