@@ -9,9 +9,11 @@ and a balanced pipeline, where its CPU step and its model step overlap.
    ZeroMQ, against (a) the same three steps called in this process one after another (one image at a time for
    C=1, 32 at a time for C=32), and (b) this process calling the three models itself over HTTP (Triton's
    client, C threads each chaining its calls), and beside each step called alone through inferd at C=1 and 32.
-   The daemon's CPU per request is measured for the pipeline and for (b). Targets: the pipeline at C=32 at
-   least 0.8x its slowest step's own throughput, and at least (b)'s with less CPU per request; at C=1 its
-   median latency at most the in-process chain's + 1 ms.
+   The daemon's CPU per request is measured for the pipeline and for (b), and at C=1 where the pipeline's time
+   goes: its steps' compute (each step's from the daemon's stats, against the same step's called alone), the
+   daemon's time between them, and the client's way in and out. Targets: the pipeline at C=32 at least 0.8x
+   its slowest step's own throughput, and at least (b)'s with less CPU per request; at C=1 its median latency
+   at most the in-process chain's + 1 ms.
 2. `balanced` (a Python step that loops in Python for --step-ms, then a TorchScript model that computes for about
    as long, one request a batch) at C=32 against the same two steps called in this process one after another.
    Target: at least 1.6x, which only overlap gives.
@@ -46,6 +48,7 @@ import torch
 
 from bench.common import ROOT, record, table
 from bench.steps import BUSY, daemon_cpu_s
+from inferd.client.call import Reply
 from inferd.harness import DaemonProcess, free_port, local_config
 
 EXAMPLES = ROOT / "examples"
@@ -106,11 +109,17 @@ def build(root: Path, step_ms: float) -> dict[str, Any]:
     (root / "busy" / "v1").mkdir(parents=True)
     (root / "busy" / "v1" / "model.py").write_text(BUSY)
     x = np.zeros((1, 256), np.float32)
-    loops = tuned(lambda size: ms_per_call(lambda busy=step(root / "busy", {"loops": size}): busy({"INPUT__0": x})),
-                  10_000, step_ms)
-    with torch.no_grad():
-        rounds = tuned(lambda size: ms_per_call(lambda work=torch.jit.script(Work(size).eval()): work(
-            torch.from_numpy(x))), 100, step_ms)
+
+    def busy_ms(loops: int) -> float:
+        busy = step(root / "busy", {"loops": loops})
+        return ms_per_call(lambda: busy({"INPUT__0": x}))
+
+    def work_ms(rounds: int) -> float:
+        work = torch.jit.script(Work(rounds).eval())
+        with torch.no_grad():
+            return ms_per_call(lambda: work(torch.from_numpy(x)))
+
+    loops, rounds = tuned(busy_ms, 10_000, step_ms), tuned(work_ms, 100, step_ms)
     (root / "work" / "v1").mkdir(parents=True)
     torch.manual_seed(0)
     torch.jit.save(torch.jit.script(Work(rounds).eval()), str(root / "work" / "v1" / "model.pt"))
@@ -157,8 +166,10 @@ def jpeg() -> np.ndarray:
 
 
 def closed_loop(submit: Callable[[], Future], concurrency: int, seconds: float) -> dict[str, Any]:
-    """Keep `concurrency` requests in flight for `seconds`; requests answered a second and their latencies."""
+    """Keep `concurrency` requests in flight for `seconds`; requests answered a second and their latencies, and
+    where `submit` asks the daemon's timing (`details`), the medians of its compute and total."""
     latencies: list[float] = []
+    timings: list[Any] = []
     started = time.perf_counter()
     stop = started + seconds
     in_flight = {submit(): started for _ in range(concurrency)}
@@ -166,11 +177,17 @@ def closed_loop(submit: Callable[[], Future], concurrency: int, seconds: float) 
         done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
         now = time.perf_counter()
         for future in done:
-            future.result()
+            reply = future.result()
+            if isinstance(reply, Reply):
+                timings.append(reply.timing_us)
             latencies.append(now - in_flight.pop(future))
             if now < stop:
                 in_flight[submit()] = time.perf_counter()
-    return summary(latencies, time.perf_counter() - started)
+    row = summary(latencies, time.perf_counter() - started)
+    if timings:
+        row["compute_p50_ms"] = round(statistics.median(t.compute for t in timings) / 1e3, 2)
+        row["daemon_p50_ms"] = round(statistics.median(t.total for t in timings) / 1e3, 2)
+    return row
 
 
 def summary(latencies: list[float], elapsed: float) -> dict[str, Any]:
@@ -199,10 +216,12 @@ def threads(chain: Callable[[int], Callable[[], Any]], concurrency: int, seconds
 
 
 def with_cpu(daemon: DaemonProcess, measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """`measure()`'s row, with the CPU time the daemon's processes spent per request meanwhile."""
-    before = daemon_cpu_s(daemon)
+    """`measure()`'s row, with the CPU time the daemon's processes, and this one (the clients), spent per request
+    meanwhile."""
+    before, ours = daemon_cpu_s(daemon), time.process_time()
     row = measure()
     row["daemon_cpu_us_per_request"] = round((daemon_cpu_s(daemon) - before) / row["requests"] * 1e6, 1)
+    row["client_cpu_us_per_request"] = round((time.process_time() - ours) / row["requests"] * 1e6, 1)
     return row
 
 
@@ -282,7 +301,11 @@ def measure(root: Path, seconds: float, step_ms: float) -> list[dict[str, Any]]:
             for concurrency in (1, 32):
                 closed_loop(lambda: client.submit("classify", image), concurrency, 1.0)  # warm
                 add(part="image", way="pipeline, ZeroMQ", concurrency=concurrency, **with_cpu(
-                    daemon, lambda c=concurrency: closed_loop(lambda: client.submit("classify", image), c, seconds)))
+                    daemon, lambda c=concurrency: closed_loop(lambda: client.submit("classify", image, details=True),
+                                                              c, seconds)))
+                if concurrency == 1:  # so far the pipeline has served only one request at a time
+                    steps = daemon.call("stats")["pipelines"]["classify"]["steps"]
+                    rows[-1]["step_compute_p50_ms"] = {name: step["compute_ms"]["p50"] for name, step in steps.items()}
                 add(part="image", way="client chains the models, HTTP", concurrency=concurrency, **with_cpu(
                     daemon, lambda c=concurrency: threads(http_chain(http, image), c, seconds)))
                 add(part="image", way="in-process chain", concurrency=concurrency,
@@ -290,11 +313,11 @@ def measure(root: Path, seconds: float, step_ms: float) -> list[dict[str, Any]]:
             for model, given in (("thumbnail", image), ("resnet18", pixels), ("top5", logits)):
                 for concurrency in (1, 32):
                     add(part="image", way=f"step {model} alone, ZeroMQ", concurrency=concurrency,
-                        **closed_loop(lambda m=model, g=given, c=concurrency: client.submit(m, g), concurrency,
+                        **closed_loop(lambda m=model, g=given: client.submit(m, g, details=True), concurrency,
                                       seconds))
             closed_loop(lambda: client.submit("balanced", x), 32, 1.0)
-            add(part="balanced", way="pipeline, ZeroMQ", concurrency=32, step_ms=step_ms,
-                **closed_loop(lambda: client.submit("balanced", x), 32, seconds))
+            add(part="balanced", way="pipeline, ZeroMQ", concurrency=32, step_ms=step_ms, **with_cpu(
+                daemon, lambda: closed_loop(lambda: client.submit("balanced", x), 32, seconds)))
             add(part="balanced", way="in-process chain", concurrency=1, step_ms=step_ms,
                 **in_process_balanced(root, built["loops"], seconds))
             for name in ("hop", "hop1", "hop3"):
@@ -335,6 +358,13 @@ def main() -> int:
     pipe = pick(rows, part="image", way="pipeline, ZeroMQ", concurrency=1)
     lines.append(["image, C=1, against its steps called alone", f"p50 {pipe['p50_ms']} ms", "",
                   f"p50s added {sum(r['p50_ms'] for r in alone):.2f} ms", ""])
+    lines.append(["image, C=1, where its time goes (p50s)", f"steps compute {pipe['compute_p50_ms']} ms, between "
+                  f"them {pipe['daemon_p50_ms'] - pipe['compute_p50_ms']:.2f} ms, the client's way "
+                  f"{pipe['p50_ms'] - pipe['daemon_p50_ms']:.2f} ms", "", "steps compute alone "
+                  f"{sum(r['compute_p50_ms'] for r in alone):.2f} ms", ""])
+    lines.append(["image, C=1, each step's compute (p50)", ", ".join(
+        f"{name} {ms} ms" for name, ms in pipe["step_compute_p50_ms"].items()), "", ", ".join(
+        f"{r['way'].split()[1]} {r['compute_p50_ms']} ms" for r in alone), ""])
     slowest = min((r for r in rows if r["way"].startswith("step ") and r["concurrency"] == 32),
                   key=lambda r: r["requests_per_s"])
     pipe = pick(rows, part="image", way="pipeline, ZeroMQ", concurrency=32)
@@ -344,7 +374,8 @@ def main() -> int:
     pipe = pick(rows, part="balanced", way="pipeline, ZeroMQ")
     local = pick(rows, part="balanced", way="in-process chain")
     lines.append([f"balanced ({local['busy_ms']} ms + {local['work_ms']} ms in-process), C=32",
-                  f"{pipe['requests_per_s']}/s", "",
+                  f"{pipe['requests_per_s']}/s, {pipe['daemon_cpu_us_per_request']:.0f} µs CPU + the client's "
+                  f"{pipe['client_cpu_us_per_request']:.0f} µs", "",
                   f"{local['requests_per_s']}/s", f"{pipe['requests_per_s'] / local['requests_per_s']:.2f}x "
                   "(target >= 1.6x)"])
     alone, one, three = (pick(rows, part="hops", way=name) for name in ("hop", "hop1", "hop3"))
