@@ -16,8 +16,9 @@ and a balanced pipeline, where its CPU step and its model step overlap.
    Targets: the pipeline at C=32 at least 0.8x its slowest step's own throughput, and at least (b)'s with less
    CPU per request; at C=1 its median latency at most the in-process chain's + 1 ms.
 2. `balanced` (a Python step that loops in Python for --step-ms, then a TorchScript model that computes for about
-   as long, one request a batch) at C=32 against the same two steps called in this process one after another.
-   Target: at least 1.6x, which only overlap gives.
+   as long, one request a batch) at C=32 against the same two steps called in this process one after another,
+   in turns (pipeline, chain, pipeline, ...: what else the machine runs meets both alike), the median of the
+   turns' ratios. Target: at least 1.6x, which only overlap gives.
 3. What a hop costs: pipelines of one and of three steps of a model that computes almost nothing (TorchScript,
    one 256 x 256 layer), at C=1, beside the model called alone; a hop (a step's answer taken by the supervisor
    and the next step's request sent to its worker) costs half of what three steps take over one.
@@ -54,6 +55,7 @@ from inferd.client.call import Reply
 from inferd.harness import DaemonProcess, free_port, local_config
 
 EXAMPLES = ROOT / "examples"
+BALANCED_TURNS = 3
 
 
 class Work(torch.nn.Module):
@@ -356,10 +358,11 @@ def measure(root: Path, seconds: float, step_ms: float) -> list[dict[str, Any]]:
                         **closed_loop(lambda m=model, g=given: client.submit(m, g, details=True), concurrency,
                                       seconds))
             closed_loop(lambda: client.submit("balanced", x), 32, 1.0)
-            add(part="balanced", way="pipeline, ZeroMQ", concurrency=32, step_ms=step_ms, **with_cpu(
-                daemon, lambda: closed_loop(lambda: client.submit("balanced", x), 32, seconds)))
-            add(part="balanced", way="in-process chain", concurrency=1, step_ms=step_ms,
-                **in_process_balanced(root, built["loops"], seconds))
+            for turn in range(BALANCED_TURNS):
+                add(part="balanced", way="pipeline, ZeroMQ", concurrency=32, step_ms=step_ms, turn=turn, **with_cpu(
+                    daemon, lambda: closed_loop(lambda: client.submit("balanced", x), 32, seconds)))
+                add(part="balanced", way="in-process chain", concurrency=1, step_ms=step_ms, turn=turn,
+                    **in_process_balanced(root, built["loops"], seconds))
             for name in ("hop", "hop1", "hop3"):
                 closed_loop(lambda n=name: client.submit(n, x), 1, 1.0)
                 add(part="hops", way=name, concurrency=1, **closed_loop(lambda n=name: client.submit(n, x), 1, seconds))
@@ -384,6 +387,7 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     record("pipelines", rows)
     lines = []
+    ratios: list[float] = []
     for concurrency in (1, 32):
         pipe = pick(rows, part="image", way="pipeline, ZeroMQ", concurrency=concurrency)
         http = pick(rows, part="image", way="client chains the models, HTTP", concurrency=concurrency)
@@ -415,13 +419,15 @@ def main() -> int:
     shared = 1 / sum(1 / r["requests_per_s"] for r in rows if r["way"].startswith("step ") and r["concurrency"] == 32)
     lines.append(["image, C=32, against its steps sharing the cores", f"{pipe['requests_per_s']}/s", "",
                   f"{shared:.1f}/s: 1 / the sum of 1 / each alone", f"{pipe['requests_per_s'] / shared:.2f}x"])
-    pipe = pick(rows, part="balanced", way="pipeline, ZeroMQ")
-    local = pick(rows, part="balanced", way="in-process chain")
-    lines.append([f"balanced ({local['busy_ms']} ms + {local['work_ms']} ms in-process), C=32",
-                  f"{pipe['requests_per_s']}/s, {pipe['daemon_cpu_us_per_request']:.0f} µs CPU + the client's "
-                  f"{pipe['client_cpu_us_per_request']:.0f} µs", "",
-                  f"{local['requests_per_s']}/s", f"{pipe['requests_per_s'] / local['requests_per_s']:.2f}x "
-                  "(target >= 1.6x)"])
+    for turn in range(BALANCED_TURNS):
+        pipe = pick(rows, part="balanced", way="pipeline, ZeroMQ", turn=turn)
+        local = pick(rows, part="balanced", way="in-process chain", turn=turn)
+        ratios.append(pipe["requests_per_s"] / local["requests_per_s"])
+        lines.append([f"balanced, turn {turn + 1} ({local['busy_ms']} ms + {local['work_ms']} ms in-process), C=32",
+                      f"{pipe['requests_per_s']}/s, {pipe['daemon_cpu_us_per_request']:.0f} µs CPU + the client's "
+                      f"{pipe['client_cpu_us_per_request']:.0f} µs", "", f"{local['requests_per_s']}/s",
+                      f"{ratios[-1]:.2f}x"])
+    lines.append(["balanced, the turns' median", "", "", "", f"{statistics.median(ratios):.2f}x (target >= 1.6x)"])
     alone, one, three = (pick(rows, part="hops", way=name) for name in ("hop", "hop1", "hop3"))
     lines.append(["a hop, C=1: half of (3 steps - 1 step)", f"{(three['p50_ms'] - one['p50_ms']) / 2:.2f} ms",
                   "", f"the model alone {alone['p50_ms']} ms, in a pipeline of 1 {one['p50_ms']} ms", ""])
