@@ -240,11 +240,12 @@ def threads(chain: Callable[[int], Callable[[], Any]], concurrency: int, seconds
     """`concurrency` threads, each calling its own `chain(index)` until `seconds` pass."""
     latencies: list[list[float]] = [[] for _ in range(concurrency)]
     stop = time.perf_counter() + seconds
+    torch_threads = torch.get_num_threads()  # what measure() set
 
     def run(index: int) -> None:
-        # OpenMP's thread count is per thread, and a new thread's is one per core whatever torch says: this
-        # makes the in-process chains compute on the thread count measure() set, as the workers' executors do.
-        torch.set_num_threads(torch.get_num_threads())
+        # A new thread computes on OpenMP's default team, a thread per core, until its own count is set: the
+        # in-process chains compute on measure()'s, as the workers' executors do on workers.cpu_threads.
+        torch.set_num_threads(torch_threads)
         call = chain(index)
         while time.perf_counter() < stop:
             sent = time.perf_counter()
