@@ -184,3 +184,77 @@ def test_a_small_request_or_one_of_bytes_goes_in_frames(region):
     assert region.lease([(TensorMeta("float32", big.shape), memoryview(big)),
                          (TensorMeta(protocol.BYTES, (1, 1)), text)], [None]) is None
     assert region.lease([(TensorMeta("float32", big.shape), None)], [None]) is None, "an input in a client's region"
+
+
+def test_each_connection_to_the_supervisor_gets_a_region_of_its_own(tmp_path):
+    """Upstream, on real sockets, against a stand-in supervisor that goes and comes back (the socket closed and
+    bound again, as a dropped connection is): ZeroMQ connects again, the gateway registers a new region on the
+    new connection, and a large request then goes through that one, its tensor's bytes in the region's file."""
+    import asyncio
+
+    import zmq
+
+    from inferd.oip.upstream import Upstream
+
+    address = f"ipc://{tmp_path}/supervisor"
+    context = zmq.Context()
+    first = context.socket(zmq.ROUTER)
+    first.bind(address)
+    upstream = Upstream(context, address, default_timeout_ms=10_000, slack_s=1.0)
+    opened: dict[str, int] = {}  # the regions registered, by name: a descriptor of each one's file
+
+    async def next_message(supervisor: zmq.Socket) -> tuple[bytes, protocol.RegisterRegion | protocol.Request]:
+        while not supervisor.poll(0):
+            await asyncio.sleep(0.01)
+        identity, *frames = supervisor.recv_multipart()
+        return identity, protocol.decode_message(frames, 64 << 20)
+
+    async def registration(supervisor: zmq.Socket) -> str:
+        """The name of the region registered on `supervisor`'s connection, once its file is opened and `ok`
+        answered, as the supervisor does, and the gateway has taken the answer (the file's name gone from
+        /dev/shm: the gateway uses a region from then on, and sends in frames until then)."""
+        identity, message = await asyncio.wait_for(next_message(supervisor), 10)
+        assert isinstance(message, protocol.RegisterRegion) and message.peer == protocol.GATEWAY_PEER, message
+        opened[message.name] = os.open(SHM_DIR / message.key, os.O_RDONLY)
+        supervisor.send_multipart([identity, protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK))])
+        async with asyncio.timeout(10):
+            while (SHM_DIR / message.key).exists():
+                await asyncio.sleep(0.01)
+        return message.name
+
+    async def reconnected() -> tuple[str, str, bytes, np.ndarray]:
+        upstream.start()
+        before = await registration(first)
+        first.close()
+        second = context.socket(zmq.ROUTER)
+        second.bind(address)
+        try:
+            after = await registration(second)
+            x = np.arange(hop_region.MIN_BYTES // 4, dtype=np.float32).reshape(1, -1)
+            asked = asyncio.ensure_future(upstream.infer(
+                "m", None, [(TensorMeta("float32", x.shape), memoryview(x))], None, output_bytes=[4]))
+            identity, request = await asyncio.wait_for(next_message(second), 10)
+            assert isinstance(request, protocol.Request), request
+            (meta,) = request.header.inputs
+            got = os.pread(opened[meta.region], x.nbytes, meta.offset)
+            second.send_multipart([identity, protocol.encode_reply(ReplyHeader(
+                id=request.header.id, status=protocol.OK, outputs=(TensorMeta("float32", (1, 1)),))),
+                np.float32(7).tobytes()])
+            reply, (answer,) = await asyncio.wait_for(asked, 10)
+            assert reply.status == protocol.OK and meta.region == after, (reply, meta)
+            return before, after, got, np.frombuffer(answer, np.float32).copy()
+        finally:
+            second.close()
+
+    try:
+        before, after, got, answer = asyncio.run(reconnected())
+    finally:
+        upstream.close()
+        context.term()
+        for fd in opened.values():
+            os.close(fd)
+    assert before != after, "the new connection has a region of its own"
+    assert got == np.arange(hop_region.MIN_BYTES // 4, dtype=np.float32).tobytes(), "the tensor lies in the new one"
+    assert answer.tolist() == [7.0]
+    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(GATEWAY_REGION_PREFIX) and str(os.getpid()) in
+                p.name], "each region's name left /dev/shm once registered"
