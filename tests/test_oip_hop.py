@@ -1,7 +1,8 @@
 """The gateways' own shared-memory regions (inferd/oip/hop_region.py): a large request's tensors go to the
 supervisor through its gateway's region and its answer's come back there, over HTTP and gRPC, spoken by
 Triton's clients; answers checked against the models in-process. The region's blocks, on a real file in
-/dev/shm, are tried directly."""
+/dev/shm, are tried directly, and a gateway's link to the supervisor (a region for each connection) against a
+stand-in supervisor on real sockets."""
 
 from __future__ import annotations
 
