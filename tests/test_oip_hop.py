@@ -187,10 +187,12 @@ def test_a_small_request_or_one_of_bytes_goes_in_frames(region):
     assert region.lease([(TensorMeta("float32", big.shape), None)], [None]) is None, "an input in a client's region"
 
 
-def test_each_connection_to_the_supervisor_gets_a_region_of_its_own(tmp_path):
+@pytest.mark.parametrize("answered", [True, False], ids=["registered", "registering"])
+def test_each_connection_to_the_supervisor_gets_a_region_of_its_own(tmp_path, answered):
     """Upstream, on real sockets, against a stand-in supervisor that goes and comes back (the socket closed and
-    bound again, as a dropped connection is): ZeroMQ connects again, the gateway registers a new region on the
-    new connection, and a large request then goes through that one, its tensor's bytes in the region's file."""
+    bound again, as a dropped connection is), having answered the first connection's region or not yet: ZeroMQ
+    connects again, the gateway registers a new region on the new connection at once (not after the lost
+    answer's time is up), and a large request then goes through that one, its tensor's bytes in its file."""
     import asyncio
 
     import zmq
@@ -201,7 +203,7 @@ def test_each_connection_to_the_supervisor_gets_a_region_of_its_own(tmp_path):
     context = zmq.Context()
     first = context.socket(zmq.ROUTER)
     first.bind(address)
-    upstream = Upstream(context, address, default_timeout_ms=10_000, slack_s=1.0)
+    upstream = Upstream(context, address, default_timeout_ms=60_000, slack_s=1.0)
     opened: dict[str, int] = {}  # the regions registered, by name: a descriptor of each one's file
 
     async def next_message(supervisor: zmq.Socket) -> tuple[bytes, protocol.RegisterRegion | protocol.Request]:
@@ -210,22 +212,26 @@ def test_each_connection_to_the_supervisor_gets_a_region_of_its_own(tmp_path):
         identity, *frames = supervisor.recv_multipart()
         return identity, protocol.decode_message(frames, 64 << 20)
 
-    async def registration(supervisor: zmq.Socket) -> str:
-        """The name of the region registered on `supervisor`'s connection, once its file is opened and `ok`
-        answered, as the supervisor does, and the gateway has taken the answer (the file's name gone from
-        /dev/shm: the gateway uses a region from then on, and sends in frames until then)."""
-        identity, message = await asyncio.wait_for(next_message(supervisor), 10)
+    async def registration(supervisor: zmq.Socket, answer: bool = True) -> str:
+        """The name of the region registered on `supervisor`'s connection, once its file is opened and (with
+        `answer`) `ok` answered, as the supervisor does, and the gateway has taken the answer (the file's name
+        gone from /dev/shm: the gateway uses a region from then on, and sends in frames until then). A lost
+        answer would be the gateway's own sweep's after a minute (default_timeout_ms): a registration within
+        20 s is one made for the new connection."""
+        identity, message = await asyncio.wait_for(next_message(supervisor), 20)
         assert isinstance(message, protocol.RegisterRegion) and message.peer == protocol.GATEWAY_PEER, message
         opened[message.name] = os.open(SHM_DIR / message.key, os.O_RDONLY)
-        supervisor.send_multipart([identity, protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK))])
-        async with asyncio.timeout(10):
-            while (SHM_DIR / message.key).exists():
-                await asyncio.sleep(0.01)
+        if answer:
+            supervisor.send_multipart([identity, protocol.encode_reply(ReplyHeader(id=message.id,
+                                                                                   status=protocol.OK))])
+            async with asyncio.timeout(20):
+                while (SHM_DIR / message.key).exists():
+                    await asyncio.sleep(0.01)
         return message.name
 
     async def reconnected() -> tuple[str, str, bytes, np.ndarray]:
         upstream.start()
-        before = await registration(first)
+        before = await registration(first, answered)
         first.close()
         second = context.socket(zmq.ROUTER)
         second.bind(address)
@@ -257,5 +263,5 @@ def test_each_connection_to_the_supervisor_gets_a_region_of_its_own(tmp_path):
     assert before != after, "the new connection has a region of its own"
     assert got == np.arange(hop_region.MIN_BYTES // 4, dtype=np.float32).tobytes(), "the tensor lies in the new one"
     assert answer.tolist() == [7.0]
-    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(GATEWAY_REGION_PREFIX) and str(os.getpid()) in
-                p.name], "each region's name left /dev/shm once registered"
+    ours = f"{GATEWAY_REGION_PREFIX}{os.getpid()}-"
+    assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(ours)], "each region's name left /dev/shm"

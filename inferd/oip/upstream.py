@@ -92,8 +92,9 @@ class Upstream:
             self._monitor.recv_multipart()
             self._hop = None  # until the new connection has its own
             self._leases.clear()  # their replies went with the old connection
-            if self._opening is None:
-                self._opening = self._loop.create_task(self._open_hop_region())
+            if self._opening is not None:  # its registration, and so its answer, went with the old connection
+                self._opening.cancel()
+            self._opening = self._loop.create_task(self._open_hop_region())
 
     async def _open_hop_region(self) -> None:
         """Register a new region of the gateway's own on the connection just made; without one (the supervisor
@@ -116,7 +117,8 @@ class Upstream:
                 return
             self._hop = region
         finally:
-            self._opening = None
+            if self._opening is asyncio.current_task():  # not one cancelled for a newer connection's
+                self._opening = None
 
     def give_back(self) -> None:
         """Hand the system the pages of the hop region that no request uses."""
