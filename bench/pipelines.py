@@ -388,7 +388,6 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     record("pipelines", rows)
     lines = []
-    ratios: list[float] = []
     for concurrency in (1, 32):
         pipe = pick(rows, part="image", way="pipeline, ZeroMQ", concurrency=concurrency)
         http = pick(rows, part="image", way="client chains the models, HTTP", concurrency=concurrency)
@@ -420,6 +419,7 @@ def main() -> int:
     shared = 1 / sum(1 / r["requests_per_s"] for r in rows if r["way"].startswith("step ") and r["concurrency"] == 32)
     lines.append(["image, C=32, against its steps sharing the cores", f"{pipe['requests_per_s']}/s", "",
                   f"{shared:.1f}/s: 1 / the sum of 1 / each alone", f"{pipe['requests_per_s'] / shared:.2f}x"])
+    ratios: list[float] = []
     for turn in range(BALANCED_TURNS):
         pipe = pick(rows, part="balanced", way="pipeline, ZeroMQ", turn=turn)
         local = pick(rows, part="balanced", way="in-process chain", turn=turn)
