@@ -231,3 +231,27 @@ def test_a_sighup_plan_applies_live_keys_and_keeps_the_rest():
     assert result.added_models == ["n"] and result.version_changed == ["m"]
     assert result.config.queue.max_size == 77 and result.config.workers.streams == 2
     assert result.config.models["m"].max_wait_ms == 5 and result.config.models["m"].inputs[0].shape == (2,)
+
+
+def test_a_sighup_takes_each_pipeline_as_far_as_the_models_served_from_then_on_run_it():
+    from inferd.supervisor.control.reconfigure import plan, settle_pipelines
+
+    def pipeline(model: str, features: int, **knobs) -> dict:
+        return {"inputs": [{"name": "x", "dtype": "float32", "shape": [features]}], "outputs": ["y"],
+                "steps": [{"model": model, "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "y"}}], **knobs}
+
+    def model(features: int) -> dict:
+        return {"inputs": [{"dtype": "float32", "shape": [features]}]}
+
+    old = config.parse({"models": {"m": model(2), "n": model(2)},
+                        "pipelines": {"p": pipeline("m", 2), "kept": pipeline("n", 2), "gone": pipeline("n", 2)}})
+    # m's new inputs wait for a restart: p's and q's new shape does not fit the m served until then.
+    new = config.parse({"models": {"m": model(3), "n": model(2)},
+                        "pipelines": {"p": pipeline("m", 3), "q": pipeline("m", 3),
+                                      "kept": pipeline("n", 2, max_in_flight=9)}})
+    result = settle_pipelines(old.pipelines, new.pipelines, plan(old, new))
+    assert result.applied == ["pipelines.gone removed", "pipelines.kept.max_in_flight 256 -> 9"]
+    shape = "step m takes tensor 'x' as input 'INPUT__0' of model m, which takes samples of shape [2], but the " \
+            "pipeline's input makes them [3]"
+    assert result.need_restart[1:] == [f"pipelines.p.steps[0]: {shape}", f"pipelines.q.steps[0]: {shape}"]
+    assert result.config.pipelines == {"p": old.pipelines["p"], "kept": new.pipelines["kept"]}

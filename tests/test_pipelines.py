@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import ONE_AT_A_TIME, Daemon, base_config, pipeline_held, reference, step_of, wait_for
+from conftest import MLP, ONE_AT_A_TIME, Daemon, base_config, pipeline_held, reference, step_of, wait_for
 from gates import Gate
+from models import MLP_IN, MLP_OUT
 from python_models import GATE, JOIN_CONFIG, RELAY_CONFIG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
 
@@ -86,8 +87,9 @@ def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]
     config["models"]["scale2"]["repository"] = str(python_repo / "scale")
     config["models"]["sum"] = {**SUM, "repository": str(repo / "sum")}
     config["models"]["variable"] = {**ONE_AT_A_TIME, "repository": str(repo / "variable")}
-    config["pipelines"] = {"chain": CHAIN, "gapped": GAPPED, "narrow": NARROW, "fork": FORK, "loose": LOOSE,
-                           "relayed": RELAYED}
+    # A copy: a test that changes a pipeline of its config changes no other config's.
+    config["pipelines"] = copy.deepcopy({"chain": CHAIN, "gapped": GAPPED, "narrow": NARROW, "fork": FORK,
+                                         "loose": LOOSE, "relayed": RELAYED})
     config["server"].update(metrics=f"127.0.0.1:{free_port()}", http=f"127.0.0.1:{free_port()}",
                             grpc=f"127.0.0.1:{free_port()}")
     return config
@@ -217,6 +219,65 @@ def test_the_daemon_refuses_to_start_or_to_take_a_sighup_with_a_pipeline_it_cann
         peer.send(1, "chain", [np.ones((1, SCALE_FEATURES), np.float32)])
         header, outputs = peer.recv()
         assert header["status"] == "ok" and outputs[0][0, 0] == 16.0
+
+
+# mlp (float32 [16] -> [4]) then sum ([4] -> [1]), TorchScript both: pipelines a SIGHUP may change.
+SUMMED = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": [MLP_IN]}],
+    "outputs": ["total"],
+    "steps": [{"model": "mlp", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "h"}},
+              {"model": "sum", "inputs": {"INPUT__0": "h"}, "outputs": {"OUTPUT__0": "total"}}],
+}
+
+
+def test_a_sighup_keeps_the_pipelines_serving_and_applies_what_changed_in_them(workdir, repo, python_repo):
+    import signal
+
+    config = base_config(workdir, repo, {"mlp": {**MLP, "version": "v1"},
+                                         "sum": {**MLP, "inputs": [{"dtype": "float32", "shape": [MLP_OUT]}]}})
+    config["pipelines"] = {"summed": SUMMED, "mapped": {**SUMMED, "outputs": ["h"], "steps": SUMMED["steps"][:1]}}
+    daemon = Daemon(workdir, config)
+    try:
+        daemon.start()
+        changed = copy.deepcopy(config)
+        changed["queue"]["max_size"] = 512
+        changed["pipelines"]["summed"]["max_in_flight"] = 7
+        del changed["pipelines"]["mapped"]
+        changed["pipelines"]["added"] = {**SUMMED, "outputs": ["total", "h"]}
+        # A Python model added by a SIGHUP waits for a restart, and so does a pipeline that runs it.
+        changed["models"]["scale"] = {**SCALE_CONFIG, "repository": str(python_repo / "scale")}
+        changed["pipelines"]["scaled"] = {"inputs": [{"name": "x", "dtype": "float32", "shape": [SCALE_FEATURES]}],
+                                          "outputs": ["y"], "steps": [{"model": "scale", "inputs": {"x": "x"},
+                                                                       "outputs": {"scaled": "y"}}]}
+        daemon.config_path.write_text(to_toml(changed))
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: "SIGHUP: these changes need a restart" in daemon.log(), what="the SIGHUP carried out")
+        log = daemon.log()
+        assert "queue.max_size 1024 -> 512" in log and "pipelines.summed.max_in_flight 256 -> 7" in log
+        assert "pipelines.mapped removed" in log and "pipelines.added added" in log
+        assert ("pipelines.scaled.steps[0]: step scale names model 'scale', which this daemon does not serve"
+                in log.split("need a restart")[-1]), log
+        x = np.random.default_rng(5).standard_normal((3, MLP_IN)).astype(np.float32)
+        with RawPeer(daemon.endpoint) as peer:
+            for name in ("summed", "added", "mapped", "scaled"):
+                peer.send(name, name, [x if name != "scaled" else x[:, :SCALE_FEATURES]])
+            replies = replies_by_id(peer, 4)
+        hidden = reference(repo, "mlp", "v1")(x)
+        total = reference(repo, "sum", "v1")(hidden)
+        header, outputs = replies["summed"]
+        assert header["status"] == "ok", header
+        np.testing.assert_allclose(outputs[0], total, rtol=1e-5)
+        header, outputs = replies["added"]
+        assert header["status"] == "ok" and header["version"] == "mlp:v1,sum:v1", header
+        np.testing.assert_allclose(outputs[0], total, rtol=1e-5)
+        np.testing.assert_allclose(outputs[1], hidden, rtol=1e-5)
+        for gone in ("mapped", "scaled"):
+            header, _ = replies[gone]
+            assert header["status"] == "invalid" and header["error"].startswith(f"unknown model {gone!r}"), header
+        pipelines = daemon.call("stats")["pipelines"]
+        assert sorted(pipelines) == ["added", "summed"] and pipelines["summed"]["max_in_flight"] == 7
+    finally:
+        daemon.kill_all()
 
 
 def replies_by_id(peer: RawPeer, count: int) -> dict[Any, tuple[dict[str, Any], list[np.ndarray]]]:
@@ -374,6 +435,42 @@ def test_a_cpu_step_and_a_tensor_step_run_at_once_for_two_requests(served, gates
         answers = replies_by_id(peer, 2)
     assert answers["a"][0]["status"] == answers["b"][0]["status"] == "ok"
     np.testing.assert_allclose(answers["b"][1][0], variable(relay), rtol=1e-6)
+
+
+def test_a_request_under_way_when_a_sighup_changes_its_pipeline_finishes_with_the_steps_it_began_with(served, repo):
+    import signal
+
+    variable = reference(repo, "variable", "v1")
+    held = Gate(served.workdir / "gates")
+    x = np.array([[GATE, held.number]], np.float32)
+    running = served.config_path.read_text()
+    relay_only = copy.deepcopy(served.config)
+    relay_only["pipelines"]["relayed"] = {**RELAYED, "outputs": ["y"], "steps": RELAYED["steps"][:1]}
+
+    def sighup(config_text: str) -> None:
+        applied = served.log().count("SIGHUP: applied")
+        served.config_path.write_text(config_text)
+        served.signal(signal.SIGHUP)
+        wait_for(lambda: served.log().count("SIGHUP: applied") > applied, what="the SIGHUP applied")
+
+    with RawPeer(served.endpoint) as peer:
+        try:
+            peer.send("before", "relayed", [x], timeout_ms=60_000)
+            wait_for(lambda: step_of(served, "relay")["batches_in_flight"] == 1, what="its relay step held")
+            sighup(to_toml(relay_only))
+            assert "pipelines.relayed.outputs changed; pipelines.relayed.steps changed" in served.log()
+            held.open()
+            before_header, before_outputs = peer.recv(timeout=30)
+            peer.send("after", "relayed", [x + 1])
+            after_header, after_outputs = peer.recv(timeout=30)
+        finally:
+            if held.path.exists():  # not opened above
+                held.open()
+            sighup(running)
+    assert before_header["status"] == "ok" and before_header["version"] == "relay:v1,variable:v1", before_header
+    np.testing.assert_allclose(before_outputs[0], variable(x), rtol=1e-6)
+    assert after_header["status"] == "ok" and after_header["version"] == "relay:v1", after_header
+    np.testing.assert_array_equal(after_outputs[0], x + 1)
 
 
 def test_a_later_step_finding_the_queue_full_waits_for_room_until_its_deadline(python_repo, repo):

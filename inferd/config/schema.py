@@ -612,18 +612,18 @@ class PipelineConfig(msgspec.Struct, frozen=True, kw_only=True):
     inputs: Annotated[
         tuple[PipelineInput, ...], Meta(min_length=1),
         _doc('What a request of the pipeline carries, each input named, e.g. [{ name = "image", dtype = "bytes", '
-             "shape = [1] }] (a -1 dim needs max_shape, as a model's input)."),
+             "shape = [1] }] (a -1 dim needs max_shape, as a model's input).", live=True),
     ]
     outputs: Annotated[
         tuple[str, ...], Meta(min_length=1),
-        _doc('The tensors its reply carries, in order, each produced by a step, e.g. ["labels", "scores"].'),
+        _doc('The tensors its reply carries, in order, each produced by a step, e.g. ["labels", "scores"].', live=True),
     ]
     steps: Annotated[
         tuple[PipelineStep, ...], Meta(min_length=1),
         _doc('The models it runs, each mapping its model\'s input and output names to the pipeline\'s tensors, e.g. '
              '{ model = "resnet", inputs = { INPUT__0 = "pixels" }, outputs = { OUTPUT__0 = "logits" } }; a step '
              "runs as soon as its inputs exist, its requests batched with the model's others. `name` (default: the "
-             "model's) is required where a model is a step twice."),
+             "model's) is required where a model is a step twice.", live=True),
     ]
     max_in_flight: Annotated[
         int, Meta(ge=1, le=1_000_000),

@@ -5,20 +5,23 @@ and name what needs a restart.
 config to run with from now on: the new values of keys that can change live
 (config/schema.py marks them), the old values of keys that cannot (each named,
 so the operator is told). `Reconfigurer` carries the plan out: new models, new
-versions (a blue-green reload each), and the new config for every part.
+versions (a blue-green reload each), then the new file's pipelines, each checked
+against the models served from now on (`settle_pipelines`), and the new config
+for every part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
 
 from inferd.config import loading
-from inferd.config.schema import SECTIONS, Config, ModelConfig, live_keys
+from inferd.config.pipelines import pipeline_problems
+from inferd.config.schema import SECTIONS, Config, ModelConfig, PipelineConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
 from inferd.models.repository import RepositoryError, python_version, resolve_version
 from inferd.supervisor.processes.workers import WorkerTable
@@ -31,7 +34,7 @@ log = logging.getLogger("inferd.reconfigure")
 T = TypeVar("T", bound=msgspec.Struct)
 
 
-@dataclass
+@dataclasses.dataclass
 class Plan:
     """The config to run with, and the changes sorted by when they apply."""
 
@@ -73,7 +76,7 @@ def _merge(before: T, after: T, prefix: str, live: Callable[[str], bool], applie
 
 
 def plan(old: Config, new: Config) -> Plan:
-    """Decide, key by key, what of `new` applies now."""
+    """Decide, key by key, what of `new` applies now; the pipelines stay as in `old` until `settle_pipelines`."""
     applied: list[str] = []
     need_restart: list[str] = []
     sections = {}
@@ -100,8 +103,38 @@ def plan(old: Config, new: Config) -> Plan:
         if "version" in changed:
             version_changed.append(name)
     config = Config(server=sections["server"], workers=sections["workers"], queue=sections["queue"],
-                    models=models, source=new.source)
+                    models=models, source=new.source, pipelines=old.pipelines)
     return Plan(config, applied, need_restart, added, version_changed)
+
+
+def settle_pipelines(old: dict[str, PipelineConfig], new: dict[str, PipelineConfig], change: Plan) -> Plan:
+    """`change` with the pipelines of the new file (`new`), as far as the models it serves from now on run them.
+
+    A pipeline's every key applies at once: its runs under way finish with the steps they began with. One that
+    its models cannot run as they are served now (a model whose change waits for a restart, or one not added)
+    serves as it was, or is not added, and the first reason is named."""
+    pipelines: dict[str, PipelineConfig] = {}
+    for name in sorted(set(old) | set(new)):
+        before, after = old.get(name), new.get(name)
+        if after is None:
+            change.applied.append(_describe(f"pipelines.{name}", name, None))
+            continue
+        problems = pipeline_problems(name, after, change.config.models)
+        if problems:
+            change.need_restart.append(problems[0])
+            if before is not None and not pipeline_problems(name, before, change.config.models):
+                pipelines[name] = before
+            continue
+        pipelines[name] = after
+        if before is None:
+            change.applied.append(_describe(f"pipelines.{name}", None, name))
+            continue
+        for field in msgspec.structs.fields(after):
+            was, now = getattr(before, field.name), getattr(after, field.name)
+            if was != now:
+                change.applied.append(_describe(f"pipelines.{name}.{field.name}", was, now)
+                                      if isinstance(now, int) else f"pipelines.{name}.{field.name} changed")
+    return dataclasses.replace(change, config=msgspec.structs.replace(change.config, pipelines=pipelines))
 
 
 class Reconfigurer:
@@ -142,6 +175,7 @@ class Reconfigurer:
             except RepositoryError as exc:
                 log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
                 change.config.models.pop(name)
+        change = settle_pipelines(running.pipelines, new.pipelines, change)
         self.configure(change.config)
         for name in change.version_changed:
             try:
