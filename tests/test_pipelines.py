@@ -519,6 +519,43 @@ def test_a_later_step_finding_the_queue_full_waits_for_room_until_its_deadline(p
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_a_later_step_in_a_full_queue_is_not_displaced_by_a_more_urgent_request(python_repo, repo):
+    """A more urgent request displaces less urgent ones from a full queue, but not an admitted pipeline request's
+    later step: that would drop it for a full queue, with its first step computed."""
+    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
+    config = served_config(folder, python_repo, repo)
+    config["queue"]["max_size"] = 2
+    config["pipelines"] = {"then_scale": {
+        "inputs": CHAIN["inputs"], "outputs": ["twice"],
+        "steps": [{"model": "scale2", "name": "first", "inputs": {"x": "x"}, "outputs": {"scaled": "once"}},
+                  {"model": "scale", "inputs": {"x": "once"}, "outputs": {"scaled": "twice"}}]}}
+    daemon = Daemon(folder, config)
+
+    def queued() -> int:
+        return daemon.status()["models"]["scale"]["queue_depth"]
+
+    try:
+        daemon.start()
+        with RawPeer(daemon.endpoint) as peer:
+            with held(daemon, "scale"):
+                peer.send("direct", "scale", [ONES], priority=1, timeout_ms=60_000)
+                wait_for(lambda: queued() == 1, what="the direct request queued")
+                peer.send("pipeline", "then_scale", [ONES], priority=1, timeout_ms=60_000)
+                wait_for(lambda: queued() == 2, what="the pipeline's second step queued: the queue full")
+                peer.send("urgent", "scale", [ONES], priority=0, timeout_ms=60_000)
+                header, _ = peer.recv(timeout=30)
+                assert header["id"] == "direct" and header["status"] == "overloaded", header
+                assert header["error"].startswith("displaced by a more urgent request (priority 0)"), header
+            replies = replies_by_id(peer, 2)
+        header, outputs = replies["pipeline"]
+        assert header["status"] == "ok" and header["version"] == "first:v1,scale:v1", header
+        np.testing.assert_array_equal(outputs[0], ONES * 4)
+        assert replies["urgent"][0]["status"] == "ok"
+    finally:
+        daemon.kill_all()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_a_pipeline_has_no_versions_of_its_own(served):
     from inferd.ipc.control import ControlError
 

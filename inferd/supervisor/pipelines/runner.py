@@ -5,9 +5,10 @@ A step runs as soon as its inputs exist; its outputs come back from its batch's 
 (`StepOf`), are copied once into this process's memory, and go into the next steps' requests, which the
 dispatcher copies into their own batch's slot: no intermediate passes through a socket. A request is admitted
 (or answered `overloaded`) at its first step, against its client's bounds; its later steps count against
-neither its client's bounds nor `max_in_flight` again, and where the queue is full one waits here for room,
-until its deadline. The first step that fails answers the request with its error, naming the pipeline, the
-step, its model and version; the steps after it do not run, and those running beside it are cancelled.
+neither its client's bounds nor `max_in_flight` again, nor is one displaced by a more urgent request; where
+the queue is full one waits here for room, until its deadline. The first step that fails answers the request
+with its error, naming the pipeline, the step, its model and version; the steps after it do not run, and those
+running beside it are cancelled.
 """
 
 from __future__ import annotations
@@ -84,9 +85,10 @@ class Pipelines:
         self.replies.pipeline(reply_to, name, ReplyHeader(id=request_id, status=status, model=name, error=error), (),
                               0.0)
 
-    def _request(self, run: Run, step: Step, now: float, client: Hashable) -> QueuedRequest:
+    def _request(self, run: Run, step: Step, now: float, client: Hashable, later: bool) -> QueuedRequest:
         """The request of `step` for `run`, its inputs taken from the run's tensors (InvalidRequest if they are
-        not what the step's model takes)."""
+        not what the step's model takes); a `later` step's, admitted with its run, is never displaced from the
+        queue by a more urgent request (its first step's may be, as a model's request)."""
         metas = tuple(run.tensors[tensor][0] for tensor in step.takes)
         header = protocol.RequestHeader(id=run.request_id, model=step.model, inputs=metas, priority=run.priority)
         model = self.config.models[step.model]
@@ -94,13 +96,13 @@ class Pipelines:
         buffers: list[Buffer] = [run.tensors[tensor][1] for tensor in step.takes]
         return QueuedRequest(header, buffers, StepTarget(run, step, self._computed, self._failed),  # type: ignore[arg-type]
                              client, samples, sum(len(b) for b in buffers), now, run.deadline, run.priority,
-                             shapes=shapes)
+                             shapes=shapes, displaceable=not later)
 
     def _put(self, run: Run, step: Step, now: float, client: Hashable) -> tuple[str, str] | None:
         """Queue the first step's request; the status and sentence it was refused with, if it was (`invalid`
         where its model cannot take the request's tensors, `overloaded` where the queue is full)."""
         try:
-            request = self._request(run, step, now, client)
+            request = self._request(run, step, now, client, later=False)
         except InvalidRequest as exc:
             return protocol.INVALID, exc.message
         refused = self.queue.put(request)
@@ -120,7 +122,7 @@ class Pipelines:
             self._fail(run, step, protocol.TIMEOUT, "the deadline passed before the step could run", None)
             return
         try:
-            request = self._request(run, step, now, run.key)
+            request = self._request(run, step, now, run.key, later=True)
         except InvalidRequest as exc:
             self._fail(run, step, protocol.INVALID, f"the tensors it was given do not fit its model: {exc.message}",
                        None)

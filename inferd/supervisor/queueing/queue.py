@@ -62,6 +62,7 @@ class QueuedRequest:
     lost_with: tuple[str, ...] = ()  # the workers that died while its batch ran (it is tried again once)
     shapes: Shapes = ()  # its samples' shape per input, where the model takes any: it batches only with its like
     grouped: bool = False  # it came in a group: its reply may leave in one with others of its batch
+    displaceable: bool = True  # a more urgent request may take its place in a full queue (not a later step's)
 
 
 @dataclass(frozen=True)
@@ -289,10 +290,12 @@ class RequestQueue:
         return victims
 
     def _newest_below(self, priority: int) -> Iterator[QueuedRequest]:
-        """Waiting requests less urgent than `priority`: the least urgent level first, newest first in each."""
+        """Waiting requests less urgent than `priority` that may be displaced: the least urgent level first,
+        newest first in each."""
         for index in range(self.levels.count - 1, priority, -1):
-            yield from heapq.merge(*(reversed(lane.levels[index]) for lane in self.busy.values()),
-                                   key=lambda r: -r.received)
+            yield from (request for request in heapq.merge(*(reversed(lane.levels[index])
+                                                              for lane in self.busy.values()),
+                                                            key=lambda r: -r.received) if request.displaceable)
 
     def cancel(self, client: Hashable, request_id: RequestId) -> QueuedRequest | None:
         """Remove and return `client`'s waiting request `request_id`; None if none waits.
