@@ -556,6 +556,33 @@ def test_a_later_step_in_a_full_queue_is_not_displaced_by_a_more_urgent_request(
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_a_sigterm_drains_the_pipeline_requests_under_way_between_their_steps(python_repo, repo):
+    import signal
+
+    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
+    daemon = Daemon(folder, served_config(folder, python_repo, repo))
+    total = chained(python_repo, repo)
+    x = np.arange(20 * SCALE_FEATURES, dtype=np.float32).reshape(20, 1, SCALE_FEATURES) / 100
+    try:
+        daemon.start()
+        with RawPeer(daemon.endpoint) as peer:
+            with held(daemon, "scale2"):  # gapped's middle step: each request waits there, its first step done
+                for index in range(20):
+                    peer.send(index, "gapped", [x[index]], timeout_ms=60_000)
+                wait_for(lambda: daemon.status()["models"]["scale2"]["queue_depth"] == 20,
+                         what="every request past its first step")
+                daemon.signal(signal.SIGTERM)
+                wait_for(lambda: "stopping: finishing" in daemon.log(), what="the drain begun")
+            replies = replies_by_id(peer, 20)
+        for index, (header, outputs) in replies.items():
+            assert header["status"] == "ok", header
+            np.testing.assert_allclose(outputs[0], total(x[index])[0], rtol=1e-6)
+        assert daemon.wait() == 0
+    finally:
+        daemon.kill_all()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_a_pipeline_has_no_versions_of_its_own(served):
     from inferd.ipc.control import ControlError
 
