@@ -583,6 +583,29 @@ def test_a_sigterm_drains_the_pipeline_requests_under_way_between_their_steps(py
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def test_an_http_client_that_closes_its_connection_cancels_its_pipeline_request_between_steps(served):
+    import json
+    import socket
+
+    def gapped() -> dict[str, int]:
+        return served.call("stats")["pipelines"]["gapped"]["requests"]
+
+    host, port = served.config["server"]["http"].rsplit(":", 1)
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, SCALE_FEATURES],
+                                   "data": [1.0] * SCALE_FEATURES}]}).encode()
+    before = gapped()
+    with held(served, "scale2"):  # its middle step: the request waits there, its first step done
+        client = socket.create_connection((host, int(port)), timeout=10)
+        client.sendall(b"POST /v2/models/gapped/infer HTTP/1.1\r\nHost: localhost\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: served.status()["models"]["scale2"]["queue_depth"] == 1, what="its middle step queued")
+        client.close()
+        wait_for(lambda: gapped().get("cancelled", 0) == before.get("cancelled", 0) + 1,
+                 what="the request answered cancelled")
+        assert served.status()["models"]["scale2"]["queue_depth"] == 0, "its middle step left the queue at once"
+    assert served.call("stats")["pipelines"]["gapped"]["in_flight"] == 0
+
+
 def test_a_pipeline_has_no_versions_of_its_own(served):
     from inferd.ipc.control import ControlError
 
