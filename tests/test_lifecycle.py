@@ -188,6 +188,31 @@ def test_a_killed_supervisor_leaves_nothing_behind(start_daemon, kill):
         assert client.infer("mlp", X_MLP).shape == (1, models.MLP_OUT)
 
 
+def test_a_killed_supervisor_leaves_nothing_of_a_python_model_a_sighup_added(start_daemon, python_repo):
+    """The reaper, forked at start, removes the arena and stacks file of a step process started since."""
+    from python_models import SCALE_CONFIG
+
+    from inferd.harness import to_toml
+
+    daemon = start_daemon({"mlp": MLP})
+    pid = daemon.process.pid
+    assert len(arenas_of(pid)) == 1
+    config = {**daemon.config, "models": {**daemon.config["models"], "scale": {
+        **SCALE_CONFIG, "repository": str(python_repo / "scale"), "version": "v1"}}}
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: any(w.get("model") == "scale" and w["state"] == "ready" for w in daemon.status()["workers"]),
+             what="the Python model's process ready")
+    step = next(w for w in daemon.status()["workers"] if w.get("model") == "scale")
+    control = Path(daemon.control[len("ipc://"):])
+    stacks = control.with_name(control.name + ".step-scale.0.stacks")
+    assert len(arenas_of(pid)) == 2 and stacks.exists()
+    daemon.signal(signal.SIGKILL)
+    daemon.wait()
+    wait_for(lambda: exited(step["pid"]), what="the step's exit")
+    wait_for(lambda: not arenas_of(pid) and not stacks.exists(), what="the reaper's clean-up")
+
+
 def test_a_second_daemon_on_the_same_control_socket_is_refused(start_daemon, workdir, repo):
     first = start_daemon({"mlp": MLP})
     from conftest import Daemon, base_config

@@ -231,6 +231,8 @@ SUMMED = {
 
 
 def test_a_sighup_keeps_the_pipelines_serving_and_applies_what_changed_in_them(workdir, repo, python_repo):
+    """Pipelines added, removed and changed, beside a Python model added, which starts its process then, and a
+    pipeline over it."""
     import signal
 
     config = base_config(workdir, repo, {"mlp": {**MLP, "version": "v1"},
@@ -244,23 +246,23 @@ def test_a_sighup_keeps_the_pipelines_serving_and_applies_what_changed_in_them(w
         changed["pipelines"]["summed"]["max_in_flight"] = 7
         del changed["pipelines"]["mapped"]
         changed["pipelines"]["added"] = {**SUMMED, "outputs": ["total", "h"]}
-        # A Python model added by a SIGHUP waits for a restart, and so does a pipeline that runs it.
-        changed["models"]["scale"] = {**SCALE_CONFIG, "repository": str(python_repo / "scale")}
+        changed["models"]["scale"] = {**SCALE_CONFIG, "repository": str(python_repo / "scale"), "version": "v1",
+                                      "parameters": {"factor": 3.0}}
         changed["pipelines"]["scaled"] = {"inputs": [{"name": "x", "dtype": "float32", "shape": [SCALE_FEATURES]}],
                                           "outputs": ["y"], "steps": [{"model": "scale", "inputs": {"x": "x"},
                                                                        "outputs": {"scaled": "y"}}]}
         daemon.config_path.write_text(to_toml(changed))
         daemon.signal(signal.SIGHUP)
-        wait_for(lambda: "SIGHUP: these changes need a restart" in daemon.log(), what="the SIGHUP carried out")
+        wait_for(lambda: "SIGHUP: applied" in daemon.log(), what="the SIGHUP carried out")
         log = daemon.log()
         assert "queue.max_size 1024 -> 512" in log and "pipelines.summed.max_in_flight 256 -> 7" in log
         assert "pipelines.mapped removed" in log and "pipelines.added added" in log
-        assert ("pipelines.scaled.steps[0]: step scale names model 'scale', which this daemon does not serve"
-                in log.split("need a restart")[-1]), log
+        assert "models.scale added" in log and "pipelines.scaled added" in log and "need a restart" not in log
+        wait_for(lambda: step_of(daemon, "scale")["state"] == "ready", what="the Python model's process ready")
         x = np.random.default_rng(5).standard_normal((3, MLP_IN)).astype(np.float32)
         with RawPeer(daemon.endpoint) as peer:
             for name in ("summed", "added", "mapped", "scaled"):
-                peer.send(name, name, [x if name != "scaled" else x[:, :SCALE_FEATURES]])
+                peer.send(name, name, [x if name != "scaled" else np.abs(x[:, :SCALE_FEATURES])])
             replies = replies_by_id(peer, 4)
         hidden = reference(repo, "mlp", "v1")(x)
         total = reference(repo, "sum", "v1")(hidden)
@@ -271,11 +273,13 @@ def test_a_sighup_keeps_the_pipelines_serving_and_applies_what_changed_in_them(w
         assert header["status"] == "ok" and header["version"] == "mlp:v1,sum:v1", header
         np.testing.assert_allclose(outputs[0], total, rtol=1e-5)
         np.testing.assert_allclose(outputs[1], hidden, rtol=1e-5)
-        for gone in ("mapped", "scaled"):
-            header, _ = replies[gone]
-            assert header["status"] == "invalid" and header["error"].startswith(f"unknown model {gone!r}"), header
+        header, _ = replies["mapped"]
+        assert header["status"] == "invalid" and header["error"].startswith("unknown model 'mapped'"), header
+        header, outputs = replies["scaled"]
+        assert header["status"] == "ok" and header["version"] == "scale:v1", header
+        np.testing.assert_array_equal(outputs[0], np.abs(x[:, :SCALE_FEATURES]) * 3)
         pipelines = daemon.call("stats")["pipelines"]
-        assert sorted(pipelines) == ["added", "summed"] and pipelines["summed"]["max_in_flight"] == 7
+        assert sorted(pipelines) == ["added", "scaled", "summed"] and pipelines["summed"]["max_in_flight"] == 7
     finally:
         daemon.kill_all()
 

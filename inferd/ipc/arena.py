@@ -34,6 +34,11 @@ def arena_name(instance: str, worker: int) -> str:
     return f"{ARENA_PREFIX}{instance}-w{worker}"
 
 
+def arena_names(instance: str) -> str:
+    """A glob of the segment names of every arena of supervisor `instance`, those made since too."""
+    return f"{ARENA_PREFIX}{instance}-w*"
+
+
 class ArenaError(Exception):
     """An arena cannot be created or attached."""
 

@@ -18,7 +18,7 @@ import zmq
 
 from inferd.config.schema import Config
 from inferd.ipc import messages
-from inferd.ipc.arena import arena_name, new_instance
+from inferd.ipc.arena import arena_names, new_instance
 from inferd.ipc.curve import CurveServer
 from inferd.models.repository import RepositoryError, SavedVersions, VersionNumbers, config_name
 from inferd.oip.spec import PROTOCOLS
@@ -80,18 +80,17 @@ class Parts:
             raise StartupError(f"cannot resolve model versions: {exc}") from None
         devices = resolve_devices(config.workers.devices)
         pools = step_pools(config, self.live)
-        processes = len(devices) + sum(pools.values())  # the workers, then the Python models' steps
         self.instance = new_instance()
         self.files = RuntimeFiles(config.server.control or "", self.instance)
         self.reaper = Reaper()
         # First, while this process has no thread and no socket: whatever kills it, this cleans up.
         self.reaper.start(
-            arenas=[SHM_DIR / arena_name(self.instance, i) for i in range(processes)],
+            arenas=[SHM_DIR / arena_names(self.instance)],
             sockets=[path for path in (self.files.control_socket, self.files.backend,
                                        *(self.files.upstream(name) for name in PROTOCOLS)) if path is not None],
             pid_file=self.files.pid,
             files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices))),
-                   *(self.files.step_stacks(model, k) for model, count in pools.items() for k in range(count))],
+                   self.files.every_step_stacks],
             folders=[fork_server_folder()],
         )
         start_fork_server()

@@ -108,3 +108,8 @@ class RuntimeFiles:
     def step_stacks(self, model: str, number: int) -> Path:
         """Where SIGUSR1 makes process `number` of Python model `model` write its thread stacks."""
         return self._sibling(f".step-{model}.{number}.stacks")
+
+    @property
+    def every_step_stacks(self) -> Path:
+        """A glob of every step's stacks file (step_stacks), those of Python models added since too."""
+        return self._sibling(".step-*.stacks")

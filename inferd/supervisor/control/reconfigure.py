@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -24,9 +25,10 @@ from inferd.config.pipelines import pipeline_problems
 from inferd.config.schema import SECTIONS, Config, ModelConfig, PipelineConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
 from inferd.models.repository import RepositoryError, python_version, resolve_version
-from inferd.supervisor.processes.workers import WorkerTable
+from inferd.supervisor.processes.workers import WorkerHandle, WorkerTable
 from inferd.supervisor.shared.command_replies import LoggedReply
 from inferd.supervisor.shared.live import LiveVersions
+from inferd.supervisor.shared.state import StartupError
 from inferd.supervisor.versions.reload import ReloadManager
 
 log = logging.getLogger("inferd.reconfigure")
@@ -160,23 +162,24 @@ class Reconfigurer:
                       len(exc.problems), "; ".join(exc.problems))
             return
         change = self._keep_slots_large_enough(running, plan(running, new))
+        steps: list[WorkerHandle] = []
         for name in change.added_models:
             try:
                 added = change.config.models[name]
                 version = resolve_version(added, self.saved_live.get(name))
                 if python_version(added, version):
-                    # Its processes and their arenas are made at start, where the reaper learns of them.
-                    change.applied.remove(_describe(f"models.{name}", None, name))
-                    change.need_restart.append(f"models.{name} added: a Python model (model.py) starts its "
-                                               "processes at the daemon's start")
-                    change.config.models.pop(name)
-                    continue
+                    # Its processes' handles first: from then on its versions belong on them, not on a device.
+                    steps += self.workers.add_pool(name, added.processes)
                 self.reloads.add_model(name, version, added.repository)
-            except RepositoryError as exc:
+            except (RepositoryError, StartupError) as exc:
                 log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
+                change.applied.remove(_describe(f"models.{name}", None, name))
                 change.config.models.pop(name)
         change = settle_pipelines(running.pipelines, new.pipelines, change)
         self.configure(change.config)
+        now = time.monotonic()
+        for step in steps:  # with the config that has its model
+            self.workers.spawn(step, now)
         for name in change.version_changed:
             try:
                 target = resolve_version(change.config.models[name])

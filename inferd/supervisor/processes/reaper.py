@@ -8,6 +8,8 @@ not reach it). It waits on a pipe: a byte means the supervisor cleaned up and
 it exits; end-of-file without one means the supervisor died, and it removes
 the arenas, the workers' fork server's folder, the sockets nobody listens on
 any more, and the pid and stacks files that still name the dead supervisor.
+Arenas and files are named by globs, expanded then: a Python model a SIGHUP
+added has its processes' arenas and stacks files made after the fork.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def _names(path: Path, pid: int) -> bool:
         return False
 
 
+def _expand(patterns: list[Path]) -> list[Path]:
+    """Each path whose name is a glob, as the paths it names now."""
+    return [path for pattern in patterns for path in sorted(pattern.parent.glob(pattern.name))]
+
+
 def _reap(read_fd: int, supervisor: int, arenas: list[Path], sockets: list[Path], pid_file: Path,
           files: list[Path], folders: list[Path]) -> None:
     if os.read(read_fd, 1) == CLEAN:
@@ -51,7 +58,7 @@ def _reap(read_fd: int, supervisor: int, arenas: list[Path], sockets: list[Path]
         if folder.is_dir():
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(str(folder))
-    for path in arenas:
+    for path in _expand(arenas):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed.append(path.name)
@@ -61,7 +68,7 @@ def _reap(read_fd: int, supervisor: int, arenas: list[Path], sockets: list[Path]
             path.unlink(missing_ok=True)
             removed.append(path.name)
     if _names(pid_file, supervisor):
-        for path in [pid_file, *files]:
+        for path in [pid_file, *_expand(files)]:
             if path.exists():
                 path.unlink(missing_ok=True)
                 removed.append(path.name)
@@ -79,8 +86,8 @@ class Reaper:
 
     def start(self, arenas: list[Path], sockets: list[Path], pid_file: Path, files: list[Path],
               folders: list[Path]) -> None:
-        """Fork the reaper; call before any thread or socket exists in this process. `folders` are private to
-        this supervisor, removed whole."""
+        """Fork the reaper; call before any thread or socket exists in this process. The names of `arenas` and
+        `files` may be globs (see _expand); `folders` are private to this supervisor, removed whole."""
         read_fd, write_fd = os.pipe()
         supervisor = os.getpid()
         pid = os.fork()

@@ -243,6 +243,7 @@ class WorkerTable:
         self.config = config
         self.devices = devices
         self.pools = pools or {}  # each Python model's processes (step_pools)
+        self._instance = ""  # the supervisor's, which names the arenas (open)
         self.files = files
         self.live = live
         self.endpoint = f"ipc://{files.backend}"
@@ -261,26 +262,49 @@ class WorkerTable:
         self.config = config
 
     def open(self, instance: str) -> None:
-        """Create every worker's and step's arena and bind the backend socket (before any process starts). A
-        step's arena holds PIPELINE_DEPTH slots of a worker's size."""
+        """Create every worker's and step's arena and bind the backend socket (before any process starts)."""
+        self._instance = instance
         size = self.config.workers.shm_mb << 20
         slot_count = PIPELINE_DEPTH * self.config.workers.streams
         for index, device in enumerate(self.devices):
             self.workers.append(WorkerHandle(index=index, device=device, arena=_arena(instance, index, size),
                                              slots=SlotPool(size, slot_count),
                                              stacks_path=self.files.worker_stacks(index)))
-        step_size = PIPELINE_DEPTH * SlotPool(size, slot_count).slot_size
         for model, count in self.pools.items():
-            for number in range(count):
-                index = len(self.workers)
-                self.workers.append(StepHandle(index=index, device="cpu", arena=_arena(instance, index, step_size),
-                                               slots=SlotPool(step_size, PIPELINE_DEPTH),
-                                               stacks_path=self.files.step_stacks(model, number), model=model,
-                                               number=number))
+            self._add_steps(model, count)
         self.files.backend.parent.mkdir(parents=True, exist_ok=True)
         self.backend.bind(self.endpoint)
         self._bound = True
         os.chmod(self.files.backend, 0o600)
+
+    def _add_steps(self, model: str, count: int) -> list[WorkerHandle]:
+        """The handles of Python model `model`'s `count` processes, each with its arena (PIPELINE_DEPTH slots of
+        a worker's size), in the table; StartupError when an arena cannot be made."""
+        worker_size = SlotPool(self.config.workers.shm_mb << 20, PIPELINE_DEPTH * self.config.workers.streams)
+        size = PIPELINE_DEPTH * worker_size.slot_size
+        added: list[WorkerHandle] = []
+        for number in range(count):
+            index = len(self.workers)
+            added.append(StepHandle(index=index, device="cpu", arena=_arena(self._instance, index, size),
+                                    slots=SlotPool(size, PIPELINE_DEPTH),
+                                    stacks_path=self.files.step_stacks(model, number), model=model, number=number))
+            self.workers.append(added[-1])
+        return added
+
+    def add_pool(self, model: str, count: int) -> list[WorkerHandle]:
+        """Python model `model`, added while serving (a SIGHUP): its `count` processes' handles and arenas, to
+        be spawned once its live version is known; StartupError (nothing added) when an arena cannot be made."""
+        before = len(self.workers)
+        try:
+            added = self._add_steps(model, count)
+        except StartupError:
+            for worker in self.workers[before:]:
+                worker.arena.close()
+                worker.arena.unlink()
+            del self.workers[before:]
+            raise
+        self.pools[model] = count
+        return added
 
     def close(self) -> None:
         """Close the backend socket, unmap and unlink every arena, remove the stacks files."""
