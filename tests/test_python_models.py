@@ -3,6 +3,7 @@ each request of a batch alone where one raises, and never importing torch."""
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import signal
@@ -251,6 +252,42 @@ def test_a_step_that_hangs_is_ended_and_restarted(start_daemon, python_repo):
     x = np.ones((1, SCALE_FEATURES), np.float32)
     with daemon.client() as client:
         np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+
+
+def test_a_sighup_that_raises_its_processes_starts_them_and_one_that_lowers_them_waits_for_a_restart(
+        start_daemon, python_repo, workdir):
+    (workdir / "gates").mkdir()
+    daemon = start_daemon({"scale": scale(workdir / "gates", repository=str(python_repo / "scale"))})
+    (first,) = steps_of(daemon, "scale")
+
+    def sighup(processes: int) -> None:
+        handled = daemon.log().count("SIGHUP: applied")
+        config = copy.deepcopy(daemon.config)
+        config["models"]["scale"]["processes"] = processes
+        daemon.config_path.write_text(to_toml(config))
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: daemon.log().count("SIGHUP: applied") > handled, what="the SIGHUP applied")
+
+    sighup(3)
+    assert "SIGHUP: applied models.scale.processes 1 -> 3" in daemon.log()
+    wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"] * 3, what="two processes more")
+    steps = steps_of(daemon, "scale")
+    assert steps[0]["pid"] == first["pid"] and [w["number"] for w in steps] == [0, 1, 2]
+    gates = [Gate(workdir / "gates") for _ in range(3)]
+    with RawPeer(daemon.endpoint) as peer:
+        try:
+            for running, gate in enumerate(gates, 1):  # one at a time: requests sent together batch together
+                peer.send(gate.number, "scale", [gated(gate.number)], timeout_ms=60_000)
+                wait_for(lambda n=running: sum(w["executors_busy"] for w in steps_of(daemon, "scale")) == n,
+                         what=f"{running} batch(es) running")
+            assert [w["executors_busy"] for w in steps_of(daemon, "scale")] == [1, 1, 1]
+        finally:
+            for gate in gates:
+                gate.open()
+        assert sorted(peer.recv(timeout=30)[0]["status"] for _ in gates) == ["ok"] * 3
+    sighup(2)
+    assert "need a restart and were not applied: models.scale.processes 3 -> 2" in daemon.log()
+    assert len(steps_of(daemon, "scale")) == 3
 
 
 def test_check_config_refuses_a_python_model_without_outputs_and_python_keys_on_a_tensor_model(tmp_path, python_repo,

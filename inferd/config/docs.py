@@ -38,7 +38,8 @@ def reference_markdown() -> str:
         out += [f"## `{title}`", "", "| key | default | on SIGHUP | meaning |", "|---|---|---|---|"]
         for field in msgspec.structs.fields(cls):
             meta = field_doc(field)
-            when = "applied" if doc_extra(field).get("live") else "restart"
+            live = doc_extra(field).get("live")
+            when = live if isinstance(live, str) else "applied" if live else "restart"
             out.append(f"| `{field.name}` | {_default_text(field)} | {when} | "
                        f"{meta.description if meta else ''} |")
         out.append("")

@@ -30,8 +30,9 @@ UNPAD_DIMS = re.compile(r"^[0-9]+(,[0-9]+)*$")
 CANARY_RTOL, CANARY_ATOL = 1e-3, 1e-5
 
 
-def _doc(text: str, default_doc: str | None = None, live: bool = False) -> Meta:
-    """A key's documentation; `live`: a SIGHUP applies a new value at once (else it waits for a restart)."""
+def _doc(text: str, default_doc: str | None = None, live: bool | str = False) -> Meta:
+    """A key's documentation; `live`: a SIGHUP applies a new value at once (else it waits for a restart), or
+    what it does where that depends on the value (the reference's words; the reconfigure code applies it)."""
     extra: dict[str, Any] = {"live": live}
     if default_doc:
         extra["default_doc"] = default_doc
@@ -485,7 +486,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, Meta(ge=1, le=256),
         _doc("A Python model (model.py): the processes that run it, each its own interpreter with one instance of "
              "the model, started, supervised and restarted as workers are (`inferd: step NAME.K`); its CPU work "
-             "scales with them."),
+             "scales with them.", live="raised: applied (its new processes start); lowered: restart"),
     ] = 1
     python: Annotated[
         str,
@@ -860,4 +861,4 @@ def doc_extra(field: msgspec.structs.FieldInfo) -> dict[str, Any]:
 
 def live_keys(cls: type[msgspec.Struct]) -> frozenset[str]:
     """The keys of a section that a SIGHUP applies at once."""
-    return frozenset(f.name for f in msgspec.structs.fields(cls) if doc_extra(f).get("live"))
+    return frozenset(f.name for f in msgspec.structs.fields(cls) if doc_extra(f).get("live") is True)

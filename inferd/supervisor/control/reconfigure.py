@@ -169,12 +169,13 @@ class Reconfigurer:
                 version = resolve_version(added, self.saved_live.get(name))
                 if python_version(added, version):
                     # Its processes' handles first: from then on its versions belong on them, not on a device.
-                    steps += self.workers.add_pool(name, added.processes)
+                    steps += self.workers.add_steps(name, added.processes)
                 self.reloads.add_model(name, version, added.repository)
             except (RepositoryError, StartupError) as exc:
                 log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
                 change.applied.remove(_describe(f"models.{name}", None, name))
                 change.config.models.pop(name)
+        steps += self._raise_processes(running, new, change)
         change = settle_pipelines(running.pipelines, new.pipelines, change)
         self.configure(change.config)
         now = time.monotonic()
@@ -194,6 +195,25 @@ class Reconfigurer:
         if change.need_restart:
             log.warning("SIGHUP: these changes need a restart and were not applied: %s",
                         "; ".join(change.need_restart))
+
+    def _raise_processes(self, running: Config, new: Config, change: Plan) -> list[WorkerHandle]:
+        """The handles of the processes a raised `processes` of a Python model adds (to be spawned with the new
+        config); a lowered one waits for a restart, as the plan says."""
+        steps: list[WorkerHandle] = []
+        for name, model in change.config.models.items():
+            old, asked = running.models.get(name), new.models.get(name)
+            if old is None or asked is None or asked.processes <= old.processes or name not in self.workers.pools:
+                continue
+            try:
+                steps += self.workers.add_steps(name, asked.processes - old.processes)
+            except StartupError as exc:
+                log.error("SIGHUP: models.%s.processes cannot be raised: %s", name, exc)
+                continue
+            said = _describe(f"models.{name}.processes", old.processes, asked.processes)
+            change.need_restart.remove(said)
+            change.applied.append(said)
+            change.config.models[name] = msgspec.structs.replace(model, processes=asked.processes)
+        return steps
 
     def _keep_slots_large_enough(self, running: Config, change: Plan) -> Plan:
         """Refuse a larger max_batch_size whose full batch would not fit an arena slot."""

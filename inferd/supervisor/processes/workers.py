@@ -271,19 +271,19 @@ class WorkerTable:
                                              slots=SlotPool(size, slot_count),
                                              stacks_path=self.files.worker_stacks(index)))
         for model, count in self.pools.items():
-            self._add_steps(model, count)
+            self._add_steps(model, range(count))
         self.files.backend.parent.mkdir(parents=True, exist_ok=True)
         self.backend.bind(self.endpoint)
         self._bound = True
         os.chmod(self.files.backend, 0o600)
 
-    def _add_steps(self, model: str, count: int) -> list[WorkerHandle]:
-        """The handles of Python model `model`'s `count` processes, each with its arena (PIPELINE_DEPTH slots of
+    def _add_steps(self, model: str, numbers: range) -> list[WorkerHandle]:
+        """The handles of Python model `model`'s processes `numbers`, each with its arena (PIPELINE_DEPTH slots of
         a worker's size), in the table; StartupError when an arena cannot be made."""
         worker_size = SlotPool(self.config.workers.shm_mb << 20, PIPELINE_DEPTH * self.config.workers.streams)
         size = PIPELINE_DEPTH * worker_size.slot_size
         added: list[WorkerHandle] = []
-        for number in range(count):
+        for number in numbers:
             index = len(self.workers)
             added.append(StepHandle(index=index, device="cpu", arena=_arena(self._instance, index, size),
                                     slots=SlotPool(size, PIPELINE_DEPTH),
@@ -291,19 +291,20 @@ class WorkerTable:
             self.workers.append(added[-1])
         return added
 
-    def add_pool(self, model: str, count: int) -> list[WorkerHandle]:
-        """Python model `model`, added while serving (a SIGHUP): its `count` processes' handles and arenas, to
-        be spawned once its live version is known; StartupError (nothing added) when an arena cannot be made."""
-        before = len(self.workers)
+    def add_steps(self, model: str, count: int) -> list[WorkerHandle]:
+        """`count` processes more for Python model `model` (a SIGHUP added it, or raised its `processes`): their
+        handles and arenas, to be spawned once its live version is known; StartupError (nothing added) when an
+        arena cannot be made."""
+        before, first = len(self.workers), self.pools.get(model, 0)
         try:
-            added = self._add_steps(model, count)
+            added = self._add_steps(model, range(first, first + count))
         except StartupError:
             for worker in self.workers[before:]:
                 worker.arena.close()
                 worker.arena.unlink()
             del self.workers[before:]
             raise
-        self.pools[model] = count
+        self.pools[model] = first + count
         return added
 
     def close(self) -> None:
