@@ -847,3 +847,14 @@ def test_a_client_socket_s_receive_mark_is_its_byte_budget_over_the_largest_requ
                                                      "inputs": [{"dtype": "float32", "shape": [16]}]}},
                                   "queue": {"max_bytes": max_bytes}})
     assert receive_mark(config) == mark
+
+
+def test_the_reapers_glob_of_step_stacks_files_takes_this_daemons_only_however_its_socket_is_named(tmp_path):
+    from inferd.supervisor.processes.reaper import _expand
+
+    ours = RuntimeFiles(f"ipc://{tmp_path}/d[1].sock", new_instance())
+    theirs = RuntimeFiles(f"ipc://{tmp_path}/d1.sock", new_instance())  # what d[1] matches as a glob, unescaped
+    for files in (ours, theirs):
+        files.step_stacks("m", 0).write_text("")
+        files.step_stacks("m", 1).write_text("")
+    assert _expand([ours.every_step_stacks]) == [ours.step_stacks("m", 0), ours.step_stacks("m", 1)]

@@ -89,8 +89,8 @@ class Parts:
             sockets=[path for path in (self.files.control_socket, self.files.backend,
                                        *(self.files.upstream(name) for name in PROTOCOLS)) if path is not None],
             pid_file=self.files.pid,
-            files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices))),
-                   self.files.every_step_stacks],
+            files=[self.files.stacks, *(self.files.worker_stacks(i) for i in range(len(devices)))],
+            file_globs=[self.files.every_step_stacks],
             folders=[fork_server_folder()],
         )
         start_fork_server()

@@ -8,6 +8,7 @@ so `inferd serve` in one terminal and `inferctl status` in another just work.
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -111,5 +112,6 @@ class RuntimeFiles:
 
     @property
     def every_step_stacks(self) -> Path:
-        """A glob of every step's stacks file (step_stacks), those of Python models added since too."""
-        return self._sibling(".step-*.stacks")
+        """A glob of every step's stacks file (step_stacks), those of Python models added since too: its name
+        the control socket's, escaped (a `[` in it matches itself), then `.step-*.stacks`."""
+        return self.base.with_name(glob.escape(self.base.name) + ".step-*.stacks")

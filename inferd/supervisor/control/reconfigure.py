@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -25,7 +24,7 @@ from inferd.config.pipelines import pipeline_problems
 from inferd.config.schema import SECTIONS, Config, ModelConfig, PipelineConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
 from inferd.models.repository import RepositoryError, python_version, resolve_version
-from inferd.supervisor.processes.workers import WorkerHandle, WorkerTable
+from inferd.supervisor.processes.workers import WorkerTable
 from inferd.supervisor.shared.command_replies import LoggedReply
 from inferd.supervisor.shared.live import LiveVersions
 from inferd.supervisor.shared.state import StartupError
@@ -112,7 +111,8 @@ def plan(old: Config, new: Config) -> Plan:
 def settle_pipelines(old: dict[str, PipelineConfig], new: dict[str, PipelineConfig], change: Plan) -> Plan:
     """`change` with the pipelines of the new file (`new`), as far as the models it serves from now on run them.
 
-    A pipeline's every key applies at once: its runs under way finish with the steps they began with. One that
+    A pipeline's every key applies at once (the schema marks them live for the reference; this is what applies
+    them): its runs under way finish with the steps they began with. One that
     its models cannot run as they are served now (a model whose change waits for a restart, or one not added)
     serves as it was, or is not added, and the first reason is named."""
     pipelines: dict[str, PipelineConfig] = {}
@@ -162,25 +162,23 @@ class Reconfigurer:
                       len(exc.problems), "; ".join(exc.problems))
             return
         change = self._keep_slots_large_enough(running, plan(running, new))
-        steps: list[WorkerHandle] = []
         for name in change.added_models:
+            added = change.config.models[name]
             try:
-                added = change.config.models[name]
                 version = resolve_version(added, self.saved_live.get(name))
                 if python_version(added, version):
-                    # Its processes' handles first: from then on its versions belong on them, not on a device.
-                    steps += self.workers.add_steps(name, added.processes)
-                self.reloads.add_model(name, version, added.repository)
+                    # Its processes' handles before its version is live: its versions belong on them, not on a
+                    # device. They start at the loop's next housekeeping (while it serves), with the new config.
+                    self.workers.add_steps(name, added.processes)
             except (RepositoryError, StartupError) as exc:
                 log.error("SIGHUP: models.%s cannot be added: %s", name, exc)
                 change.applied.remove(_describe(f"models.{name}", None, name))
                 change.config.models.pop(name)
-        steps += self._raise_processes(running, new, change)
+                continue
+            self.reloads.add_model(name, version, added.repository)
+        self._raise_processes(running, new, change)
         change = settle_pipelines(running.pipelines, new.pipelines, change)
         self.configure(change.config)
-        now = time.monotonic()
-        for step in steps:  # with the config that has its model
-            self.workers.spawn(step, now)
         for name in change.version_changed:
             try:
                 target = resolve_version(change.config.models[name])
@@ -196,16 +194,15 @@ class Reconfigurer:
             log.warning("SIGHUP: these changes need a restart and were not applied: %s",
                         "; ".join(change.need_restart))
 
-    def _raise_processes(self, running: Config, new: Config, change: Plan) -> list[WorkerHandle]:
-        """The handles of the processes a raised `processes` of a Python model adds (to be spawned with the new
-        config); a lowered one waits for a restart, as the plan says."""
-        steps: list[WorkerHandle] = []
+    def _raise_processes(self, running: Config, new: Config, change: Plan) -> None:
+        """Add the processes of each Python model whose `processes` the new config raises (they start as an
+        added model's do); a lowered one waits for a restart, as the plan says."""
         for name, model in change.config.models.items():
             old, asked = running.models.get(name), new.models.get(name)
             if old is None or asked is None or asked.processes <= old.processes or name not in self.workers.pools:
                 continue
             try:
-                steps += self.workers.add_steps(name, asked.processes - old.processes)
+                self.workers.add_steps(name, asked.processes - old.processes)
             except StartupError as exc:
                 log.error("SIGHUP: models.%s.processes cannot be raised: %s", name, exc)
                 continue
@@ -213,7 +210,6 @@ class Reconfigurer:
             change.need_restart.remove(said)
             change.applied.append(said)
             change.config.models[name] = msgspec.structs.replace(model, processes=asked.processes)
-        return steps
 
     def _keep_slots_large_enough(self, running: Config, change: Plan) -> Plan:
         """Refuse a larger max_batch_size whose full batch would not fit an arena slot."""

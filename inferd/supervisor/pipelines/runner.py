@@ -85,10 +85,10 @@ class Pipelines:
         self.replies.pipeline(reply_to, name, ReplyHeader(id=request_id, status=status, model=name, error=error), (),
                               0.0)
 
-    def _request(self, run: Run, step: Step, now: float, client: Hashable, later: bool) -> QueuedRequest:
+    def _request(self, run: Run, step: Step, now: float, client: Hashable, first: bool) -> QueuedRequest:
         """The request of `step` for `run`, its inputs taken from the run's tensors (InvalidRequest if they are
-        not what the step's model takes); a `later` step's, admitted with its run, is never displaced from the
-        queue by a more urgent request (its first step's may be, as a model's request)."""
+        not what the step's model takes). Only the `first` step's, at which the run is admitted, may be displaced
+        from the queue by a more urgent request, as a model's request may: the others were admitted with it."""
         metas = tuple(run.tensors[tensor][0] for tensor in step.takes)
         header = protocol.RequestHeader(id=run.request_id, model=step.model, inputs=metas, priority=run.priority)
         model = self.config.models[step.model]
@@ -96,13 +96,13 @@ class Pipelines:
         buffers: list[Buffer] = [run.tensors[tensor][1] for tensor in step.takes]
         return QueuedRequest(header, buffers, StepTarget(run, step, self._computed, self._failed),  # type: ignore[arg-type]
                              client, samples, sum(len(b) for b in buffers), now, run.deadline, run.priority,
-                             shapes=shapes, displaceable=not later)
+                             shapes=shapes, displaceable=first)
 
     def _put(self, run: Run, step: Step, now: float, client: Hashable) -> tuple[str, str] | None:
         """Queue the first step's request; the status and sentence it was refused with, if it was (`invalid`
         where its model cannot take the request's tensors, `overloaded` where the queue is full)."""
         try:
-            request = self._request(run, step, now, client, later=False)
+            request = self._request(run, step, now, client, first=True)
         except InvalidRequest as exc:
             return protocol.INVALID, exc.message
         refused = self.queue.put(request)
@@ -122,7 +122,7 @@ class Pipelines:
             self._fail(run, step, protocol.TIMEOUT, "the deadline passed before the step could run", None)
             return
         try:
-            request = self._request(run, step, now, run.key, later=True)
+            request = self._request(run, step, now, run.key, first=False)
         except InvalidRequest as exc:
             self._fail(run, step, protocol.INVALID, f"the tensors it was given do not fit its model: {exc.message}",
                        None)

@@ -8,8 +8,8 @@ not reach it). It waits on a pipe: a byte means the supervisor cleaned up and
 it exits; end-of-file without one means the supervisor died, and it removes
 the arenas, the workers' fork server's folder, the sockets nobody listens on
 any more, and the pid and stacks files that still name the dead supervisor.
-Arenas and files are named by globs, expanded then: a Python model a SIGHUP
-added has its processes' arenas and stacks files made after the fork.
+The arenas and the steps' stacks files are named by globs, expanded then: a
+Python model a SIGHUP added has its processes' made after the fork.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _expand(patterns: list[Path]) -> list[Path]:
 
 
 def _reap(read_fd: int, supervisor: int, arenas: list[Path], sockets: list[Path], pid_file: Path,
-          files: list[Path], folders: list[Path]) -> None:
+          files: list[Path], file_globs: list[Path], folders: list[Path]) -> None:
     if os.read(read_fd, 1) == CLEAN:
         return
     removed = []
@@ -68,7 +68,7 @@ def _reap(read_fd: int, supervisor: int, arenas: list[Path], sockets: list[Path]
             path.unlink(missing_ok=True)
             removed.append(path.name)
     if _names(pid_file, supervisor):
-        for path in [pid_file, *_expand(files)]:
+        for path in [pid_file, *files, *_expand(file_globs)]:
             if path.exists():
                 path.unlink(missing_ok=True)
                 removed.append(path.name)
@@ -85,9 +85,9 @@ class Reaper:
         self.pid: int | None = None
 
     def start(self, arenas: list[Path], sockets: list[Path], pid_file: Path, files: list[Path],
-              folders: list[Path]) -> None:
+              file_globs: list[Path], folders: list[Path]) -> None:
         """Fork the reaper; call before any thread or socket exists in this process. The names of `arenas` and
-        `files` may be globs (see _expand); `folders` are private to this supervisor, removed whole."""
+        `file_globs` are globs (see _expand); `folders` are private to this supervisor, removed whole."""
         read_fd, write_fd = os.pipe()
         supervisor = os.getpid()
         pid = os.fork()
@@ -100,7 +100,7 @@ class Reaper:
                 os.closerange(3, read_fd)
                 os.closerange(read_fd + 1, os.sysconf("SC_OPEN_MAX"))
                 setproctitle.setproctitle(f"inferd: reaper of {supervisor}")
-                _reap(read_fd, supervisor, arenas, sockets, pid_file, files, folders)
+                _reap(read_fd, supervisor, arenas, sockets, pid_file, files, file_globs, folders)
             finally:
                 os._exit(0)
         os.close(read_fd)

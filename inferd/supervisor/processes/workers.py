@@ -280,8 +280,8 @@ class WorkerTable:
     def _add_steps(self, model: str, numbers: range) -> list[WorkerHandle]:
         """The handles of Python model `model`'s processes `numbers`, each with its arena (PIPELINE_DEPTH slots of
         a worker's size), in the table; StartupError when an arena cannot be made."""
-        worker_size = SlotPool(self.config.workers.shm_mb << 20, PIPELINE_DEPTH * self.config.workers.streams)
-        size = PIPELINE_DEPTH * worker_size.slot_size
+        worker_slots = SlotPool(self.config.workers.shm_mb << 20, PIPELINE_DEPTH * self.config.workers.streams)
+        size = PIPELINE_DEPTH * worker_slots.slot_size
         added: list[WorkerHandle] = []
         for number in numbers:
             index = len(self.workers)
@@ -293,8 +293,7 @@ class WorkerTable:
 
     def add_steps(self, model: str, count: int) -> list[WorkerHandle]:
         """`count` processes more for Python model `model` (a SIGHUP added it, or raised its `processes`): their
-        handles and arenas, to be spawned once its live version is known; StartupError (nothing added) when an
-        arena cannot be made."""
+        handles and arenas, which respawn_due starts; StartupError (nothing added) when an arena cannot be made."""
         before, first = len(self.workers), self.pools.get(model, 0)
         try:
             added = self._add_steps(model, range(first, first + count))

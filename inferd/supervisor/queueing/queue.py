@@ -62,7 +62,8 @@ class QueuedRequest:
     lost_with: tuple[str, ...] = ()  # the workers that died while its batch ran (it is tried again once)
     shapes: Shapes = ()  # its samples' shape per input, where the model takes any: it batches only with its like
     grouped: bool = False  # it came in a group: its reply may leave in one with others of its batch
-    displaceable: bool = True  # a more urgent request may take its place in a full queue (not a later step's)
+    displaceable: bool = True  # a more urgent request may take its place in a full queue (not a pipeline's
+    # steps after the one its run was admitted at)
 
 
 @dataclass(frozen=True)
