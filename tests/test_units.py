@@ -858,3 +858,13 @@ def test_the_reapers_glob_of_step_stacks_files_takes_this_daemons_only_however_i
         files.step_stacks("m", 0).write_text("")
         files.step_stacks("m", 1).write_text("")
     assert _expand([ours.every_step_stacks]) == [ours.step_stacks("m", 0), ours.step_stacks("m", 1)]
+
+
+def test_the_stats_table_gives_a_shapes_padding_share_from_its_counts_rounded_once():
+    from inferd.cli.render import _shape_lines
+
+    # 4130 / 2526 = 1.634996...: the report's padding_share, rounded to 4 places (1.635), would print 1.64.
+    part = {"batches": 10, "elements": 2526, "padding_elements": 4130, "padding_share": 1.635}
+    assert _shape_lines({"models": {"padded": {"shapes": {"2x64": part}}}}) == [
+        "", "padded shape 2x64: 10 batch(es), 2526 input elements requested, 4130 of padding (1.63 per element "
+            "requested)"]
