@@ -95,15 +95,29 @@ def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]
     return config
 
 
-@pytest.fixture(scope="module")
-def served(python_repo: Path, repo: Path) -> Iterator[Daemon]:
+@contextlib.contextmanager
+def daemon_of_its_own(python_repo: Path, repo: Path, queue_size: int | None = None,
+                      pipelines: dict[str, Any] | None = None) -> Iterator[Daemon]:
+    """A daemon of served_config, started in a folder of its own (with `queue_size` and `pipelines` in place of
+    the config's, where given); killed, its folder removed, at the end."""
     folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
-    daemon = Daemon(folder, served_config(folder, python_repo, repo))
+    config = served_config(folder, python_repo, repo)
+    if queue_size is not None:
+        config["queue"]["max_size"] = queue_size
+    if pipelines is not None:
+        config["pipelines"] = pipelines
+    daemon = Daemon(folder, config)
     try:
         yield daemon.start()
     finally:
         daemon.kill_all()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served(python_repo: Path, repo: Path) -> Iterator[Daemon]:
+    with daemon_of_its_own(python_repo, repo) as daemon:
+        yield daemon
 
 
 def chained(python_repo: Path, repo: Path) -> Any:
@@ -480,17 +494,12 @@ def test_a_request_under_way_when_a_sighup_changes_its_pipeline_finishes_with_th
 def test_a_later_step_finding_the_queue_full_waits_for_room_until_its_deadline(python_repo, repo):
     """An admitted request is never answered overloaded: its second step waits for room in the full queue, and
     is queued once there is some, or answered timeout at its deadline."""
-    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
-    config = served_config(folder, python_repo, repo)
-    config["queue"]["max_size"] = 4
-    config["pipelines"] = {"held_first": {
+    pipelines = {"held_first": {
         "inputs": CHAIN["inputs"], "outputs": ["sum"],
         "steps": [{"model": "scale2", "name": "first", "inputs": {"x": "x"}, "outputs": {"scaled": "scaled"}},
                   {"model": "sum", "inputs": {"INPUT__0": "scaled"}, "outputs": {"sum": "sum"}}]}}
-    daemon = Daemon(folder, config)
-    try:
-        daemon.start()
-        first, second = Gate(folder / "gates"), Gate(folder / "gates")
+    with daemon_of_its_own(python_repo, repo, queue_size=4, pipelines=pipelines) as daemon:
+        first, second = Gate(daemon.workdir / "gates"), Gate(daemon.workdir / "gates")
         with RawPeer(daemon.endpoint) as peer:
             # Both first steps held in scale2's process (the one behind the other), each request of its own.
             peer.send("waits", "held_first", [gated(first.number)], timeout_ms=60_000)
@@ -518,28 +527,19 @@ def test_a_later_step_finding_the_queue_full_waits_for_room_until_its_deadline(p
         assert header["status"] == "ok" and header["version"] == "first:v1,sum:v1"
         np.testing.assert_array_equal(outputs[0], np.zeros((1, 1), np.float32))
         assert all(header["status"] == "ok" for header, _ in replies.values())
-    finally:
-        daemon.kill_all()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_later_step_in_a_full_queue_is_not_displaced_by_a_more_urgent_request(python_repo, repo):
     """A more urgent request displaces less urgent ones from a full queue, but not an admitted pipeline request's
     later step: that would drop it for a full queue, with its first step computed."""
-    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
-    config = served_config(folder, python_repo, repo)
-    config["queue"]["max_size"] = 2
-    config["pipelines"] = {"then_scale": {
+    pipelines = {"then_scale": {
         "inputs": CHAIN["inputs"], "outputs": ["twice"],
         "steps": [{"model": "scale2", "name": "first", "inputs": {"x": "x"}, "outputs": {"scaled": "once"}},
                   {"model": "scale", "inputs": {"x": "once"}, "outputs": {"scaled": "twice"}}]}}
-    daemon = Daemon(folder, config)
+    with daemon_of_its_own(python_repo, repo, queue_size=2, pipelines=pipelines) as daemon:
+        def queued() -> int:
+            return daemon.status()["models"]["scale"]["queue_depth"]
 
-    def queued() -> int:
-        return daemon.status()["models"]["scale"]["queue_depth"]
-
-    try:
-        daemon.start()
         with RawPeer(daemon.endpoint) as peer:
             with held(daemon, "scale"):
                 peer.send("direct", "scale", [ONES], priority=1, timeout_ms=60_000)
@@ -555,20 +555,14 @@ def test_a_later_step_in_a_full_queue_is_not_displaced_by_a_more_urgent_request(
         assert header["status"] == "ok" and header["version"] == "first:v1,scale:v1", header
         np.testing.assert_array_equal(outputs[0], ONES * 4)
         assert replies["urgent"][0]["status"] == "ok"
-    finally:
-        daemon.kill_all()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_sigterm_drains_the_pipeline_requests_under_way_between_their_steps(python_repo, repo):
     import signal
 
-    folder = Path(tempfile.mkdtemp(prefix="inferd-p"))
-    daemon = Daemon(folder, served_config(folder, python_repo, repo))
     total = chained(python_repo, repo)
     x = np.arange(20 * SCALE_FEATURES, dtype=np.float32).reshape(20, 1, SCALE_FEATURES) / 100
-    try:
-        daemon.start()
+    with daemon_of_its_own(python_repo, repo) as daemon:
         with RawPeer(daemon.endpoint) as peer:
             with held(daemon, "scale2"):  # gapped's middle step: each request waits there, its first step done
                 for index in range(20):
@@ -582,9 +576,6 @@ def test_a_sigterm_drains_the_pipeline_requests_under_way_between_their_steps(py
             assert header["status"] == "ok", header
             np.testing.assert_allclose(outputs[0], total(x[index])[0], rtol=1e-6)
         assert daemon.wait() == 0
-    finally:
-        daemon.kill_all()
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_an_http_client_that_closes_its_connection_cancels_its_pipeline_request_between_steps(served):

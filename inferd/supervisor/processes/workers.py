@@ -277,26 +277,24 @@ class WorkerTable:
         self._bound = True
         os.chmod(self.files.backend, 0o600)
 
-    def _add_steps(self, model: str, numbers: range) -> list[WorkerHandle]:
+    def _add_steps(self, model: str, numbers: range) -> None:
         """The handles of Python model `model`'s processes `numbers`, each with its arena (PIPELINE_DEPTH slots of
         a worker's size), in the table; StartupError when an arena cannot be made."""
         worker_slots = SlotPool(self.config.workers.shm_mb << 20, PIPELINE_DEPTH * self.config.workers.streams)
         size = PIPELINE_DEPTH * worker_slots.slot_size
-        added: list[WorkerHandle] = []
         for number in numbers:
             index = len(self.workers)
-            added.append(StepHandle(index=index, device="cpu", arena=_arena(self._instance, index, size),
-                                    slots=SlotPool(size, PIPELINE_DEPTH),
-                                    stacks_path=self.files.step_stacks(model, number), model=model, number=number))
-            self.workers.append(added[-1])
-        return added
+            self.workers.append(StepHandle(index=index, device="cpu", arena=_arena(self._instance, index, size),
+                                           slots=SlotPool(size, PIPELINE_DEPTH),
+                                           stacks_path=self.files.step_stacks(model, number), model=model,
+                                           number=number))
 
-    def add_steps(self, model: str, count: int) -> list[WorkerHandle]:
+    def add_steps(self, model: str, count: int) -> None:
         """`count` processes more for Python model `model` (a SIGHUP added it, or raised its `processes`): their
         handles and arenas, which respawn_due starts; StartupError (nothing added) when an arena cannot be made."""
         before, first = len(self.workers), self.pools.get(model, 0)
         try:
-            added = self._add_steps(model, range(first, first + count))
+            self._add_steps(model, range(first, first + count))
         except StartupError:
             for worker in self.workers[before:]:
                 worker.arena.close()
@@ -304,7 +302,6 @@ class WorkerTable:
             del self.workers[before:]
             raise
         self.pools[model] = first + count
-        return added
 
     def close(self) -> None:
         """Close the backend socket, unmap and unlink every arena, remove the stacks files."""
