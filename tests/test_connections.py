@@ -1,5 +1,6 @@
 """Client connections and the open-files limit: the daemon raises its soft limit to the hard one, counts its
-ZeroMQ connections, and says when a client cannot be accepted for want of descriptors."""
+ZeroMQ connections, and turns away the connections past what it leaves its clients, keeping descriptors for
+its own work (inferctl, workers, gateways), and says so."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ import pytest
 import zmq
 from conftest import MLP, reference, wait_for
 from test_observability import metrics_config, scrape
+from wire import RawPeer
 
+from inferd import protocol
 from inferd.harness import DaemonProcess
+from inferd.system.shm_names import SHM_DIR
 
 CLIENTS = 400
 LOW = 256  # an open-files limit below what CLIENTS connections take
@@ -41,6 +45,7 @@ class Clients:
             self.sockets.append(socket)
             self.inputs.append(x)
         self.replies: dict[int, tuple[dict, bytes]] = {}
+        self.closed: set[int] = set()
 
     def take_replies(self) -> int:
         """Read the replies that have come; return how many clients have theirs."""
@@ -49,6 +54,12 @@ class Clients:
                 header, *outputs = socket.recv_multipart()
                 self.replies[index] = (msgspec.json.decode(header), outputs[0] if outputs else b"")
         return len(self.replies)
+
+    def close_answered(self) -> None:
+        """Close the clients that have their replies, freeing their connections."""
+        for index in self.replies.keys() - self.closed:
+            self.sockets[index].close()
+            self.closed.add(index)
 
     def close(self) -> None:
         """Close every client."""
@@ -92,27 +103,96 @@ def test_a_soft_limit_below_the_clients_is_raised_to_the_hard_one_and_every_clie
         clients.close()
     stats = wait_for(lambda: (s := daemon.call("stats"))["connections"]["zmq"]["open"] == 0 and s,
                      what="the closed connections counted out")
-    assert stats["connections"] == {"zmq": {"open": 0, "refused": {"descriptors": 0}}, "open_files_limit": hard}
+    connections = stats["connections"]
+    assert connections["zmq"] == {"open": 0, "refused": {"descriptors": 0}}
+    assert connections["open_files_limit"] == hard and connections["descriptors_held_by_clients"] == 0
+    assert CLIENTS < connections["descriptors_for_clients"] < hard
     assert f"open files: at most {hard} (raised from {LOW} to the hard limit)" in daemon.log()
 
 
-def test_clients_past_a_hard_limit_are_told_of_in_the_log_and_the_metrics(start_daemon, descriptors_for_clients):
+def test_clients_past_what_the_limit_leaves_them_are_turned_away_and_taken_as_connections_close(
+        start_daemon, repo, descriptors_for_clients):
     daemon = start_daemon({"mlp": PINNED_MLP}, open_files=(LOW, LOW), server=metrics_config()["server"])
+    run = reference(repo, "mlp", "v1")
     clients = Clients(daemon.endpoint)
     try:
-        # While the daemon has no descriptor left, nothing is asked of it over ipc:// (libzmq 4.3.5 aborts
-        # the process when it cannot accept such a connection): the log is read instead.
-        wait_for(lambda: "cannot be accepted" in daemon.log(), timeout=60,
-                 what="the daemon saying a client cannot be accepted")
-        answered = wait_for(clients.take_replies, what="the clients it accepted answered")
+        wait_for(lambda: daemon.call("stats")["connections"]["zmq"]["refused"]["descriptors"] > 0, timeout=60,
+                 what="clients turned away")
+        # Each call is a new connection to the ipc:// control socket, which libzmq cannot refuse: out of
+        # descriptors it aborts the daemon instead.
+        for _ in range(20):
+            assert daemon.call("health")["healthy"]
+        connections = daemon.call("stats")["connections"]
+        assert connections["open_files_limit"] == LOW
+        assert connections["zmq"]["open"] <= connections["descriptors_held_by_clients"] \
+            <= connections["descriptors_for_clients"] < LOW - 64, connections
+
+        def everyone_answered() -> bool:
+            answered = clients.take_replies()
+            clients.close_answered()  # a turned-away client gets in as an answered one leaves
+            return answered == CLIENTS
+
+        wait_for(everyone_answered, timeout=120, what=f"all {CLIENTS} clients answered, a limit's worth at a time")
+        for index, (header, output) in clients.replies.items():
+            assert header["status"] == "ok", header
+            np.testing.assert_allclose(np.frombuffer(output, dtype=np.float32).reshape(1, -1),
+                                       run(clients.inputs[index]), rtol=1e-5, atol=1e-6)
     finally:
         clients.close()
-    assert answered < LOW, f"{answered} clients answered with {LOW} descriptors"
-    line = next(line for line in daemon.log().splitlines() if "cannot be accepted" in line)
-    assert f"all {LOW} descriptors its limit allows" in line and "LimitNOFILE=" in line, line
+    assert daemon.process.poll() is None
+    line = next(line for line in daemon.log().splitlines() if "was turned away" in line)
+    assert f"open-files limit of {LOW}" in line and "LimitNOFILE=" in line, line
+    assert "cannot be accepted" not in daemon.log()  # it never ran out
     wait_for(lambda: open_descriptors(daemon) < LOW // 2, timeout=60, what="the daemon's descriptors freed")
     metrics = scrape(daemon)
     assert metrics[("inferd_connections_refused_total", (("protocol", "zmq"), ("reason", "descriptors")))] >= 1
-    assert daemon.call("stats")["connections"]["zmq"]["refused"]["descriptors"] >= 1
     wait_for(lambda: scrape(daemon)[("inferd_connections", (("protocol", "zmq"),))] == 0,
              what="the closed connections counted out")
+
+
+def test_regions_past_what_the_limit_leaves_clients_are_refused_overloaded_and_the_daemon_keeps_serving(
+        start_daemon, descriptors_for_clients):
+    daemon = start_daemon({"mlp": PINNED_MLP}, open_files=(LOW, LOW),
+                          server={"allow_client_shm": True, "client_shm_prefix": "inferd-client-test-"})
+    shm = SHM_DIR / f"inferd-client-test-{os.getpid()}"
+    shm.write_bytes(bytes(64))
+    peers: list[RawPeer] = []
+
+    def register(peer: RawPeer, name: str) -> dict:
+        op = protocol.RegisterRegion(id=name, name=name, key=shm.name, byte_size=64)
+        peer.send_frames([protocol.encode_op(op)])
+        return peer.recv()[0]
+
+    try:
+        refused = None
+        while refused is None and len(peers) < LOW // 64 + 1:  # a connection may have 64 regions
+            peers.append(RawPeer(daemon.endpoint))
+            for index in range(64):
+                reply = register(peers[-1], f"r{index}")
+                if reply["status"] != "ok":
+                    refused = reply
+                    break
+        assert refused is not None, "every region registered under a limit of {LOW} descriptors"
+        assert refused["status"] == "overloaded", refused
+        assert "no descriptor left for another region" in refused["error"] and "LimitNOFILE=" in refused["error"]
+        connections = daemon.call("stats")["connections"]
+        assert connections["descriptors_held_by_clients"] == connections["descriptors_for_clients"], connections
+        assert daemon.call("health")["healthy"]
+        last = peers[-1]  # the connection refused, with fewer than 64 regions
+        other = RawPeer(daemon.endpoint)  # turned away while the regions hold every descriptor left to clients
+        peers.append(other)
+        other.send("after", "mlp", [np.zeros((1, models.MLP_IN), np.float32)])
+        assert not other.socket.poll(300)
+        for name in ("r0", "r1"):
+            peers[0].send_frames([protocol.encode_op(protocol.UnregisterRegion(id=name, name=name))])
+            assert peers[0].recv()[0]["status"] == "ok"
+        assert other.recv()[0]["status"] == "ok"  # taken once a descriptor was freed, and served
+        assert register(last, "again")["status"] == "ok"  # the other descriptor freed
+        assert register(last, "more")["status"] == "overloaded"
+        assert daemon.call("stats")["connections"]["zmq"]["refused"]["descriptors"] >= 1
+    finally:
+        for peer in peers:
+            peer.close()
+        shm.unlink()
+    wait_for(lambda: daemon.call("stats")["connections"]["descriptors_held_by_clients"] == 0,
+             what="the regions closed with their connections")

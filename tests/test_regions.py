@@ -14,7 +14,7 @@ import pytest
 
 from inferd.errors import InvalidRequest
 from inferd.supervisor.shared.regions import Regions
-from inferd.system.shm_names import SHM_DIR
+from inferd.system.shm_names import GATEWAY_REGION_PREFIX, SHM_DIR
 
 PREFIX = "inferd-client-"
 
@@ -81,3 +81,18 @@ def test_every_region_registered_over_a_connection_goes_when_it_drops(shm):
     assert all(region.closed for region in over_one) and not other.closed
     assert [r["owner"] for r in regions.status()] == ["conn-b"]
     regions.close()
+
+
+def test_the_descriptors_clients_regions_hold_are_counted_and_a_gateways_own_are_not(shm):
+    regions = Regions(PREFIX)
+    regions.register("conn-a", "one", shm(64), 0, 64, link="link-1")
+    regions.register("conn-a", "two", shm(64), 0, 64, link="link-1")
+    regions.register(("gateway", "own"), "hop", shm(64, f"{GATEWAY_REGION_PREFIX}test-{uuid.uuid4().hex[:12]}"), 0,
+                     64, link="link-2", prefix=GATEWAY_REGION_PREFIX)
+    assert regions.held == 2
+    regions.unregister("conn-a", "one")
+    assert regions.held == 1
+    regions.drop_link("link-1")
+    assert regions.held == 0
+    regions.close()
+    assert regions.held == 0

@@ -39,6 +39,7 @@ from inferd.models.repository import NUMBERS_FILE, SavedVersions, VersionNumbers
 from inferd.supervisor.dispatch.compute_times import ComputeTimes
 from inferd.supervisor.dispatch.dispatcher import Dispatcher
 from inferd.supervisor.dispatch.replies import Replies, ReplyTo
+from inferd.supervisor.intake.connections import close_accepted, is_at
 from inferd.supervisor.intake.receive_limits import receive_mark
 from inferd.supervisor.processes.children import MAX_BACKOFF_S, ChildProcess
 from inferd.supervisor.processes.workers import ExecutorHandle, WorkerState, WorkerTable
@@ -868,3 +869,32 @@ def test_the_stats_table_gives_a_shapes_padding_share_from_its_counts_rounded_on
     assert _shape_lines({"models": {"padded": {"shapes": {"2x64": part}}}}) == [
         "", "padded shape 2x64: 10 batch(es), 2526 input elements requested, 4130 of padding (1.63 per element "
             "requested)"]
+
+
+def test_a_connection_turned_away_is_shut_only_where_its_descriptor_is_still_one_of_that_endpoints(tmp_path):
+    listener = stdlib_socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = stdlib_socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    unix = stdlib_socket.socket(stdlib_socket.AF_UNIX)
+    unix.bind(str(tmp_path / "data.sock"))
+    try:
+        assert is_at(accepted.getsockname(), f"tcp://127.0.0.1:{port}")
+        assert is_at(accepted.getsockname(), f"tcp://*:{port}")
+        assert not is_at(accepted.getsockname(), f"tcp://127.0.0.1:{port + 1}")
+        assert is_at(unix.getsockname(), f"ipc://{tmp_path}/data.sock")
+        assert not is_at(unix.getsockname(), f"ipc://{tmp_path}/other.sock")
+        # Its descriptor now another endpoint's: left alone, and still open.
+        assert not close_accepted(accepted.fileno(), f"tcp://127.0.0.1:{port + 1}")
+        client.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            client.recv(1)
+        assert close_accepted(accepted.fileno(), f"tcp://127.0.0.1:{port}")
+        client.setblocking(True)
+        assert client.recv(1) == b""  # the client sees its connection end
+        assert accepted.fileno() >= 0  # and the descriptor stays its owner's to close
+        with tmp_path.joinpath("file").open("w") as not_a_socket:
+            assert not close_accepted(not_a_socket.fileno(), f"tcp://127.0.0.1:{port}")
+    finally:
+        for each in (client, accepted, listener, unix):
+            each.close()

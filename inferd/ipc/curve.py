@@ -3,8 +3,8 @@
 A key pair is two files made by zmq.auth: NAME.key (the public key, to share)
 and NAME.key_secret (both halves; keep it private). The daemon's tcp endpoints,
 its data sockets and a tcp control socket alike, speak CURVE with the server's
-pair; a ZAP handler lets in only clients whose public key file lies in the
-authorized folder.
+pair; the supervisor's ZAP handler (supervisor/intake/handshakes.py) lets in
+only clients whose public key file lies in the authorized folder.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Union
 
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 KeyFile = Union[str, "os.PathLike[str]"]
 
@@ -39,35 +39,29 @@ def secure_client(socket: zmq.Socket, server_public: bytes, pair: tuple[bytes, b
 
 
 class CurveServer:
-    """The daemon's side of CURVE: its secret key, and the ZAP handler that checks clients' keys."""
+    """The daemon's side of CURVE: its secret key, and the clients' keys it lets in."""
 
-    def __init__(self, context: zmq.Context, secret_key: str, authorized_keys: str) -> None:
-        self._context = context
+    def __init__(self, secret_key: str, authorized_keys: str) -> None:
         self._secret = load_pair(secret_key)[1] if secret_key else None
-        self._authorized = authorized_keys
-        self._authenticator: ThreadAuthenticator | None = None
+        self._authorized_folder = authorized_keys
+        self._authorized: set[bytes] = set()  # Z85, as the key files hold them
 
     @property
     def enabled(self) -> bool:
         """True when the config names a server key (and so an authorized folder)."""
         return self._secret is not None
 
-    def start(self) -> None:
-        """Start the ZAP handler: from now on only authorized clients complete the handshake."""
-        if self._secret is None or self._authenticator is not None:
-            return
-        self._authenticator = ThreadAuthenticator(self._context)
-        self._authenticator.start()
-        self._authenticator.configure_curve(domain="*", location=self._authorized)
+    def load_keys(self) -> None:
+        """Read the authorized clients' public keys from their folder."""
+        if self._secret is not None:
+            self._authorized = set(zmq.auth.load_certificates(self._authorized_folder))
+
+    def authorized(self, key: bytes) -> bool:
+        """Whether a client with public key `key` (32 bytes, as a ZAP request gives it) may connect."""
+        return len(key) == 32 and z85.encode(key) in self._authorized
 
     def secure(self, socket: zmq.Socket) -> None:
         """Make `socket` a CURVE server (call before bind); CURVE must be enabled."""
         assert self._secret is not None, "CURVE is not configured"
         socket.curve_secretkey = self._secret
         socket.curve_server = True
-
-    def stop(self) -> None:
-        """Stop the ZAP handler."""
-        if self._authenticator is not None:
-            self._authenticator.stop()
-            self._authenticator = None

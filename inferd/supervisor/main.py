@@ -88,7 +88,7 @@ class Supervisor(Parts):
         for folder in (SHM_DIR, runtime_dir()):
             for name in sweep_stale(folder) if folder.is_dir() else []:
                 log.info("removed %s, left by a supervisor that is gone", name)
-        self.curve.start()
+        self.handshakes.start()  # before any socket that asks it binds
         try:
             # The control socket first: it refuses to start beside a daemon that answers on it, before
             # anything named after it (the backend socket) is touched.
@@ -97,13 +97,15 @@ class Supervisor(Parts):
             for front in {front.protocol: front for front in self.gateways}.values():
                 front.check()
             self.frontend.bind({front.protocol: front.upstream for front in self.gateways})
+            self.frontend.connections.count_own(time.monotonic())  # clients may connect from now on
         except zmq.ZMQError as exc:
             raise StartupError(f"cannot bind: {exc.strerror}") from None
         self.files.pid.write_text(f"{os.getpid()}\n")
         self.metrics.start(self.config.server.metrics)
         self.wakeup.install(SIGNALS)
         monitors = self.frontend.connections.monitors
-        for sock in [*self.frontend.sockets, *monitors, self.control.socket, self.workers.backend]:
+        for sock in [*self.frontend.sockets, *monitors, self.control.socket, self.workers.backend,
+                     self.handshakes.socket]:
             self.poller.register(sock, zmq.POLLIN)
         self.poller.register(self.wakeup.fileno(), zmq.POLLIN)
         # What exists now lives as long as the daemon; keep it out of every later collection.
@@ -191,6 +193,9 @@ class Supervisor(Parts):
         elif target in self.frontend.connections.monitors:
             self.frontend.connections.on_monitor(target)
             return False
+        elif target is self.handshakes.socket:
+            self.handshakes.on_readable()
+            return False
         else:
             self.frontend.on_readable(target)
             return False
@@ -263,6 +268,8 @@ class Supervisor(Parts):
             raise StartupError(f"no worker could start: {'; '.join(sorted(errors)) or 'see the log above'}")
         self.state = DaemonState.SERVING
         notify("READY=1")
+        self.frontend.connections.count_own(time.monotonic())  # its workers and gateways connected now
+        log.info("open files: %s", self.frontend.connections.budget.describe())
         failed = [w.name for w in workers if w.state == WorkerState.FAILED]
         if failed:
             log.warning("serving without %s, which failed to start", ", ".join(failed))

@@ -34,6 +34,7 @@ from inferd.supervisor.intake import descriptors
 from inferd.supervisor.intake.connections import Connections
 from inferd.supervisor.intake.forecast import Forecast
 from inferd.supervisor.intake.frontend import Frontend
+from inferd.supervisor.intake.handshakes import Handshakes
 from inferd.supervisor.liveness import Liveness
 from inferd.supervisor.pipelines.runner import Pipelines
 from inferd.supervisor.processes.children import STOP_TIMEOUT_S, fork_server_folder, start_fork_server
@@ -108,7 +109,7 @@ class Parts:
         bounds, policies, levels = queue_settings(config)
         self.queue = RequestQueue(bounds, policies, levels)
         self.batcher = Batcher(self.queue, policies, times)
-        self.curve = CurveServer(self.context, config.server.curve_secret_key, config.server.curve_authorized_keys)
+        self.curve = CurveServer(config.server.curve_secret_key, config.server.curve_authorized_keys)
         self.regions = Regions(config.server.client_shm_prefix)
         self.workers = WorkerTable(config, self.context, devices, self.files, self.live, pools)
         self.forecast = Forecast(times, self.queue, self.workers, self.live)
@@ -119,6 +120,7 @@ class Parts:
         self.frontend = Frontend(self.context, config, self.queue, self.replies, self.stats, self.live,
                                  self.candidates, self.curve, self.regions, self.forecast,
                                  self.dispatcher.cancel_running, self.workers.signature, self.pipelines)
+        self.handshakes = Handshakes(self.context, self.curve, self.frontend.connections)
         self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, self.candidates, saved,
                                      self.wakeup.call_soon_threadsafe)
         self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
@@ -182,7 +184,7 @@ class Parts:
         # point into an arena that is about to close.
         self.frontend.close(linger_ms=0 if self.dispatcher.sending else REPLY_FLUSH_MS)
         self.control.close()
-        self.curve.stop()
+        self.handshakes.close()
         self.workers.close()
         self.wakeup.close()
         if self.files.pid.exists() and self.files.pid.read_text().strip() == str(os.getpid()):

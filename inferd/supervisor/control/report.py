@@ -7,7 +7,6 @@ Prometheus endpoint reads the same measurements (see metrics.py).
 
 from __future__ import annotations
 
-import resource
 import time
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
@@ -197,11 +196,13 @@ def requests_by_protocol(replies: Counter[str],
 
 
 def connections_report(daemon: DaemonView) -> dict[str, Any]:
-    """ZeroMQ client connections open now and those that could not be accepted, by reason; and the limit
-    on open files they count against."""
+    """ZeroMQ client connections open now and those turned away or not accepted, by reason; the limit on
+    open files they count against, how many of them the clients may hold (their connections and regions),
+    and how many they hold."""
     connections = daemon.connections
     return {"zmq": {"open": connections.open, "refused": dict(connections.refused)},
-            "open_files_limit": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}
+            "open_files_limit": connections.budget.limit, "descriptors_for_clients": connections.budget.for_clients,
+            "descriptors_held_by_clients": connections.held}
 
 
 def systemd_status(daemon: DaemonView) -> tuple[str, int]:

@@ -23,7 +23,7 @@ import zmq
 
 from inferd import protocol
 from inferd.config.schema import ServerConfig, client_shm_protocols
-from inferd.errors import InvalidRequest
+from inferd.errors import InvalidRequest, Overloaded
 from inferd.ipc.addresses import loopback
 from inferd.protocol import Buffer, RegionInfo
 from inferd.supervisor.intake.connections import Connections
@@ -74,7 +74,8 @@ class ClientRegions:
 
     def message(self, socket: zmq.Socket, identity: bytes, op: protocol.RegionOp,
                 first: zmq.Frame | None) -> tuple[RegionInfo, ...]:
-        """Register, unregister or list the connection's regions: those concerned, or InvalidRequest."""
+        """Register, unregister or list the connection's regions: those concerned, or InvalidRequest (Overloaded
+        for a region the clients' share of descriptors has no room for)."""
         owner = self._owner(socket, identity, op.peer, op.id)
         try:
             if isinstance(op, protocol.RegisterRegion):
@@ -85,6 +86,12 @@ class ClientRegions:
                 link = (id(socket), first.get(zmq.SRCFD)) if first is not None and owner is not SERVER_OWNER \
                     else None
                 own = op.peer == protocol.GATEWAY_PEER
+                if not own and not self._connections.room():
+                    budget = self._connections.budget
+                    raise Overloaded(f"the daemon has no descriptor left for another region: its clients hold all "
+                                     f"{budget.for_clients} that its open-files limit of {budget.limit} leaves "
+                                     "them; unregister regions no longer used, or raise the daemon's "
+                                     "LimitNOFILE=", op.id)
                 who = (f"the {self._gateways[socket]} gateway" if own
                        else f"{self._gateways[socket]} client {op.peer}" if op.peer is not None
                        else f"{self._names[socket]} connection {identity.hex()}")

@@ -1,20 +1,31 @@
 """The frontend sockets' monitors and what they report: how many client connections are open, which
-connections dropped (client_regions.py closes their regions), and whether a client waits that the daemon
-cannot accept for want of descriptors.
+connections dropped (client_regions.py closes their regions), and the connections turned away so that
+clients never hold more descriptors than descriptors.Budget leaves them.
+
+A connection past the budget is closed as soon as the monitor reports it accepted: its client's ZeroMQ
+connects again (every 100 ms by default; inferd's client backs off to 2 s), and is taken once another
+connection has closed. Closed by its descriptor, which libzmq may have closed and given to a newer
+connection by the time the loop reads the report: so the loop reads every report waiting first (a drop
+reported after the accept leaves the descriptor alone), and closes only a socket whose own address is the
+endpoint's.
 
 Libzmq allows one monitor per socket; this module owns them. A monitor reports failed accepts too, but
 out of descriptors ZeroMQ's I/O thread retries a waiting connection without pause, one report per retry,
 and stops (with every connection it serves) whenever the monitor's queue is full: the loop would do
 nothing but read them. So the loop looks at the listening socket itself once a tick instead (the monitor's
 LISTENING report gives its descriptor): a connection waits there only while ZeroMQ cannot accept it, and
-the loop then asks whether a descriptor is left. That is for tcp:// endpoints: at the limit, libzmq
-4.3.5 aborts the process when a connection comes to an ipc:// one (docs/operations/faults.md).
+the loop then asks whether a descriptor is left; with the budget kept, that is when the whole system has
+none (ENFILE), or the daemon's own work outgrew its reserve. That is for tcp:// endpoints: out of
+descriptors, libzmq 4.3.5 aborts the process when a connection comes to an ipc:// one
+(docs/operations/faults.md).
 """
 
 from __future__ import annotations
 
 import logging
 import select
+import socket as socket_module
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -22,6 +33,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from inferd.supervisor.intake import descriptors
+from inferd.supervisor.shared.regions import Regions
 
 log = logging.getLogger("inferd.frontend")
 
@@ -33,9 +45,11 @@ REASONS = ("descriptors",)  # why a connection could not be accepted: the names 
 class Connections:
     """Client connections as the frontend sockets' monitors report them."""
 
-    def __init__(self) -> None:
+    def __init__(self, regions: Regions) -> None:
         self.open = 0  # client connections open now, over the counted sockets
+        self.budget = descriptors.Budget()
         self.refused: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
+        self._regions = regions
         self.monitors: dict[zmq.Socket, zmq.Socket] = {}  # a monitor -> the socket it reports on
         self._monitor_of: dict[zmq.Socket, zmq.Socket] = {}
         self._counted: set[zmq.Socket] = set()
@@ -43,6 +57,21 @@ class Connections:
         self._listeners: dict[int, str] = {}  # a counted socket's listening descriptor -> its endpoint
         self._waiting = select.poll()  # the listening descriptors, readable while a connection waits there
         self._next_warning = 0.0
+        self._next_turned_away_warning = 0.0
+
+    @property
+    def held(self) -> int:
+        """The descriptors clients hold: their connections and their regions."""
+        return self.open + self._regions.held
+
+    def room(self) -> bool:
+        """Whether clients may take one more descriptor (a region)."""
+        return self.held < self.budget.for_clients
+
+    def count_own(self, now: float) -> None:
+        """Count the descriptors the daemon's own work holds now (when its sockets are bound and its
+        workers connected), which the clients' budget leaves it."""
+        self.budget.count_own(self.held, now)
 
     def count(self, socket: zmq.Socket) -> None:
         """Count `socket`'s connections and watch its listeners; call before it binds."""
@@ -60,27 +89,55 @@ class Connections:
         if monitor is not None:
             self.on_monitor(monitor)
 
+    def take_all(self) -> None:
+        """Handle what every monitor has reported so far."""
+        for monitor in list(self.monitors):
+            self.on_monitor(monitor)
+
     def on_monitor(self, monitor: zmq.Socket) -> None:
-        """Handle the reports waiting on `monitor`."""
+        """Handle the reports waiting on `monitor`: every one of them, before a connection is turned away."""
         socket = self.monitors[monitor]
         counted = socket in self._counted
+        events = []
         while monitor.poll(0):
-            event = parse_monitor_message(monitor.recv_multipart())
+            events.append(parse_monitor_message(monitor.recv_multipart()))
+        turn_away: dict[int, str] = {}  # descriptor -> the endpoint it was accepted at
+        for event in events:
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_DISCONNECTED:
+                turn_away.pop(value, None)
                 if counted:
                     self.open -= 1
                 if socket in self._dropped:
                     self._dropped[socket](value)
             elif kind == zmq.EVENT_ACCEPTED and counted:
                 self.open += 1
+                if self.held > self.budget.for_clients:
+                    turn_away[value] = event["endpoint"].decode()
             elif kind == zmq.EVENT_LISTENING and counted and event["endpoint"].startswith(b"tcp://"):
                 self._listeners[value] = event["endpoint"].decode()
                 self._waiting.register(value, select.POLLIN)
+        for fd, endpoint in turn_away.items():
+            if close_accepted(fd, endpoint):
+                self._turned_away(endpoint)
+
+    def _turned_away(self, endpoint: str) -> None:
+        self.refused["descriptors"] += 1
+        now = time.monotonic()
+        if now < self._next_turned_away_warning:
+            return
+        self._next_turned_away_warning = now + WARN_EVERY_S
+        log.warning("a client connecting to %s was turned away, to be taken when a connection closes: clients "
+                    "hold all %d descriptors that the daemon's open-files limit of %d leaves them (it keeps %d in "
+                    "reserve and its own work holds %d); raise LimitNOFILE= in its systemd unit, or the hard "
+                    "limit (ulimit -Hn) of the shell that starts it. Said once a minute while it lasts", endpoint,
+                    self.budget.for_clients, self.budget.limit, self.budget.reserve, self.budget.own)
 
     def check(self, now: float) -> None:
         """Once a tick: when a client waits on a listening socket and no descriptor is left to accept it,
-        count it and say so (once a minute at most while it goes on)."""
+        count it and say so (once a minute at most while it goes on). And while clients hold nearly all the
+        budget leaves them, count what the daemon's own work holds again."""
+        self.budget.recount(self.held, now)
         if now < self._next_warning or not self._listeners:
             return
         waiting = self._waiting.poll(0)
@@ -119,3 +176,32 @@ class Connections:
         monitor.connect(address)
         self.monitors[monitor] = socket
         self._monitor_of[socket] = monitor
+
+
+def close_accepted(fd: int, endpoint: str) -> bool:
+    """Shut the connection ZeroMQ accepted on descriptor `fd` at `endpoint` (ZeroMQ sees it end, and closes
+    it); False if `fd` is no longer one of that endpoint's connections."""
+    try:
+        accepted = socket_module.socket(fileno=fd)
+    except OSError:  # closed meanwhile, or no longer a socket
+        return False
+    try:
+        if not is_at(accepted.getsockname(), endpoint):
+            return False
+        accepted.shutdown(socket_module.SHUT_RDWR)
+    except OSError:
+        return False
+    finally:
+        accepted.detach()  # the descriptor stays ZeroMQ's to close
+    return True
+
+
+def is_at(address: object, endpoint: str) -> bool:
+    """Whether a socket's own `address` (getsockname's) is that of a connection accepted at `endpoint`."""
+    transport, _, where = endpoint.partition("://")
+    if transport == "tcp":
+        return isinstance(address, tuple) and str(address[1]) == where.rpartition(":")[2]
+    if transport == "ipc":
+        path = "\0" + where[1:] if where.startswith("@") else where
+        return address in (path, path.encode())
+    return False

@@ -26,7 +26,7 @@ import zmq
 
 from inferd import protocol
 from inferd.config.schema import Config, ModelConfig
-from inferd.errors import InvalidRequest
+from inferd.errors import InvalidRequest, Overloaded
 from inferd.ipc.addresses import loopback
 from inferd.ipc.curve import CurveServer
 from inferd.ipc.messages import TensorSpec
@@ -36,6 +36,7 @@ from inferd.supervisor.dispatch.replies import Replies, ReplyTo
 from inferd.supervisor.intake.client_regions import ClientRegions, Places
 from inferd.supervisor.intake.connections import Connections
 from inferd.supervisor.intake.forecast import Forecast
+from inferd.supervisor.intake.handshakes import CLIENTS_DOMAIN
 from inferd.supervisor.intake.receive_limits import largest_message, receive_mark
 from inferd.supervisor.pipelines.graph import Graph
 from inferd.supervisor.pipelines.runner import Pipelines
@@ -91,7 +92,7 @@ class Frontend:
         self._curve = curve
         self._receive_mark: int | None = None  # the client sockets' mark, once they are bound
         self.configure(config)
-        self.connections = Connections()
+        self.connections = Connections(regions)
         self.client_regions = ClientRegions(regions, config.server, self.connections)
 
     def configure(self, config: Config) -> None:
@@ -131,6 +132,9 @@ class Frontend:
             tcp = endpoint.startswith("tcp://")
             if tcp and self._curve.enabled:
                 self._curve.secure(socket)
+            # Every connection's handshake waits for the loop's ZAP answer, which comes after its
+            # report has been read (handshakes.py): one turned away never sent a request.
+            socket.zap_domain = CLIENTS_DOMAIN.encode()
             self.sockets.append(socket)
             self.connections.count(socket)
             try:
@@ -226,7 +230,11 @@ class Frontend:
                 self._cancel(reply_to.connection, message.id)
                 return
             if not isinstance(message, protocol.Request):
-                listed = self.client_regions.message(reply_to.socket, reply_to.envelope[0], message, first)
+                try:
+                    listed = self.client_regions.message(reply_to.socket, reply_to.envelope[0], message, first)
+                except Overloaded as exc:
+                    self.replies.refuse(reply_to, exc.request_id, protocol.OVERLOADED, exc.message)
+                    return
                 self.replies.send(reply_to, [protocol.encode_reply(ReplyHeader(id=message.id, status=protocol.OK,
                                                                                regions=listed))])
                 return

@@ -47,6 +47,7 @@ class Region:
     size: int
     fd: int
     owner: str  # the connection that registered it, as a person reads it
+    clients: bool = True  # a client's, not the daemon's own (a gateway's, for its large requests)
     requests: int = 0
     closed: bool = False
 
@@ -148,6 +149,7 @@ class Regions:
         self._by_owner: dict[Hashable, dict[str, Region]] = {}
         self._by_link: dict[Hashable, set[Hashable]] = {}
         self._link_of: dict[Hashable, Hashable] = {}
+        self.held = 0  # clients' regions open, each holding a descriptor
 
     def register(self, owner: Hashable, name: str, key: str, offset: int, size: int, *,
                  describe: str = "", link: Hashable = None, prefix: str | None = None) -> Region:
@@ -162,7 +164,8 @@ class Regions:
                                  "the most one may have")
         key = key.removeprefix("/")
         fd = _open(key, offset, size, self.prefix if prefix is None else prefix, self._folder)
-        region = Region(name, key, offset, size, fd, describe or str(owner))
+        region = Region(name, key, offset, size, fd, describe or str(owner), clients=prefix is None)
+        self.held += region.clients
         self._by_owner.setdefault(owner, {})[name] = region
         self._by_link.setdefault(link, set()).add(owner)
         self._link_of[owner] = link
@@ -186,7 +189,9 @@ class Regions:
         owned = self._by_owner.get(owner, {})
         names = list(owned) if name is None else [name] if name in owned else []
         for each in names:
-            owned.pop(each).close()
+            region = owned.pop(each)
+            region.close()
+            self.held -= region.clients
         if not owned and self._by_owner.pop(owner, None) is not None:
             # A gateway's link carries one owner per client connection: forget those with no regions left.
             link = self._link_of.pop(owner)
