@@ -338,3 +338,25 @@ def test_zeromq_io_threads_of_each_gateway_do_not_preempt_its_loop(oip_daemon):
                       if (task / "comm").read_text().startswith("ZMQbg/IO")]
         assert io_threads
         assert all(os.sched_getscheduler(tid) == os.SCHED_BATCH for tid in io_threads), gateway["name"]
+
+
+def test_an_http_gateway_out_of_descriptors_says_so_once_and_serves_when_connections_close(start_daemon):
+    limit, flood = 256, 400  # more connections than the gateway's limit on open files
+    daemon = start_daemon({"mlp": MLP}, open_files=(limit, limit), server={"http": f"127.0.0.1:{free_port()}"})
+    url = f"http://{daemon.config['server']['http']}"
+    held = []
+    try:
+        for _ in range(flood):
+            held.append(socket.create_connection(address(daemon.config["server"]["http"])))
+        wait_for(lambda: "cannot be accepted and waits until a connection closes" in daemon.log(), timeout=30,
+                 what="the gateway saying it cannot accept a connection")
+    finally:
+        for connection in held:
+            connection.close()
+    assert http_infer(url) == 200
+    # asyncio says it for each connection it fails to accept (dozens at once, again each second): the gateway
+    # says it once a minute.
+    lines = [line for line in daemon.log().splitlines() if "cannot be accepted" in line]
+    assert len(lines) == 1, lines
+    assert f"all {limit} descriptors its limit allows" in lines[0] and "LimitNOFILE=" in lines[0], lines[0]
+    assert "out of system resource" not in daemon.log()

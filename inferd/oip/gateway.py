@@ -24,6 +24,7 @@ import zmq.asyncio
 from inferd.config import loading
 from inferd.config.schema import Config, client_shm_protocols
 from inferd.ipc import addresses
+from inferd.oip.accept_failures import AcceptFailures
 from inferd.oip.budget import MIB, BodyBudget
 from inferd.oip.catalog import Catalog
 from inferd.oip.shm import SharedMemory
@@ -87,6 +88,7 @@ async def _serve(spec: GatewaySpec, config: Config) -> None:
                                             Receiving(budget, max_message_bytes)), server, max_message_bytes)
         scheme = "grpcs" if server.tls_cert else "grpc"
     loop = asyncio.get_running_loop()
+    AcceptFailures(f"{scheme}://{address}").install(loop)
     loop.add_signal_handler(signal.SIGTERM, front.stop)
     giving_back = loop.create_task(_give_back_freed_memory(upstream))
 

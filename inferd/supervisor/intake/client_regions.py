@@ -28,6 +28,7 @@ from inferd.ipc.addresses import loopback
 from inferd.protocol import Buffer, RegionInfo
 from inferd.supervisor.intake.connections import Connections
 from inferd.supervisor.shared.regions import Place, Region, Regions, RegionSlice
+from inferd.system import open_files
 from inferd.system.shm_names import GATEWAY_REGION_PREFIX
 
 log = logging.getLogger("inferd.frontend")
@@ -90,8 +91,8 @@ class ClientRegions:
                     budget = self._connections.budget
                     raise Overloaded(f"the daemon has no descriptor left for another region: its clients hold all "
                                      f"{budget.for_clients} that its open-files limit of {budget.limit} leaves "
-                                     "them; unregister regions no longer used, or raise the daemon's "
-                                     "LimitNOFILE=", op.id)
+                                     "them; unregister regions no longer used, or have the operator "
+                                     f"{open_files.RAISE_LIMIT}", op.id)
                 who = (f"the {self._gateways[socket]} gateway" if own
                        else f"{self._gateways[socket]} client {op.peer}" if op.peer is not None
                        else f"{self._names[socket]} connection {identity.hex()}")

@@ -34,6 +34,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from inferd.supervisor.intake import descriptors
 from inferd.supervisor.shared.regions import Regions
+from inferd.system import open_files
 
 log = logging.getLogger("inferd.frontend")
 
@@ -129,9 +130,9 @@ class Connections:
         self._next_turned_away_warning = now + WARN_EVERY_S
         log.warning("a client connecting to %s was turned away, to be taken when a connection closes: clients "
                     "hold all %d descriptors that the daemon's open-files limit of %d leaves them (it keeps %d in "
-                    "reserve and its own work holds %d); raise LimitNOFILE= in its systemd unit, or the hard "
-                    "limit (ulimit -Hn) of the shell that starts it. Said once a minute while it lasts", endpoint,
-                    self.budget.for_clients, self.budget.limit, self.budget.reserve, self.budget.own)
+                    "reserve and its own work holds %d); %s. Said once a minute while it lasts", endpoint,
+                    self.budget.for_clients, self.budget.limit, self.budget.reserve, self.budget.own,
+                    open_files.RAISE_LIMIT)
 
     def check(self, now: float) -> None:
         """Once a tick: when a client waits on a listening socket and no descriptor is left to accept it,
@@ -144,7 +145,7 @@ class Connections:
         if not waiting:
             return
         fd = waiting[0][0]
-        why = descriptors.lacking(fd)
+        why = open_files.lacking(fd)
         if why is None:
             return
         self._next_warning = now + WARN_EVERY_S
@@ -152,7 +153,7 @@ class Connections:
         log.warning("a client connecting to %s cannot be accepted and waits unanswered until a connection closes: "
                     "%s. Until one does, keep inferctl away: a connection to an ipc:// endpoint would abort the "
                     "daemon (libzmq cannot accept it). Said once a minute while it lasts", self._listeners[fd],
-                    descriptors.advice(why))
+                    open_files.advice(why))
 
     def close(self) -> None:
         """Stop the monitors."""

@@ -14,7 +14,6 @@ refuses a region).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import resource
@@ -41,26 +40,6 @@ def raise_limit() -> None:
         log.warning("open files: at most %d; the hard limit %d could not be taken (%s)", soft, hard, exc)
         return
     log.info("open files: at most %d (raised from %d to the hard limit)", hard, soft)
-
-
-def lacking(fd: int) -> str | None:
-    """Why no descriptor is left now (`fd`, an open one, is duplicated to find out): 'EMFILE' (this process
-    has all its limit allows) or 'ENFILE' (the system has none); None while one is left, or if `fd` is not
-    open after all."""
-    try:
-        os.close(os.dup(fd))
-    except OSError as exc:
-        return errno.errorcode[exc.errno] if exc.errno in (errno.EMFILE, errno.ENFILE) else None
-    return None
-
-
-def advice(why: str) -> str:
-    """What has run out, for lacking()'s answer, and how to raise it."""
-    if why == "ENFILE":
-        return "the system has no file descriptor left; raise fs.file-max (sysctl)"
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return (f"the daemon has all {soft} descriptors its limit allows open (RLIMIT_NOFILE; the hard limit is {hard}); "
-            "raise LimitNOFILE= in its systemd unit, or the hard limit (ulimit -Hn) of the shell that starts it")
 
 
 def open_count() -> int:
