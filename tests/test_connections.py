@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import resource
+import socket as stdlib_socket
 from collections.abc import Iterator
 
 import models
@@ -196,3 +197,15 @@ def test_regions_past_what_the_limit_leaves_clients_are_refused_overloaded_and_t
         shm.unlink()
     wait_for(lambda: daemon.call("stats")["connections"]["descriptors_held_by_clients"] == 0,
              what="the regions closed with their connections")
+
+
+def test_a_connection_that_never_finishes_its_handshake_is_closed_and_frees_its_descriptor(start_daemon):
+    daemon = start_daemon({"mlp": PINNED_MLP})
+    host, _, port = daemon.endpoint.removeprefix("tcp://").rpartition(":")
+    with stdlib_socket.create_connection((host, int(port))) as silent:  # says nothing, not even ZeroMQ's greeting
+        wait_for(lambda: daemon.call("stats")["connections"]["zmq"]["open"] == 1, what="the connection counted")
+        silent.settimeout(20)  # 10 s allowed (frontend.HANDSHAKE_MS), where libzmq's default is 30
+        while silent.recv(4096):  # the daemon's greeting, then its end
+            pass
+    wait_for(lambda: daemon.call("stats")["connections"]["zmq"]["open"] == 0, what="the connection counted out")
+    assert daemon.call("health")["healthy"]
