@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -207,3 +209,33 @@ def test_a_real_prometheus_scrapes_the_daemon(start_daemon, workdir):
     finally:
         prometheus.terminate()
         prometheus.wait(timeout=30)
+
+
+def test_idle_connections_to_the_metrics_port_cannot_take_the_supervisors_descriptors(start_daemon):
+    limit, idle = 256, 300  # more connections than the supervisor has descriptors
+    server = metrics_config()["server"]
+    daemon = start_daemon({"mlp": MLP}, open_files=(limit, limit), server=server)
+    host, port = server["metrics"].rsplit(":", 1)
+    held = [socket.create_connection((host, int(port))) for _ in range(idle)]
+    try:
+        poller = select.poll()
+        for connection in held:
+            poller.register(connection, select.POLLIN)
+        closed: set[int] = set()
+
+        def closed_by_the_daemon(least: int) -> bool:
+            for fd, _ in poller.poll(0):
+                poller.unregister(fd)
+                closed.add(fd)
+            return len(closed) >= least
+
+        # All but a few are closed at once; the few served are closed when they have said nothing for 10 s.
+        wait_for(lambda: closed_by_the_daemon(idle - 16), what="the connections past 16 closed")
+        for _ in range(20):  # each a new connection to the ipc:// control socket, which libzmq cannot refuse
+            assert daemon.call("health")["healthy"]
+        wait_for(lambda: closed_by_the_daemon(idle), timeout=30, what="the idle connections closed")
+    finally:
+        for connection in held:
+            connection.close()
+    assert ("inferd_model_live", (("model", "mlp"), ("version", "v2"))) in scrape(daemon)
+    assert daemon.process.poll() is None

@@ -1,6 +1,6 @@
 """The Prometheus endpoint at `server.metrics`.
 
-prometheus-client serves HTTP from its own thread. At each scrape its
+metrics_http.py serves HTTP from its own threads. At each scrape the
 collector asks the supervisor's loop (call_soon_threadsafe) to turn the
 measurements into metric families, and waits for them: the numbers are read
 on the one thread that writes them, and worker figures arrive in the
@@ -14,13 +14,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from inferd.ipc import addresses
+from inferd.supervisor.control.metrics_http import MetricsHttpServer
 from inferd.supervisor.control.report import admission_estimate_s, gateway_replies, requests_by_protocol, worker_report
 from inferd.supervisor.shared.state import StartupError
 from inferd.supervisor.shared.stats import BATCH_BOUNDS, PROMETHEUS_BOUNDS, Histogram, Series
@@ -298,18 +299,19 @@ class MetricsServer:
 
     def __init__(self, daemon: DaemonView) -> None:
         self._daemon = daemon
-        self._server: Any = None
+        self._server: MetricsHttpServer | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, address: str) -> None:
-        """Serve at `address` (HOST:PORT) from a thread of prometheus-client's."""
+        """Serve at `address` (HOST:PORT) from threads of its own."""
         if not address:
             return
         host, port = addresses.split(address)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_LoopCollector(self._daemon, self._daemon.call_soon_threadsafe))
         try:
-            self._server, self._thread = start_http_server(int(port), addr=host, registry=registry)
+            self._server = MetricsHttpServer(host, int(port), registry)
+            self._thread = self._server.start()
         except OSError as exc:
             raise StartupError(f"cannot serve metrics at {address} (server.metrics): {exc.strerror}") from None
         log.info("metrics at http://%s/metrics", address)
