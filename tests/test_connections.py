@@ -5,7 +5,9 @@ its own work (inferctl, workers, gateways), and says so."""
 from __future__ import annotations
 
 import os
+import re
 import resource
+import signal
 import socket as stdlib_socket
 from collections.abc import Iterator
 
@@ -15,11 +17,12 @@ import numpy as np
 import pytest
 import zmq
 from conftest import MLP, reference, wait_for
+from test_faults import keygen
 from test_observability import metrics_config, scrape
 from wire import RawPeer
 
-from inferd import protocol
-from inferd.harness import DaemonProcess
+from inferd import Client, protocol
+from inferd.harness import DaemonProcess, free_port
 from inferd.system.shm_names import SHM_DIR
 
 CLIENTS = 400
@@ -209,3 +212,30 @@ def test_a_connection_that_never_finishes_its_handshake_is_closed_and_frees_its_
             pass
     wait_for(lambda: daemon.call("stats")["connections"]["zmq"]["open"] == 0, what="the connection counted out")
     assert daemon.call("health")["healthy"]
+
+
+def test_connections_to_a_tcp_control_socket_are_turned_away_too_and_a_worker_restarted_reconnects(
+        start_daemon, workdir, descriptors_for_clients):
+    keys = workdir / "keys"
+    public, secret = keygen(keys, "server")
+    _, client_secret = keygen(keys, "client")
+    control = f"tcp://127.0.0.1:{free_port()}"
+    daemon = start_daemon({"mlp": PINNED_MLP}, wait=False, open_files=(LOW, LOW),
+                          server={"control": control, "curve_secret_key": str(secret),
+                                  "curve_authorized_keys": str(keys)})
+    wait_for(lambda: "ready:" in daemon.log(), timeout=60, what="the daemon serving")
+    host, _, port = control.removeprefix("tcp://").rpartition(":")
+    held = [stdlib_socket.create_connection((host, int(port))) for _ in range(CLIENTS)]
+    try:
+        wait_for(lambda: f"a client connecting to {control} was turned away" in daemon.log(), timeout=60,
+                 what="connections to the control socket turned away")
+        pid = int(re.search(r"worker0 ready on \S+ \(pid (\d+)\)", daemon.log()).group(1))  # type: ignore[union-attr]
+        os.kill(pid, signal.SIGKILL)  # its successor connects to the supervisor's ipc:// backend socket
+        wait_for(lambda: daemon.log().count("worker0 ready") == 2, timeout=60, what="worker0 back")
+        endpoint = re.search(r"listening on (tcp://\S+)", daemon.log()).group(1)  # type: ignore[union-attr]
+        with Client(endpoint, timeout=10, server_key=public, client_key=client_secret) as client:
+            assert client.infer("mlp", np.zeros((1, models.MLP_IN), np.float32)).shape == (1, models.MLP_OUT)
+    finally:
+        for connection in held:
+            connection.close()
+    assert daemon.process.poll() is None

@@ -116,6 +116,8 @@ class ControlServer:
                                    "reaches it could reload models; set server.curve_secret_key and "
                                    "server.curve_authorized_keys, or use an ipc:// control socket")
             self._curve.secure(self.socket)
+            # Whoever reaches the port can connect, key or none: its connections count as clients' do.
+            self.frontend.connections.count(self.socket)
         _check_not_running(self.endpoint)
         path = _socket_path(self.endpoint)
         if path is not None:

@@ -39,6 +39,8 @@ from inferd.system import open_files
 log = logging.getLogger("inferd.frontend")
 
 EVENTS = zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+CLIENTS_DOMAIN = "inferd.clients"  # the ZAP domain of the counted sockets (handshakes.py)
+HANDSHAKE_MS = 10_000  # a counted connection's handshake (ZMTP, CURVE) must be done by then
 WARN_EVERY_S = 60.0
 REASONS = ("descriptors",)  # why a connection could not be accepted: the names in stats and metrics
 
@@ -75,7 +77,14 @@ class Connections:
         self.budget.count_own(self.held, now)
 
     def count(self, socket: zmq.Socket) -> None:
-        """Count `socket`'s connections and watch its listeners; call before it binds."""
+        """Count `socket`'s connections against the clients' share of descriptors, turning away those past it,
+        and watch its listeners; call before it binds."""
+        # Every connection's handshake waits for the loop's ZAP answer, which comes after its report has been
+        # read (handshakes.py): one turned away never sent a request.
+        socket.zap_domain = CLIENTS_DOMAIN.encode()
+        # One that never finishes its handshake holds a descriptor until then: libzmq's default allows it 30 s,
+        # the gateways allow 10.
+        socket.handshake_ivl = HANDSHAKE_MS
         self._counted.add(socket)
         self._monitor(socket)
 

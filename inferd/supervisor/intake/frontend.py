@@ -36,7 +36,6 @@ from inferd.supervisor.dispatch.replies import Replies, ReplyTo
 from inferd.supervisor.intake.client_regions import ClientRegions, Places
 from inferd.supervisor.intake.connections import Connections
 from inferd.supervisor.intake.forecast import Forecast
-from inferd.supervisor.intake.handshakes import CLIENTS_DOMAIN
 from inferd.supervisor.intake.receive_limits import largest_message, receive_mark
 from inferd.supervisor.pipelines.graph import Graph
 from inferd.supervisor.pipelines.runner import Pipelines
@@ -59,7 +58,6 @@ BURST = 256  # messages read per readiness, so one busy socket cannot starve the
 SEND_HWM = 1000
 MAX_RECV_HWM = 1000  # and a client that floods small requests gets TCP backpressure, not daemon memory
 SIGNATURES_KEPT = 1024  # input signatures remembered as checked, per config
-HANDSHAKE_MS = 10_000  # a client connection's handshake (ZMTP, CURVE) must be done by then
 
 
 class Frontend:
@@ -133,12 +131,6 @@ class Frontend:
             tcp = endpoint.startswith("tcp://")
             if tcp and self._curve.enabled:
                 self._curve.secure(socket)
-            # Every connection's handshake waits for the loop's ZAP answer, which comes after its
-            # report has been read (handshakes.py): one turned away never sent a request.
-            socket.zap_domain = CLIENTS_DOMAIN.encode()
-            # A connection that never finishes its handshake holds one of the clients' descriptors until
-            # then: libzmq's default allows it 30 s, the gateways' 10 s.
-            socket.handshake_ivl = HANDSHAKE_MS
             self.sockets.append(socket)
             self.connections.count(socket)
             try:

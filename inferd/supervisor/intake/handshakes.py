@@ -3,7 +3,7 @@ client-facing socket, and any CURVE connection (the control socket's on tcp), fi
 once it is answered here.
 
 Two things are decided: whether a CURVE client's key is authorized (CurveServer), and, for the client-facing
-sockets (their ZAP domain is CLIENTS_DOMAIN), nothing but the order of events. connections.py turns away a
+sockets (connections.py gives them a ZAP domain), nothing but the order of events. connections.py turns away a
 connection past the clients' share of descriptors by closing it, which must come before its client can send
 a request (the request's reply would be lost with the connection). Its handshake cannot finish before this
 answer, and this answer is given only after every connection report waiting has been read: by then a
@@ -12,17 +12,12 @@ connection past the budget has been closed.
 
 from __future__ import annotations
 
-import logging
-
 import zmq
 
 from inferd.ipc.curve import CurveServer
 from inferd.supervisor.intake.connections import Connections
 
-log = logging.getLogger("inferd.frontend")
-
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends every ZAP request of the context
-CLIENTS_DOMAIN = "inferd.clients"  # the ZAP domain of the client-facing sockets
 VERSION = b"1.0"
 BURST = 256  # requests answered per readiness
 
