@@ -168,6 +168,30 @@ def test_curve_lets_authorized_clients_in_and_keeps_others_out(start_daemon, wor
             client.infer("mlp", X_MLP)
 
 
+def test_inferctl_speaks_curve_to_a_tcp_control_socket_with_the_keys_it_is_given(start_daemon, workdir):
+    keys = workdir / "keys"
+    server_public, server_secret = keygen(keys, "server")
+    _, client_secret = keygen(keys, "client")
+    _, stranger_secret = keygen(workdir / "stranger", "stranger")
+    control = f"tcp://127.0.0.1:{free_port()}"
+    daemon = start_daemon({"mlp": MLP}, wait=False, server={"control": control, "curve_secret_key": str(server_secret),
+                                                            "curve_authorized_keys": str(keys)})
+    wait_for(lambda: "ready:" in daemon.log(), timeout=60, what="the daemon serving")
+
+    def inferctl(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(BIN / "inferctl"), "--control", control, "--timeout", "10", *argv],
+                              capture_output=True, text=True, timeout=60)
+
+    served = inferctl("--server-key", str(server_public), "--client-key", str(client_secret), "health")
+    assert served.returncode == 0 and served.stdout == "healthy\n", served
+    refused = inferctl("--server-key", str(server_public), "--client-key", str(stranger_secret), "health")
+    without = inferctl("health")
+    for result, sentence in ((refused, "refused this client's CURVE key"),
+                             (without, "speaks CURVE only: give --server-key")):
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result
+        assert len(result.stderr.strip().splitlines()) == 1 and sentence in result.stderr, result.stderr
+
+
 def test_curve_keys_must_come_in_pairs(workdir):
     from inferd import config
 

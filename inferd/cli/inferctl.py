@@ -18,6 +18,7 @@ from inferd.cli.render import models_text, stats_table, status_table, switch_out
 from inferd.cli.stacks import signalled_stacks
 from inferd.errors import ERROR_BY_STATUS, InferdError
 from inferd.ipc.control import ControlClient, ControlError, NoDaemon, encode_command
+from inferd.ipc.curve import load_pair, load_public
 from inferd.system import paths
 from inferd.system.paths import RuntimeFiles
 
@@ -38,10 +39,16 @@ def _control_endpoint(control: str | None, config_path: str | None) -> str:
 @click.option("--control", help="The daemon's control endpoint, e.g. ipc:///run/inferd/control.sock.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help=f"Seconds to wait for the daemon [default: {DEFAULT_TIMEOUT_S:g}; reload and rollback: until done].")
+@click.option("--server-key", type=click.Path(dir_okay=False),
+              help="For a tcp:// control socket: the daemon's public key file (NAME.key).")
+@click.option("--client-key", type=click.Path(dir_okay=False),
+              help="For a tcp:// control socket: this client's NAME.key_secret, whose NAME.key the daemon authorizes.")
 @click.pass_context
-def inferctl(ctx: click.Context, config_path: str | None, control: str | None, timeout: float | None) -> None:
+def inferctl(ctx: click.Context, config_path: str | None, control: str | None, timeout: float | None,
+             server_key: str | None, client_key: str | None) -> None:
     """Operate a running inferd."""
-    ctx.obj = {"config_path": config_path, "control": control, "timeout": timeout}
+    ctx.obj = {"config_path": config_path, "control": control, "timeout": timeout, "server_key": server_key,
+               "client_key": client_key}
 
 
 def _timeout(ctx: click.Context) -> float:
@@ -52,10 +59,24 @@ NO_DAEMON_HINT = ("; start one with `inferd serve`, or point inferctl at yours w
                   "$INFERD_CONFIG or --control ADDR")
 
 
+def _curve_keys(ctx: click.Context, endpoint: str) -> tuple[bytes, tuple[bytes, bytes]] | None:
+    """The daemon's public key and this client's pair, for a tcp:// endpoint (CURVE only); None for ipc://."""
+    server_key, client_key = ctx.obj["server_key"], ctx.obj["client_key"]
+    if not endpoint.startswith("tcp://"):
+        return None
+    if not (server_key and client_key):
+        raise CliError(f"{endpoint} is a tcp control socket, which speaks CURVE only: give --server-key (the "
+                       "daemon's NAME.key) and --client-key (your NAME.key_secret, authorized by the daemon)")
+    try:
+        return load_public(server_key), load_pair(client_key)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read the CURVE keys: {exc}") from None
+
+
 def _client(ctx: click.Context) -> ControlClient:
     endpoint = _control_endpoint(ctx.obj["control"], ctx.obj["config_path"])
     try:
-        return ControlClient(endpoint, timeout=_timeout(ctx))
+        return ControlClient(endpoint, timeout=_timeout(ctx), curve=_curve_keys(ctx, endpoint))
     except NoDaemon as exc:
         raise CliError(f"{exc}{NO_DAEMON_HINT}") from None
     except ControlError as exc:

@@ -51,7 +51,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
         str | None,
         _doc(
             "Endpoint for inferctl; an ipc:// socket is created mode 0660. A tcp:// one needs CURVE "
-            "(curve_secret_key): anyone who reaches it could reload models.",
+            "(curve_secret_key): anyone who reaches it could reload models; inferctl then takes --server-key and "
+            "--client-key.",
             "ipc:///run/inferd/control.sock (a user who cannot write /run/inferd: "
             "$XDG_RUNTIME_DIR/inferd/control.sock, else /tmp/inferd-$UID/control.sock)",
         ),

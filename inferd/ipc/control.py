@@ -18,6 +18,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from inferd.ipc.curve import secure_client
 from inferd.protocol import Buffer
 
 
@@ -88,7 +89,10 @@ FINISH_GRACE_S = 5.0  # beyond the end a daemon announced (`wait_s`), what its l
 class ControlClient:
     """A connection to a daemon's control socket."""
 
-    def __init__(self, endpoint: str, timeout: float | None = 5.0) -> None:
+    def __init__(self, endpoint: str, timeout: float | None = 5.0,
+                 curve: tuple[bytes, tuple[bytes, bytes]] | None = None) -> None:
+        """Connect to `endpoint`; `curve`: the daemon's public key and this client's (public, secret) pair, for
+        a tcp:// control socket (which speaks CURVE only)."""
         self.endpoint = endpoint
         self.timeout = timeout
         if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://"):]):
@@ -96,8 +100,11 @@ class ControlClient:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.linger = 0
-        # A command may wait for minutes (a reload); a dropped connection means the daemon went away.
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        if curve is not None:
+            secure_client(self._socket, *curve)
+        # A command may wait for minutes (a reload); a dropped connection means the daemon went away, and a
+        # refused key that it will not answer.
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
         try:
             self._socket.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -159,7 +166,11 @@ class ControlClient:
             if self._socket in ready:
                 return self._socket.recv_multipart(copy=False)
             if self._monitor in ready:
-                if parse_monitor_message(self._monitor.recv_multipart())["event"] == zmq.EVENT_DISCONNECTED:
+                event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                    raise ControlError(f"the daemon at {self.endpoint} refused this client's CURVE key: add its public "
+                                       "key file to the daemon's server.curve_authorized_keys folder")
+                if event == zmq.EVENT_DISCONNECTED:
                     raise ControlError(f"the daemon at {self.endpoint} went away before it answered")
                 continue
             raise NoAnswer(f"the daemon at {self.endpoint} did not answer within {limit or wait:g} s")
