@@ -237,5 +237,18 @@ def test_idle_connections_to_the_metrics_port_cannot_take_the_supervisors_descri
     finally:
         for connection in held:
             connection.close()
+    with socket.create_connection((host, int(port))) as trickle:  # a byte of its request each half second
+        trickle.settimeout(0.5)
+
+        def closed_while_trickling() -> bool:
+            try:
+                trickle.send(b"G")
+                return trickle.recv(1) == b""
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+
+        wait_for(closed_while_trickling, timeout=30, what="a trickling connection closed, 10 s after it came")
     assert ("inferd_model_live", (("model", "mlp"), ("version", "v2"))) in scrape(daemon)
     assert daemon.process.poll() is None
