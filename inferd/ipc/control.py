@@ -102,9 +102,12 @@ class ControlClient:
         self._socket.linger = 0
         if curve is not None:
             secure_client(self._socket, *curve)
-        # A command may wait for minutes (a reload); a dropped connection means the daemon went away, and a
-        # refused key that it will not answer.
-        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        # A command may wait for minutes (a reload); a connection dropped after its handshake means the daemon
+        # went away (one dropped before it was turned away, and ZeroMQ connects again), and a refused key that
+        # it will not answer.
+        self._monitor = self._socket.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+        self._connected = False
         try:
             self._socket.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -167,10 +170,12 @@ class ControlClient:
                 return self._socket.recv_multipart(copy=False)
             if self._monitor in ready:
                 event = parse_monitor_message(self._monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    self._connected = True
+                elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     raise ControlError(f"the daemon at {self.endpoint} refused this client's CURVE key: add its public "
                                        "key file to the daemon's server.curve_authorized_keys folder")
-                if event == zmq.EVENT_DISCONNECTED:
+                elif event == zmq.EVENT_DISCONNECTED and self._connected:
                     raise ControlError(f"the daemon at {self.endpoint} went away before it answered")
                 continue
             raise NoAnswer(f"the daemon at {self.endpoint} did not answer within {limit or wait:g} s")
