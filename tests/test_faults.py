@@ -192,6 +192,18 @@ def test_inferctl_speaks_curve_to_a_tcp_control_socket_with_the_keys_it_is_given
         assert len(result.stderr.strip().splitlines()) == 1 and sentence in result.stderr, result.stderr
 
 
+def test_an_authorized_key_file_that_cannot_be_read_stops_the_start_with_a_sentence(start_daemon, workdir):
+    _, server_secret = keygen(workdir / "keys", "server")
+    authorized = workdir / "authorized"
+    authorized.mkdir()
+    (authorized / "garbled.key").write_text("this is not a key\n")
+    daemon = start_daemon({"mlp": MLP}, wait=False, server={"curve_secret_key": str(server_secret),
+                                                            "curve_authorized_keys": str(authorized)})
+    assert daemon.wait(60) == 1
+    assert "cannot read the authorized CURVE keys (server.curve_authorized_keys)" in daemon.log()
+    assert "Traceback" not in daemon.log()
+
+
 def test_curve_keys_must_come_in_pairs(workdir):
     from inferd import config
 

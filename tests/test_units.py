@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import shutil
 import signal
 import socket as stdlib_socket
@@ -894,7 +895,9 @@ def test_a_connection_turned_away_is_shut_only_where_its_descriptor_is_still_one
         assert client.recv(1) == b""  # the client sees its connection end
         assert accepted.fileno() >= 0  # and the descriptor stays its owner's to close
         with tmp_path.joinpath("file").open("w") as not_a_socket:
+            before = len(os.listdir("/proc/self/fd"))
             assert not close_accepted(not_a_socket.fileno(), f"tcp://127.0.0.1:{port}")
+            assert len(os.listdir("/proc/self/fd")) == before  # its duplicate closed
     finally:
         for each in (client, accepted, listener, unix):
             each.close()

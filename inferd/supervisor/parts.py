@@ -95,7 +95,7 @@ class Parts:
             folders=[fork_server_folder()],
         )
         start_fork_server()
-        self.context = zmq.Context()
+        self.context = zmq.Context()  # one I/O thread, which intake/handshakes.py relies on
         if hasattr(os, "SCHED_BATCH"):
             # ZeroMQ's I/O thread, woken by a reply, then does not preempt the loop that sent it:
             # it runs when the loop next waits, or on an idle core, and writes a whole batch of

@@ -3,11 +3,14 @@ connections dropped (client_regions.py closes their regions), and the connection
 clients never hold more descriptors than descriptors.Budget leaves them.
 
 A connection past the budget is closed as soon as the monitor reports it accepted: its client's ZeroMQ
-connects again (every 100 ms by default; inferd's client backs off to 2 s), and is taken once another
-connection has closed. Closed by its descriptor, which libzmq may have closed and given to a newer
-connection by the time the loop reads the report: so the loop reads every report waiting first (a drop
-reported after the accept leaves the descriptor alone), and closes only a socket whose own address is the
-endpoint's.
+connects again (every 100 ms by default: libzmq backs off only from connections that fail, not from
+connections that end), and is taken once another connection has closed. ZeroMQ accepts a burst of new
+connections before the loop hears of them; the reserve is what a burst may take.
+
+It is closed by its descriptor, which libzmq may have closed and given to a newer connection by the time
+the loop reads the report: so the loop reads every report waiting first (a drop reported after the accept
+leaves the descriptor alone), and closes only a socket whose own address is the endpoint's, held by a
+duplicate of the descriptor while it is checked.
 
 Libzmq allows one monitor per socket; this module owns them. A monitor reports failed accepts too, but
 out of descriptors ZeroMQ's I/O thread retries a waiting connection without pause, one report per retry,
@@ -22,7 +25,9 @@ descriptors, libzmq 4.3.5 aborts the process when a connection comes to an ipc:/
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import select
 import socket as socket_module
 import time
@@ -42,7 +47,7 @@ EVENTS = zmq.EVENT_LISTENING | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 CLIENTS_DOMAIN = "inferd.clients"  # the ZAP domain of the counted sockets (handshakes.py)
 HANDSHAKE_MS = 10_000  # a counted connection's handshake (ZMTP, CURVE) must be done by then
 WARN_EVERY_S = 60.0
-REASONS = ("descriptors",)  # why a connection could not be accepted: the names in stats and metrics
+REASONS = ("descriptors",)  # why a connection was turned away or not accepted: the names in stats and metrics
 
 
 class Connections:
@@ -61,6 +66,7 @@ class Connections:
         self._waiting = select.poll()  # the listening descriptors, readable while a connection waits there
         self._next_warning = 0.0
         self._next_turned_away_warning = 0.0
+        self._closing: set[int] = set()  # descriptors of connections turned away, whose drop is not reported yet
 
     @property
     def held(self) -> int:
@@ -115,21 +121,27 @@ class Connections:
         for event in events:
             kind, value = event["event"], event["value"]
             if kind == zmq.EVENT_DISCONNECTED:
-                turn_away.pop(value, None)
-                if counted:
-                    self.open -= 1
+                if turn_away.pop(value, None) is None and counted:
+                    if value in self._closing:
+                        self._closing.discard(value)  # turned away before: never counted open
+                    else:
+                        self.open -= 1
                 if socket in self._dropped:
                     self._dropped[socket](value)
             elif kind == zmq.EVENT_ACCEPTED and counted:
-                self.open += 1
-                if self.held > self.budget.for_clients:
+                if self.held >= self.budget.for_clients:
                     turn_away[value] = event["endpoint"].decode()
+                else:
+                    self.open += 1
             elif kind == zmq.EVENT_LISTENING and counted and event["endpoint"].startswith(b"tcp://"):
                 self._listeners[value] = event["endpoint"].decode()
                 self._waiting.register(value, select.POLLIN)
         for fd, endpoint in turn_away.items():
-            if close_accepted(fd, endpoint):
-                self._turned_away(endpoint)
+            # Whether closed here or gone already (its descriptor no longer that endpoint's), its drop is
+            # still to be reported.
+            self._closing.add(fd)
+            close_accepted(fd, endpoint)
+            self._turned_away(endpoint)
 
     def _turned_away(self, endpoint: str) -> None:
         self.refused["descriptors"] += 1
@@ -146,7 +158,9 @@ class Connections:
     def check(self, now: float) -> None:
         """Once a tick: when a client waits on a listening socket and no descriptor is left to accept it,
         count it and say so (once a minute at most while it goes on). And while clients hold nearly all the
-        budget leaves them, count what the daemon's own work holds again."""
+        budget leaves them, count what the daemon's own work holds again (the reports read first, so that
+        no connection is counted on both sides)."""
+        self.take_all()
         self.budget.recount(self.held, now)
         if now < self._next_warning or not self._listeners:
             return
@@ -192,8 +206,17 @@ def close_accepted(fd: int, endpoint: str) -> bool:
     """Shut the connection ZeroMQ accepted on descriptor `fd` at `endpoint` (ZeroMQ sees it end, and closes
     it); False if `fd` is no longer one of that endpoint's connections."""
     try:
-        accepted = socket_module.socket(fileno=fd)
-    except OSError:  # closed meanwhile, or no longer a socket
+        # A duplicate holds the socket checked until it is shut, whatever becomes of `fd` meanwhile.
+        pinned: int | None = os.dup(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            return False  # closed meanwhile
+        pinned = None  # no descriptor left for one, which is when this matters most: `fd` itself, then
+    try:
+        accepted = socket_module.socket(fileno=fd if pinned is None else pinned)
+    except OSError:  # no longer a socket
+        if pinned is not None:
+            os.close(pinned)
         return False
     try:
         if not is_at(accepted.getsockname(), endpoint):
@@ -202,7 +225,10 @@ def close_accepted(fd: int, endpoint: str) -> bool:
     except OSError:
         return False
     finally:
-        accepted.detach()  # the descriptor stays ZeroMQ's to close
+        if pinned is None:
+            accepted.detach()  # `fd` stays ZeroMQ's to close
+        else:
+            accepted.close()
     return True
 
 

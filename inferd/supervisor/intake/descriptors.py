@@ -63,9 +63,13 @@ class Budget:
         return max(0, self.limit - self.reserve - self.own)
 
     def count_own(self, held: int, now: float) -> None:
-        """Count what the daemon's own work holds: every descriptor open but the `held` ones of clients."""
-        self.own = max(0, open_count() - held)
+        """Count what the daemon's own work holds: every descriptor open but the `held` ones of clients (as
+        it was, when no descriptor is left to count them with)."""
         self._counted_at = now
+        try:
+            self.own = max(0, open_count() - held)
+        except OSError:
+            pass
 
     def recount(self, held: int, now: float) -> None:
         """Count the daemon's own again if clients hold nearly all they may (at most every REMEASURE_S):

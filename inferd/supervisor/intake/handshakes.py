@@ -7,7 +7,11 @@ sockets (connections.py gives them a ZAP domain), nothing but the order of event
 connection past the clients' share of descriptors by closing it, which must come before its client can send
 a request (the request's reply would be lost with the connection). Its handshake cannot finish before this
 answer, and this answer is given only after every connection report waiting has been read: by then a
-connection past the budget has been closed.
+connection past the budget has been closed. That order holds because the context has one I/O thread
+(parts.py), which reports a connection accepted before it starts the handshake that asks here.
+
+The answers carry no user id: nothing reads ZeroMQ's User-Id of a message (pyzmq's ThreadAuthenticator, which
+this replaces, gave the client's key there).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import zmq
 
 from inferd.ipc.curve import CurveServer
 from inferd.supervisor.intake.connections import Connections
+from inferd.supervisor.shared.state import StartupError
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq sends every ZAP request of the context
 VERSION = b"1.0"
@@ -33,15 +38,19 @@ class Handshakes:
 
     def start(self) -> None:
         """Bind the handler, before any socket that needs it binds: without one, libzmq lets a NULL
-        connection in unasked."""
-        self._curve.load_keys()
+        connection in unasked. StartupError if the authorized keys cannot be read."""
+        try:
+            self._curve.load_keys()
+        except (OSError, ValueError) as exc:
+            raise StartupError(f"cannot read the authorized CURVE keys (server.curve_authorized_keys): {exc}") from None
         self.socket = self._context.socket(zmq.ROUTER)
         self.socket.linger = 0
         self.socket.bind(ZAP_ENDPOINT)
 
     def on_readable(self) -> None:
         """Answer the requests waiting (up to a burst), once every connection report waiting has been handled:
-        each request was sent after its connection's report, so that report is handled by then."""
+        each request was sent after its connection's report, so that report is handled by then. (Should
+        handling the reports raise, the requests read go unanswered, and their handshakes time out.)"""
         assert self.socket is not None
         requests = []
         for _ in range(BURST):
