@@ -8,7 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RELOAD_MLP, Daemon, base_config
+from conftest import ONE_AT_A_TIME, RELOAD_MLP, Daemon, base_config, wait_for
+from wire import RawPeer
+
+from inferd.harness import to_toml
 
 
 class FakeSystemd:
@@ -70,6 +73,53 @@ def test_ready_reloading_and_stopping_reach_systemd(workdir, reload_repo, abstra
         daemon.signal(signal.SIGTERM)
         systemd.wait_for("STOPPING=1")
         assert daemon.wait() == 0
+    finally:
+        daemon.kill_all()
+        systemd.close()
+
+
+def test_a_sighup_while_starting_does_not_tell_systemd_the_daemon_is_ready(workdir, reload_repo):
+    systemd = FakeSystemd(workdir / "notify.sock", abstract=False)
+    daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": RELOAD_MLP}))
+    daemon.env = {"NOTIFY_SOCKET": systemd.address}
+    try:
+        daemon.start(wait=False)
+        wait_for(lambda: "starting: pid" in daemon.log(), what="the daemon's signal handlers in place")
+        daemon.config["queue"] = {**daemon.config.get("queue", {}), "default_timeout_ms": 12345}
+        daemon.config_path.write_text(to_toml(daemon.config))
+        daemon.signal(signal.SIGHUP)
+        systemd.wait_for("READY=1")
+        assert daemon.call("health")["healthy"], f"READY=1 came before the daemon could serve: {systemd.messages}"
+        # The SIGHUP is carried out once the daemon serves, with systemd told of it as of any other.
+        after = systemd.wait_for("READY=1")
+        assert any("RELOADING=1" in m for m in after[after.index("READY=1"):])
+        wait_for(lambda: "SIGHUP: applied queue.default_timeout_ms" in daemon.log(), what="the change applied")
+        assert "SIGHUP while starting" in daemon.log()
+    finally:
+        daemon.kill_all()
+        systemd.close()
+
+
+def test_a_sighup_while_draining_is_ignored_and_systemd_hears_no_ready(workdir, repo, gates):
+    systemd = FakeSystemd(workdir / "notify.sock", abstract=False)
+    daemon = Daemon(workdir, base_config(workdir, repo, {"variable": ONE_AT_A_TIME}, workers={"streams": 1}))
+    daemon.env = {"NOTIFY_SOCKET": systemd.address}
+    try:
+        daemon.start()
+        with RawPeer(daemon.endpoint) as peer:
+            gate = gates()
+            peer.send("running", "variable", [gate.input], timeout_ms=30_000)
+            wait_for(lambda: daemon.status()["workers"][0]["executors_busy"], what="the executor busy")
+            daemon.signal(signal.SIGTERM)
+            systemd.wait_for("STOPPING=1")
+            daemon.signal(signal.SIGHUP)
+            wait_for(lambda: "SIGHUP while stopping: ignored" in daemon.log(), what="the SIGHUP ignored")
+            gate.open()
+            assert peer.recv()[0]["status"] == "ok", "what was running finishes"
+        assert daemon.wait(30) == 0
+        messages = systemd.drain()
+        stopping = next(i for i, m in enumerate(messages) if "STOPPING=1" in m.split("\n"))
+        assert not any("READY=1" in m.split("\n") or "RELOADING=1" in m.split("\n") for m in messages[stopping:])
     finally:
         daemon.kill_all()
         systemd.close()

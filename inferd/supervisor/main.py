@@ -62,6 +62,7 @@ class Supervisor(Parts):
         self.worker_messages = WorkerMessages(self.workers, self.dispatcher, self.reloads, self._maybe_started)
         self._children: dict[int, ChildProcess] = {}  # a process sentinel -> the worker or gateway it watches
         self._deadline = 0.0
+        self._reconfigure_when_serving = False  # a SIGHUP came while the daemon started
         self._next_tick = 0.0
         self._next_liveness = 0.0
         self._done = False
@@ -275,6 +276,9 @@ class Supervisor(Parts):
             log.warning("serving without %s, which failed to start", ", ".join(failed))
         log.info("ready: %d worker(s) serving %s", len(workers) - len(failed),
                  ", ".join(f"{n} {v}" for n, v in self.live.items()))
+        if self._reconfigure_when_serving:
+            self._reconfigure_when_serving = False
+            self.handle_hup()
 
     # -- child processes ----------------------------------------------------------
 
@@ -345,7 +349,15 @@ class Supervisor(Parts):
     handle_int = handle_term
 
     def handle_hup(self) -> None:
-        """SIGHUP: re-read the config; apply what can change live, name what needs a restart."""
+        """SIGHUP: re-read the config; apply what can change live, name what needs a restart. While the daemon
+        starts, once it serves (systemd hears READY=1 only then); while it stops, not at all."""
+        if self.state == DaemonState.STARTING:
+            log.info("SIGHUP while starting: the config is read again once the daemon serves")
+            self._reconfigure_when_serving = True
+            return
+        if self.state != DaemonState.SERVING:
+            log.info("SIGHUP while stopping: ignored")
+            return
         notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
         try:
             self.reconfigurer.reconfigure(self.config)
