@@ -24,7 +24,9 @@ from wire import RawPeer
 from inferd import RetryPolicy
 from inferd.errors import InvalidRequest
 from inferd.harness import free_port, local_config, to_toml
+from inferd.ipc.arena import arena_name
 from inferd.ipc.control import ControlError
+from inferd.system.shm_names import ARENA_PREFIX, SHM_DIR
 
 BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
@@ -384,3 +386,32 @@ def test_the_example_of_the_models_page_serves_as_written(workdir):
                 client.infer("top1", logits)
     finally:
         daemon.kill_all()
+
+
+def test_processes_a_sighup_cannot_make_arenas_for_are_all_taken_back_and_a_later_sighup_adds_them(
+        start_daemon, python_repo, workdir):
+    daemon = start_daemon({"scale": scale(workdir, repository=str(python_repo / "scale"))})
+    arenas = sorted(SHM_DIR.glob(f"{ARENA_PREFIX}{daemon.process.pid}-*-w*"))
+    instance = arenas[0].name[len(ARENA_PREFIX):].rpartition("-w")[0]
+    # The second of the two new processes' arenas cannot be made: its name is taken.
+    first_new, blocked = (SHM_DIR / arena_name(instance, len(arenas) + n) for n in (0, 1))
+    blocked.write_bytes(b"")
+    try:
+        config = copy.deepcopy(daemon.config)
+        config["models"]["scale"]["processes"] = 3
+        daemon.config_path.write_text(to_toml(config))
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: "models.scale.processes cannot be raised" in daemon.log(), what="the SIGHUP refused")
+        assert "cannot create the shared-memory arenas" in daemon.log()
+        assert not first_new.exists(), "the arena made before the failure was kept"
+        assert len(steps_of(daemon, "scale")) == 1
+        with daemon.client() as client:
+            x = np.arange(4, dtype=np.float32).reshape(1, 4)
+            np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+    finally:
+        blocked.unlink()
+    handled = daemon.log().count("SIGHUP: applied")
+    daemon.signal(signal.SIGHUP)  # the same file again, now that the name is free
+    wait_for(lambda: daemon.log().count("SIGHUP: applied") > handled, what="the second SIGHUP applied")
+    wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"] * 3, what="two processes more")
+    assert first_new.exists() and blocked.exists()
