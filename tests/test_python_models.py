@@ -16,7 +16,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import MLP, Daemon, exited, module_daemon, pipeline_held, wait_for
+from conftest import (
+    MLP,
+    RELOAD_MLP,
+    Daemon,
+    base_config,
+    exited,
+    gated_reload_repo,
+    module_daemon,
+    pipeline_held,
+    wait_for,
+)
 from gates import Gate
 from python_models import HANG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
@@ -415,3 +425,29 @@ def test_processes_a_sighup_cannot_make_arenas_for_are_all_taken_back_and_a_late
     wait_for(lambda: daemon.log().count("SIGHUP: applied") > handled, what="the second SIGHUP applied")
     wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"] * 3, what="two processes more")
     assert first_new.exists() and blocked.exists()
+
+
+def test_a_python_model_a_sighup_adds_while_a_reload_loads_serves_and_the_reload_ends_as_it_would(
+        workdir, reload_repo, python_repo):
+    repo, gate = gated_reload_repo(reload_repo, workdir, "v1")
+    daemon = Daemon(workdir, base_config(workdir, repo, {"mlp": RELOAD_MLP})).start()
+    try:
+        reload = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version",
+                                   "gated"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "loading mlp gated" in reload.stdout.readline()
+        config = copy.deepcopy(daemon.config)
+        config["models"]["scale"] = scale(workdir, repository=str(python_repo / "scale"))
+        daemon.config_path.write_text(to_toml(config))
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"], what="scale's process")
+        with daemon.client() as client:
+            x = np.arange(4, dtype=np.float32).reshape(1, 4)
+            np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+        gate.open()
+        out, err = reload.communicate(timeout=120)
+        assert reload.returncode == 0, err
+        status = daemon.status()
+        assert status["models"]["mlp"]["live_version"] == "gated"
+        assert status["models"]["scale"]["live_version"] == "v1"
+    finally:
+        daemon.kill_all()
