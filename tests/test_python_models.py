@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import models
 import numpy as np
 import pytest
 from conftest import (
@@ -449,5 +450,28 @@ def test_a_python_model_a_sighup_adds_while_a_reload_loads_serves_and_the_reload
         status = daemon.status()
         assert status["models"]["mlp"]["live_version"] == "gated"
         assert status["models"]["scale"]["live_version"] == "v1"
+    finally:
+        daemon.kill_all()
+
+
+def test_a_python_model_a_sighup_adds_during_a_canary_serves_and_the_trial_goes_on(workdir, reload_repo, python_repo):
+    daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": RELOAD_MLP})).start()
+    try:
+        assert daemon.call("reload", timeout=60, version="v2", canary=50)["mode"] == "canary"
+        config = copy.deepcopy(daemon.config)
+        config["models"]["scale"] = scale(workdir, repository=str(python_repo / "scale"))
+        daemon.config_path.write_text(to_toml(config))
+        daemon.signal(signal.SIGHUP)
+        wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"], what="scale's process")
+        with daemon.client() as client:
+            x = np.arange(4, dtype=np.float32).reshape(1, 4)
+            np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+        with RawPeer(daemon.endpoint) as peer:
+            for i in range(60):
+                peer.send(i, "mlp", [np.zeros((1, models.MLP_IN), np.float32)])
+            replies = [peer.recv()[0] for _ in range(60)]
+        assert {r["status"] for r in replies} == {"ok"} and {r["version"] for r in replies} == {"v1", "v2"}
+        assert daemon.call("promote", model="mlp")["version"] == "v2"
+        assert daemon.status()["models"]["mlp"]["live_version"] == "v2"
     finally:
         daemon.kill_all()
