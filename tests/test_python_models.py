@@ -428,6 +428,18 @@ def test_processes_a_sighup_cannot_make_arenas_for_are_all_taken_back_and_a_late
     assert first_new.exists() and blocked.exists()
 
 
+def add_scale_by_sighup(daemon: Daemon, workdir: Path, python_repo: Path) -> None:
+    """Add the scale model to `daemon`'s config file, SIGHUP it, and check scale's process serves."""
+    config = copy.deepcopy(daemon.config)
+    config["models"]["scale"] = scale(workdir, repository=str(python_repo / "scale"))
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"], what="scale's process")
+    with daemon.client() as client:
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+
+
 def test_a_python_model_a_sighup_adds_while_a_reload_loads_serves_and_the_reload_ends_as_it_would(
         workdir, reload_repo, python_repo):
     repo, gate = gated_reload_repo(reload_repo, workdir, "v1")
@@ -436,14 +448,7 @@ def test_a_python_model_a_sighup_adds_while_a_reload_loads_serves_and_the_reload
         reload = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version",
                                    "gated"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert "loading mlp gated" in reload.stdout.readline()
-        config = copy.deepcopy(daemon.config)
-        config["models"]["scale"] = scale(workdir, repository=str(python_repo / "scale"))
-        daemon.config_path.write_text(to_toml(config))
-        daemon.signal(signal.SIGHUP)
-        wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"], what="scale's process")
-        with daemon.client() as client:
-            x = np.arange(4, dtype=np.float32).reshape(1, 4)
-            np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+        add_scale_by_sighup(daemon, workdir, python_repo)
         gate.open()
         out, err = reload.communicate(timeout=120)
         assert reload.returncode == 0, err
@@ -458,14 +463,7 @@ def test_a_python_model_a_sighup_adds_during_a_canary_serves_and_the_trial_goes_
     daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": RELOAD_MLP})).start()
     try:
         assert daemon.call("reload", timeout=60, version="v2", canary=50)["mode"] == "canary"
-        config = copy.deepcopy(daemon.config)
-        config["models"]["scale"] = scale(workdir, repository=str(python_repo / "scale"))
-        daemon.config_path.write_text(to_toml(config))
-        daemon.signal(signal.SIGHUP)
-        wait_for(lambda: [w["state"] for w in steps_of(daemon, "scale")] == ["ready"], what="scale's process")
-        with daemon.client() as client:
-            x = np.arange(4, dtype=np.float32).reshape(1, 4)
-            np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+        add_scale_by_sighup(daemon, workdir, python_repo)
         with RawPeer(daemon.endpoint) as peer:
             for i in range(60):
                 peer.send(i, "mlp", [np.zeros((1, models.MLP_IN), np.float32)])
