@@ -74,7 +74,7 @@ class Connections:
         return self.open + self._regions.held
 
     def room(self) -> bool:
-        """Whether clients may take one more descriptor (a region)."""
+        """Whether clients may take one more descriptor (a connection or a region)."""
         return self.held < self.budget.for_clients
 
     def count_own(self, now: float) -> None:
@@ -129,10 +129,10 @@ class Connections:
                 if socket in self._dropped:
                     self._dropped[socket](value)
             elif kind == zmq.EVENT_ACCEPTED and counted:
-                if self.held >= self.budget.for_clients:
-                    turn_away[value] = event["endpoint"].decode()
-                else:
+                if self.room():
                     self.open += 1
+                else:
+                    turn_away[value] = event["endpoint"].decode()
             elif kind == zmq.EVENT_LISTENING and counted and event["endpoint"].startswith(b"tcp://"):
                 self._listeners[value] = event["endpoint"].decode()
                 self._waiting.register(value, select.POLLIN)
