@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from conftest import ONE_AT_A_TIME, RELOAD_MLP, Daemon, base_config, wait_for
+from conftest import ONE_AT_A_TIME, RELOAD_MLP, Daemon, base_config, gated_reload_repo, wait_for
+from gates import Gate
+from python_models import write
+from test_cli import BIN, inferctl
 from wire import RawPeer
 
 from inferd.harness import to_toml
@@ -121,5 +125,74 @@ def test_a_sighup_while_draining_is_ignored_and_systemd_hears_no_ready(workdir, 
         stopping = next(i for i, m in enumerate(messages) if "STOPPING=1" in m.split("\n"))
         assert not any("READY=1" in m.split("\n") or "RELOADING=1" in m.split("\n") for m in messages[stopping:])
     finally:
+        daemon.kill_all()
+        systemd.close()
+
+
+def said_after_stopping(messages: list[str]) -> list[str]:
+    """The fields systemd heard after STOPPING=1, other than STATUS= and WATCHDOG=1."""
+    fields = [field for message in messages for field in message.split("\n")]
+    return [f for f in fields[fields.index("STOPPING=1") + 1:] if f.split("=")[0] not in ("STATUS", "WATCHDOG")]
+
+
+def test_a_reload_still_loading_when_the_daemon_stops_tells_systemd_nothing_after_stopping(workdir, reload_repo):
+    repo, gate = gated_reload_repo(reload_repo, workdir, "v1")
+    systemd = FakeSystemd(workdir / "notify.sock", abstract=False)
+    daemon = Daemon(workdir, base_config(workdir, repo, {"mlp": RELOAD_MLP}))
+    daemon.env = {"NOTIFY_SOCKET": systemd.address}
+    try:
+        daemon.start()
+        reload = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "reload", "--version",
+                                   "gated"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert "loading mlp gated" in reload.stdout.readline()
+        systemd.wait_for("RELOADING=1")
+        daemon.signal(signal.SIGTERM)
+        systemd.wait_for("STOPPING=1")
+        gate.open()  # the load ends (or its worker is stopped under it): either way the reload ends now
+        reload.communicate(timeout=60)
+        assert daemon.wait(60) == 0
+        assert said_after_stopping(systemd.drain()) == [], systemd.messages
+    finally:
+        gate.close()
+        daemon.kill_all()
+        systemd.close()
+
+
+# Waits, as it loads, at the gate its parameters name (tests/gates.py): a step that keeps the daemon starting.
+LOADS_AT_GATE = """
+from pathlib import Path
+
+class Model:
+    def __init__(self, context):
+        Path(context.parameters["gate"]).write_bytes(b"loaded")
+
+    def __call__(self, inputs):
+        return {"y": inputs["x"]}
+"""
+
+
+def test_a_reload_that_ends_while_the_daemon_starts_does_not_tell_systemd_it_is_ready(workdir, reload_repo):
+    gate = Gate(workdir)
+    write(workdir / "python", "held", "v1", LOADS_AT_GATE)
+    held = {"repository": str(workdir / "python" / "held"), "parameters": {"gate": str(gate.path)},
+            "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
+            "outputs": [{"name": "y", "dtype": "float32", "shape": [2]}]}
+    systemd = FakeSystemd(workdir / "notify.sock", abstract=False)
+    daemon = Daemon(workdir, base_config(workdir, reload_repo, {"mlp": RELOAD_MLP, "held": held}))
+    daemon.env = {"NOTIFY_SOCKET": systemd.address}
+    try:
+        daemon.start(wait=False)
+        wait_for(lambda: "starting: pid" in daemon.log(), what="the daemon's control socket bound")
+        wait_for(lambda: daemon.status()["workers"][0]["state"] == "ready", what="mlp's worker ready")
+        assert daemon.status()["state"] == "starting", "the held step keeps the daemon starting"
+        # A version its worker cannot load: the reload ends at once, while the daemon still starts.
+        result = inferctl(daemon, "reload", "--model", "mlp", "--version", "corrupt")
+        assert result.returncode == 1 and "v1 keeps serving" in result.stderr, result.stderr
+        assert not any("READY=1" in m.split("\n") for m in systemd.drain()), systemd.messages
+        gate.open()
+        systemd.wait_for("READY=1")
+        assert daemon.call("health")["healthy"], f"READY=1 came before the daemon could serve: {systemd.messages}"
+    finally:
+        gate.close()
         daemon.kill_all()
         systemd.close()

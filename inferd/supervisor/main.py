@@ -40,7 +40,6 @@ from inferd.supervisor.worker_messages import WorkerMessages
 from inferd.system import heap
 from inferd.system.paths import runtime_dir
 from inferd.system.shm_names import SHM_DIR
-from inferd.system.systemd import notify
 
 log = logging.getLogger("inferd.supervisor")
 
@@ -268,7 +267,7 @@ class Supervisor(Parts):
             errors = {w.last_error for w in workers if w.last_error}
             raise StartupError(f"no worker could start: {'; '.join(sorted(errors)) or 'see the log above'}")
         self.state = DaemonState.SERVING
-        notify("READY=1")
+        self.systemd.serving()
         self.frontend.connections.count_own(time.monotonic())  # its workers and gateways connected now
         log.info("open files: %s", self.frontend.connections.budget.describe())
         failed = [w.name for w in workers if w.state == WorkerState.FAILED]
@@ -339,7 +338,7 @@ class Supervisor(Parts):
             log.info("stopping: finishing %d queued and %d running batch(es), at most %g s",
                      len(self.queue), len(self.dispatcher.inflight), self.config.server.drain_timeout_s)
             self.state = DaemonState.DRAINING
-            notify("STOPPING=1")
+            self.systemd.stopping()
             self._deadline = now + self.config.server.drain_timeout_s
             self._next_tick = now
         elif self.state == DaemonState.DRAINING:
@@ -358,11 +357,11 @@ class Supervisor(Parts):
         if self.state != DaemonState.SERVING:
             log.info("SIGHUP while stopping: ignored")
             return
-        notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        self.systemd.changing()
         try:
             self.reconfigurer.reconfigure(self.config)
         finally:
-            notify("READY=1")
+            self.systemd.changed()
 
     def handle_usr1(self) -> None:
         """SIGUSR1: faulthandler has written every thread's stack to the stacks file; log them too."""

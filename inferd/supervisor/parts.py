@@ -57,7 +57,7 @@ from inferd.supervisor.wakeup import Wakeup
 from inferd.system.logs import set_level
 from inferd.system.paths import RuntimeFiles
 from inferd.system.shm_names import SHM_DIR
-from inferd.system.systemd import StatusReport
+from inferd.system.systemd import Systemd
 
 REPLY_FLUSH_MS = 1000  # at exit, how long replies still queued to clients may take to leave
 
@@ -102,7 +102,7 @@ class Parts:
             # replies in one go instead of costing a context switch each.
             self.context.set(zmq.THREAD_SCHED_POLICY, os.SCHED_BATCH)
         self.wakeup = Wakeup(self.files.stacks)
-        self.systemd = StatusReport()
+        self.systemd = Systemd()
         self.stats = Stats(self.started)
         self.probes = Probes()
         times = ComputeTimes()
@@ -122,7 +122,7 @@ class Parts:
                                  self.dispatcher.cancel_running, self.workers.signature, self.pipelines)
         self.handshakes = Handshakes(self.context, self.curve, self.frontend.connections)
         self.reloads = ReloadManager(config, self.workers, self.dispatcher, self.live, self.candidates, saved,
-                                     self.wakeup.call_soon_threadsafe)
+                                     self.systemd, self.wakeup.call_soon_threadsafe)
         self.canaries = CanaryManager(config, self.candidates, self.live, self.reloads, self.dispatcher, self.workers,
                                       self.stats)
         self.canaries.restore(saved_candidates)

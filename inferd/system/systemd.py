@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("inferd.system.systemd")
@@ -54,14 +55,45 @@ class Watchdog:
 STATUS_EVERY_S = 2.0
 
 
-class StatusReport:
-    """What systemd hears while serving: WATCHDOG=1 while nothing is hung, STATUS= every few seconds."""
+class Systemd:
+    """What systemd hears of the daemon: READY=1 once it serves, RELOADING=1 and READY=1 around its changes
+    (a SIGHUP, a reload), STOPPING=1 when it stops; WATCHDOG=1 while nothing is hung, STATUS= every few seconds.
+
+    A change made before the daemon serves, or still under way once it stops, is not said: systemd would take
+    READY=1 for a start that has not finished, or for a stop undone."""
 
     def __init__(self) -> None:
         self.watchdog = Watchdog()
         self._hung: str | None = None
         self._next_status = 0.0
         self._replies_then = 0
+        self._serving = False
+        self._changes = 0  # under way: READY=1 again when the last one ends
+        self._reloading_said = False
+
+    def serving(self) -> None:
+        """The daemon has started and serves."""
+        self._serving = True
+        notify("READY=1")
+
+    def changing(self) -> None:
+        """A change begins."""
+        self._changes += 1
+        if self._serving and not self._reloading_said:
+            self._reloading_said = True
+            notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+
+    def changed(self) -> None:
+        """A change that `changing` began has ended, made or not."""
+        self._changes -= 1
+        if self._changes == 0 and self._reloading_said and self._serving:
+            self._reloading_said = False
+            notify("READY=1")
+
+    def stopping(self) -> None:
+        """The daemon stops: from now on systemd hears neither READY=1 nor RELOADING=1."""
+        self._serving = False
+        notify("STOPPING=1")
 
     def report(self, now: float, hung: str | None, status: Callable[[], tuple[str, int]]) -> None:
         """Ping unless `hung` names what stopped making progress; when STATUS= is due (or `hung` changed),

@@ -37,7 +37,7 @@ from inferd.supervisor.processes.workers import WorkerHandle, WorkerState, Worke
 from inferd.supervisor.shared.candidates import Candidates
 from inferd.supervisor.shared.command_replies import Reply
 from inferd.supervisor.shared.live import LiveVersions
-from inferd.system.systemd import notify
+from inferd.system.systemd import Systemd
 
 log = logging.getLogger("inferd.reload")
 
@@ -72,10 +72,11 @@ class ReloadManager:
     """Runs reloads and rollbacks, keeps every worker on the live versions, and is the one writer of them."""
 
     def __init__(self, config: Config, workers: WorkerTable, dispatcher: Dispatcher, live: LiveVersions,
-                 candidates: Candidates, saved: SavedVersions,
+                 candidates: Candidates, saved: SavedVersions, systemd: Systemd,
                  call_soon_threadsafe: Callable[[Callable[[], None]], None]) -> None:
         self.config = config
         self.candidates = candidates
+        self.systemd = systemd
         # Told when a worker cannot load a candidate it was catching up to (the canary manager ends the trial).
         self.on_candidate_failed: Callable[[str, str, str], None] = lambda model, version, why: None
         # Told when a worker's catch-up to a live version ended: (worker, model, None) loaded, or the error.
@@ -169,7 +170,7 @@ class ReloadManager:
         self.retiring = {r for r in self.retiring if r[1:] != (model, version)}
         reload = Reload(model, version, live, expect, reply, time.monotonic(), set(), on_loaded=on_loaded)
         self.active[model] = reload
-        notify("RELOADING=1", f"MONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        self.systemd.changing()
         log.info("reloading %s: %s -> %s on %d worker(s)", model, live, version, len(targets))
         if not targets:  # its workers are restarting: it loads on the first one back (catch_up)
             back, index = coming[0]
@@ -317,17 +318,22 @@ class ReloadManager:
         if reload.pending:
             return
         del self.active[reload.model]
+        try:
+            self._end(reload)
+        finally:
+            self.systemd.changed()
+
+    def _end(self, reload: Reload) -> None:
+        """A reload every worker has answered: give it up, hand a trial's load to the trial, or flip."""
         if reload.failure is not None or not reload.loaded:
             for worker in reload.loaded:
                 self._retire(worker, reload.model, reload.version)
             reason = reload.failure or "no worker loaded it"
             log.error("reload of %s to %s abandoned: %s; %s keeps serving", reload.model, reload.version,
                       reason, reload.previous)
-            notify("READY=1")
             reload.reply.fail(f"{reload.version} was not made live: {reason}; {reload.previous} keeps serving")
             return
         if reload.on_loaded is not None:
-            notify("READY=1")
             reload.on_loaded(reload)
             return
         self.flip(reload.model, reload.version, reload.reply, reload.started, "reload", reload.timings())
@@ -345,7 +351,6 @@ class ReloadManager:
             self.catch_up(worker)
         log.info("%s is now %s (was %s), %.2f s after the %s began", model, version, previous,
                  time.monotonic() - started, what)
-        notify("READY=1")
         reply.progress(f"switched {model} from {previous} to {version} in {switch_ms:.3f} ms")
         result = {"model": model, "version": version, "previous": previous, **result, "switch_ms": round(switch_ms, 3)}
         # The command returns once the new live version is on disk too.
