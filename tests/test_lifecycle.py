@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -15,6 +17,8 @@ from conftest import (
     MLP,
     ONE_AT_A_TIME,
     SLOW,
+    Daemon,
+    base_config,
     exited,
     replies_across_a_worker_death,
     requests_accounted,
@@ -288,6 +292,45 @@ def test_saved_live_version_wins_over_the_config_and_a_record_naming_no_config_i
     assert daemon.status()["models"]["mlp"]["live_version"] == "v1"
     saved = json.loads((workdir / "state" / "live_versions.json").read_text())
     assert saved["config"] == str(daemon.config_path) and saved["live"] == {"mlp": "v1"}, saved
+
+
+def writer_once_read(pipe: Path) -> int | None:
+    """The write end of named pipe `pipe`, once a process opens it to read (Linux counts a reader waiting in
+    open() for a writer); None before."""
+    try:
+        return os.open(pipe, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return None
+        raise
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["hup", "term"])
+def test_a_signal_that_comes_while_the_daemon_reads_its_config_waits_for_the_loop(workdir, repo, signum):
+    """Before its loop's handlers are in place (its imports and config take seconds), a SIGHUP or a SIGTERM
+    would take its default action: the daemon would end without cleaning up."""
+    daemon = Daemon(workdir, base_config(workdir, repo, {"mlp": MLP}))
+    text = daemon.config_path.read_text()  # the config is handed to the daemon through a named pipe
+    daemon.config_path.unlink()
+    os.mkfifo(daemon.config_path)
+    try:
+        daemon.start(wait=False)
+        writer = wait_for(lambda: writer_once_read(daemon.config_path), what="the daemon reading its config")
+        daemon.signal(signum)
+        with open(writer, "w") as pipe:
+            pipe.write(text)
+        daemon.config_path.unlink()
+        daemon.config_path.write_text(text)  # what a SIGHUP reads again
+        if signum == signal.SIGHUP:
+            daemon.wait_healthy()
+            wait_for(lambda: "SIGHUP: " in daemon.log(), what="the SIGHUP carried out once the daemon serves")
+            assert "SIGHUP while starting" in daemon.log()
+        else:
+            assert daemon.wait() == 0, daemon.log()
+            assert "stopping: finishing" in daemon.log()
+            assert not arenas_of(daemon.process.pid)
+    finally:
+        daemon.kill_all()
 
 
 def test_client_retries_while_the_daemon_is_starting(start_daemon):

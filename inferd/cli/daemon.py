@@ -24,6 +24,9 @@ def inferd() -> None:
               help="Overrides server.log_level.")
 def serve(config_path: str | None, log_level: str | None) -> int:
     """Run the daemon in the foreground (what systemd starts)."""
+    from inferd.supervisor.wakeup import hold_signals
+
+    hold_signals()  # before the imports below, which take seconds
     from inferd import demo
     from inferd.supervisor.main import Supervisor
     from inferd.supervisor.shared.state import StartupError

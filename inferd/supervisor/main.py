@@ -17,7 +17,6 @@ import gc
 import logging
 import math
 import os
-import signal
 import time
 from typing import Any
 
@@ -36,6 +35,7 @@ from inferd.supervisor.processes.workers import WorkerHandle, WorkerState
 from inferd.supervisor.queueing.batcher import Capacity
 from inferd.supervisor.shared.backstop import failure
 from inferd.supervisor.shared.state import DaemonState, StartupError
+from inferd.supervisor.wakeup import SIGNALS
 from inferd.supervisor.worker_messages import WorkerMessages
 from inferd.system import heap
 from inferd.system.paths import runtime_dir
@@ -45,7 +45,6 @@ log = logging.getLogger("inferd.supervisor")
 
 TICK_S = 0.5
 SENDING_CHECK_S = 0.001  # how often slots held by replies still being sent are checked
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
 SIGNAL_NAMES = {int(s): s.name[3:].lower() for s in SIGNALS}
 NO_ROOM = Capacity(idle=False, spare=False, free_at=math.inf)
 
@@ -102,7 +101,7 @@ class Supervisor(Parts):
             raise StartupError(f"cannot bind: {exc.strerror}") from None
         self.files.pid.write_text(f"{os.getpid()}\n")
         self.metrics.start(self.config.server.metrics)
-        self.wakeup.install(SIGNALS)
+        self.wakeup.install()
         monitors = self.frontend.connections.monitors
         for sock in [*self.frontend.sockets, *monitors, self.control.socket, self.workers.backend,
                      self.handshakes.socket]:

@@ -18,6 +18,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+# The signals the supervisor handles. Each one's default action would end the process.
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)
+
+# Signals that came before a Wakeup was installed, in their order.
+_held: deque[int] = deque()
+
+
+def hold_signals() -> None:
+    """From a start's first moment, queue SIGNALS until the loop's handlers take them: a `systemctl reload` or
+    a stop that comes while the daemon imports would otherwise end it before it has served or cleaned up."""
+    for signum in SIGNALS:
+        signal.signal(signum, lambda signum, frame: _held.append(signum))
+
 
 class Wakeup:
     """The loop's self-pipe, the signals and callbacks waiting on it, and the SIGUSR1 stacks file."""
@@ -36,13 +49,18 @@ class Wakeup:
         """The fd the loop polls."""
         return self._read.fileno()
 
-    def install(self, signals: tuple[signal.Signals, ...]) -> None:
-        """Queue `signals` from now on (SIGUSR1 among them writes the stacks first)."""
+    def install(self) -> None:
+        """Queue SIGNALS from now on (SIGUSR1 writes the stacks first), after those hold_signals held."""
         signal.set_wakeup_fd(self._write.fileno(), warn_on_full_buffer=False)
-        for signum in signals:
+        for signum in SIGNALS:
             signal.signal(signum, self._queue_signal)
         self._stacks = open(self._stacks_path, "w")  # noqa: SIM115 - open for the life of the process
         faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=True)
+        # Nothing is held from here on: the handlers above queue to this Wakeup.
+        self._signals.extendleft(reversed(_held))
+        _held.clear()
+        if self._signals:
+            self._write.send(b"\0")
 
     def _queue_signal(self, signum: int, frame: object) -> None:
         self._signals.append(signum)

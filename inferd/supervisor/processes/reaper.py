@@ -97,6 +97,7 @@ class Reaper:
                 os.setsid()
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 signal.signal(signal.SIGHUP, signal.SIG_IGN)
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)  # held for the supervisor as it starts
                 os.closerange(3, read_fd)
                 os.closerange(read_fd + 1, os.sysconf("SC_OPEN_MAX"))
                 setproctitle.setproctitle(f"inferd: reaper of {supervisor}")
