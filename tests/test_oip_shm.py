@@ -343,6 +343,25 @@ def test_a_new_connection_from_an_old_ones_address_has_none_of_its_regions(daemo
     wait_for(lambda: not registered(daemon), timeout=15, what="the old connection's region gone")
 
 
+def test_a_grpc_connections_region_stays_until_that_connection_closes(daemon, repo, regions):
+    # gRPC listens on a dual-stack socket, whose IPv4 clients the kernel lists by IPv4-mapped addresses: the
+    # gateway must still find each connection, or its sweep takes every connection's regions for gone.
+    x = np.random.default_rng(37).standard_normal((2, models.MLP_IN)).astype(np.float32)
+    handle, key = regions(x.nbytes)
+    shm.set_shared_memory_region(handle, [x])
+    staying, leaving = connect(daemon, "grpc"), connect(daemon, "grpc")
+    staying.register_system_shared_memory("staying", key, x.nbytes)
+    leaving.register_system_shared_memory("leaving", key, x.nbytes)
+    assert {r["name"] for r in registered(daemon)} == {"staying", "leaving"}
+    leaving.close()
+    wait_for(lambda: {r["name"] for r in registered(daemon)} == {"staying"}, timeout=15,
+             what="the closed connection's region gone, and only it")
+    result = staying.infer("mlp", [in_region(grpcclient, "INPUT__0", x, "staying")])
+    np.testing.assert_allclose(result.as_numpy("OUTPUT__0"), reference(repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+    staying.unregister_system_shared_memory()
+    staying.close()
+
+
 def test_a_region_is_its_connections_unless_client_shm_scope_makes_it_the_servers(daemon, start_daemon, repo,
                                                                                   regions):
     x = np.random.default_rng(31).standard_normal((2, models.MLP_IN)).astype(np.float32)

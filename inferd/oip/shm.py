@@ -17,6 +17,7 @@ registered it, so the gateway names no connection (SERVER_PEER) and unregisters 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import urllib.parse
@@ -77,7 +78,15 @@ def cuda_region_missing(name: str) -> str:
 
 
 def peer_name(host: str, port: int) -> str:
-    """A client's address as the gateway names it: host:port ([host]:port for IPv6)."""
+    """A client's address as the gateway names it: host:port ([host]:port for IPv6). An IPv4 client of a
+    dual-stack socket (gRPC listens on one even for an IPv4 address) is named by its IPv4 address, as gRPC
+    names it, not as the socket's IPv4-mapped IPv6 one (::ffff:127.0.0.1), as the kernel lists it."""
+    try:
+        mapped = ipaddress.ip_address(host)
+    except ValueError:
+        mapped = None
+    if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+        host = str(mapped.ipv4_mapped)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
