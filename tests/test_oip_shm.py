@@ -30,14 +30,17 @@ from inferd.harness import free_port
 from inferd.system.shm_names import GATEWAY_REGION_PREFIX
 
 CLIENTS = {"http": httpclient, "grpc": grpcclient}
+# float32 [2, L] -> [L] and [4]: outputs whose size the model decides, from each request's L.
+RAGGED = {"inputs": [{"dtype": "float32", "shape": [2, -1], "max_shape": [2, models.RAGGED_MAX], "name": "x"}],
+          "outputs": [{"name": "running"}, {"name": "pooled"}], "max_batch_size": 4}
 PREFIX = "inferd-client-"
 
 
 @pytest.fixture(scope="module")
 def daemon(repo: Path) -> Iterator[Daemon]:
-    """mlp and pair over HTTP and gRPC, with client shared memory allowed."""
+    """mlp, pair and ragged over HTTP and gRPC, with client shared memory allowed."""
     path = Path(tempfile.mkdtemp(prefix="inferd-s"))
-    config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR},
+    config = base_config(path, repo, {"mlp": MLP, "pair": NAMED_PAIR, "ragged": RAGGED},
                          server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}",
                                  "allow_client_shm": True})
     started = Daemon(path, config)
@@ -133,6 +136,33 @@ def test_inputs_and_outputs_in_shared_memory_answer_like_the_model_in_process(da
     assert set(region_status(client, protocol)) == {"out"}
     client.unregister_system_shared_memory()
     assert region_status(client, protocol) == {}
+    client.close()
+
+
+@pytest.mark.parametrize("protocol", CLIENTS)
+def test_an_output_the_model_sizes_is_never_written_past_its_window(daemon, repo, regions, protocol):
+    module = CLIENTS[protocol]
+    client = connect(daemon, protocol)
+    x = np.random.default_rng(41).random((1, 2, 16), np.float32)  # `running` is 16 floats
+    handle, key = regions(256)
+    shm.set_shared_memory_region(handle, [np.full(64, -7.0, np.float32)])
+    client.register_system_shared_memory("out", key, 256)
+    given = module.InferInput("x", list(x.shape), "FP32")
+    given.set_data_from_numpy(x)
+
+    def running_in(window: int) -> Any:
+        wanted = module.InferRequestedOutput("running")
+        wanted.set_shared_memory("out", window)
+        return client.infer("ragged", [given], outputs=[wanted])
+
+    assert "output 'running' came to 64 bytes, more than its shared_memory_byte_size 8" in error_of(
+        lambda: running_in(8))
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [64]), np.full(64, -7.0))
+    running_in(64)
+    got = shm.get_contents_as_numpy(handle, np.float32, [1, 16])
+    np.testing.assert_allclose(got, reference(repo, "ragged", "v1")(x)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [64])[16:], np.full(48, -7.0))
+    client.unregister_system_shared_memory()
     client.close()
 
 

@@ -227,13 +227,13 @@ class ModelView:
 
     def place(self, name: str, region: InRegion, samples: int) -> protocol.OutputPlace:
         """Where output `name` of a request of `samples` samples goes: InvalidRequest if it does not fit."""
-        # An output whose size follows the inputs' is checked by the daemon, from the request's own sizes (and a
-        # BYTES one as it is written).
+        # An output whose size the model decides is written only if it fits the client's window, and comes
+        # back in the reply's frames otherwise (shm.check_placed refuses it then).
         needed = _fixed_bytes(*self.outputs[self.output_names.index(name)], samples) or 0
         if region.byte_size < needed:
             raise InvalidRequest(f"output {name!r} is {needed} bytes, but its shared_memory_byte_size is "
                                  f"{quoted(region.byte_size)}")
-        return protocol.OutputPlace(region.region, region.offset)
+        return protocol.OutputPlace(region.region, region.offset, region.byte_size)
 
     def check_output(self, name: Any) -> str:
         """A requested output's name, if the model has it."""

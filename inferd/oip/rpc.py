@@ -27,7 +27,14 @@ from inferd.oip import inference_pb2 as pb
 from inferd.oip import tensors
 from inferd.oip.budget import BodyBudget, Hold
 from inferd.oip.catalog import GATEWAY_BUG, Catalog, GivenInput, ModelView, NotFound, Refused, server_extensions
-from inferd.oip.shm import CUDA_REFUSED, SharedMemory, cuda_region_missing, region_parameters, region_response
+from inferd.oip.shm import (
+    CUDA_REFUSED,
+    SharedMemory,
+    check_placed,
+    cuda_region_missing,
+    region_parameters,
+    region_response,
+)
 from inferd.oip.upstream import Control, Upstream
 
 log = logging.getLogger("inferd.oip.grpc")
@@ -271,6 +278,7 @@ class InferenceService:
                                                    model.output_bytes(requested.samples))
         if reply.status != protocol.OK:
             raise RpcError(GRPC_STATUS.get(reply.status, grpc.StatusCode.INTERNAL), reply.error or reply.status)
+        check_placed(model.output_names, places, reply.outputs, outputs)
         response = pb.ModelInferResponse(model_name=model.name, model_version=reply.version or "", id=request.id)
         if model.pipeline:
             response.parameters["step_versions"].string_param = reply.version or ""

@@ -21,7 +21,7 @@ import ipaddress
 import logging
 import os
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import psutil
@@ -30,6 +30,7 @@ from inferd import protocol
 from inferd.errors import InvalidRequest, quoted
 from inferd.ipc import addresses
 from inferd.oip.upstream import Upstream
+from inferd.protocol import Buffer
 
 log = logging.getLogger("inferd.oip.shm")
 
@@ -70,6 +71,18 @@ def region_response(meta: protocol.TensorMeta) -> dict[str, Any]:
     size = meta.byte_size if meta.dtype == protocol.BYTES else protocol.tensor_bytes(meta.dtype, meta.shape)
     return {"shared_memory_region": meta.region, "shared_memory_offset": meta.offset,
             "shared_memory_byte_size": size}
+
+
+def check_placed(names: Sequence[str], places: Sequence[protocol.OutputPlace | None],
+                 outputs: Sequence[protocol.TensorMeta], frames: Sequence[Buffer]) -> None:
+    """Raise InvalidRequest for an output asked for in a region that came back in the reply's `frames` instead:
+    the model made it larger than the client's shared_memory_byte_size, which the daemon does not write past."""
+    unplaced = iter(frames)
+    for name, place, meta in zip(names, places or [None] * len(names), outputs):
+        data = next(unplaced) if meta.region is None else None
+        if place is not None and data is not None:
+            raise InvalidRequest(f"output {name!r} came to {memoryview(data).nbytes} bytes, more than its "
+                                 f"shared_memory_byte_size {place.byte_size}: give it a larger window")
 
 
 def cuda_region_missing(name: str) -> str:

@@ -49,7 +49,14 @@ from inferd.oip.catalog import (
 )
 from inferd.oip.http.body_guard import BodyGuard, BodyRefused
 from inferd.oip.http.server import BODY, CONNECTION, WATCH, Watch
-from inferd.oip.shm import CUDA_REFUSED, InRegion, SharedMemory, cuda_region_missing, region_parameters
+from inferd.oip.shm import (
+    CUDA_REFUSED,
+    InRegion,
+    SharedMemory,
+    check_placed,
+    cuda_region_missing,
+    region_parameters,
+)
 from inferd.oip.upstream import Control, Upstream
 from inferd.protocol import Buffer, ReplyHeader
 
@@ -367,6 +374,10 @@ class RestApp:
         if reply.status != protocol.OK:
             extra = OVERLOAD_HEADERS if reply.status == protocol.OVERLOADED else []
             raise HttpError(HTTP_STATUS.get(reply.status, 500), reply.error or reply.status, extra)
+        try:
+            check_placed(model.output_names, places, reply.outputs, outputs)
+        except InvalidRequest as exc:
+            raise HttpError(400, exc.message) from None
         json_part, binary = parsed.response(model, reply, outputs)
         encoded = _encode(json_part)
         if not binary:
