@@ -76,6 +76,24 @@ def test_infer_with_binary_or_json_data_answers_like_the_model_in_process(oip, r
     assert response["id"] == "r-7" and response["model_version"] == "v1"
 
 
+def test_an_output_holding_nan_or_infinity_asked_for_as_json_comes_as_binary_data(oip, repo):
+    # JSON has no number for them: written as null, +inf and -inf would both come back NaN.
+    a = np.random.default_rng(5).standard_normal((3, 3, 4), dtype=np.float32)
+    a[0, 0, 0], a[1, 0, 0], a[2, 0, :2] = np.inf, -np.inf, (np.inf, -np.inf)
+    b = np.zeros((3, 2), np.int64)
+    inputs = [httpclient.InferInput("a", list(a.shape), "FP32"), httpclient.InferInput("b", list(b.shape), "INT64")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    outputs = [httpclient.InferRequestedOutput(name, binary_data=False) for name in ("scaled", "doubled")]
+    result = client(oip).infer("pair", inputs, outputs=outputs)
+    scaled, doubled = reference(repo, "pair", "v1")(a, b)
+    assert np.isposinf(scaled).any() and np.isneginf(scaled).any() and np.isnan(scaled).any()
+    np.testing.assert_array_equal(result.as_numpy("scaled"), scaled)
+    entries = {entry["name"]: entry for entry in result.get_response()["outputs"]}
+    assert entries["scaled"]["parameters"] == {"binary_data_size": scaled.nbytes} and "data" not in entries["scaled"]
+    assert entries["doubled"]["data"] == doubled.ravel().tolist(), "a finite output is still JSON"
+
+
 def test_bf16_travels_as_binary_and_comes_back_as_json_numbers_too(oip, repo):
     x = np.random.default_rng(4).standard_normal((3, models.BF16_FEATURES), dtype=np.float32).astype(ml_dtypes.bfloat16)
     given = httpclient.InferInput("INPUT__0", list(x.shape), "BF16")
