@@ -21,6 +21,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from conftest import MLP, Daemon, module_daemon, reference, wait_for
+from python_models import SCALE_CONFIG
+from tritonclient.utils import InferenceServerException
 
 from inferd import protocol
 from inferd.harness import free_port
@@ -37,10 +39,16 @@ SUMMED = {"inputs": [{"name": "x", "dtype": "float32", "shape": [FEATURES]}], "o
 
 
 @pytest.fixture(scope="module")
-def daemon(repo: Path) -> Iterator[Daemon]:
-    """`variable` (its input back) and `sum` (a large input, a small output) at FEATURES, the mlp, and a
-    pipeline of `sum`, over HTTP and gRPC; client shared memory off, as by default."""
-    with module_daemon(repo, {"variable": LARGE, "sum": LARGE, "mlp": MLP}, with_summed, workers={"shm_mb": 128},
+def daemon(repo: Path, python_repo: Path) -> Iterator[Daemon]:
+    """`variable` (its input back) and `sum` (a large input, a small output) at FEATURES, the mlp, a pipeline
+    of `sum`, and the Python model `scale` at FEATURES (which refuses a negative value), over HTTP and gRPC;
+    client shared memory off, as by default."""
+    scale = {**SCALE_CONFIG, "repository": str(python_repo / "scale"), "version": "v1", "max_batch_size": 1,
+             "parameters": {"factor": 2.0},
+             "inputs": [{**SCALE_CONFIG["inputs"][0], "shape": [FEATURES]}],
+             "outputs": [{**SCALE_CONFIG["outputs"][0], "shape": [FEATURES]}, SCALE_CONFIG["outputs"][1]]}
+    with module_daemon(repo, {"variable": LARGE, "sum": LARGE, "mlp": MLP, "scale": scale}, with_summed,
+                       workers={"shm_mb": 128},
                        server={"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"}) as started:
         yield started
 
@@ -89,6 +97,18 @@ def test_a_large_requests_tensors_go_through_its_gateways_region_and_answer_like
     np.testing.assert_allclose(infer(daemon, protocol_name, "mlp", small), reference(repo, "mlp", "v2")(small),
                                rtol=1e-5, atol=1e-6)
     assert gateway_region(daemon, protocol_name)["requests"] == before["requests"] + 4, "a small request went there"
+
+
+@pytest.mark.parametrize("protocol_name", CLIENTS)
+def test_a_large_request_its_model_refuses_is_computed_once(daemon, protocol_name):
+    x = np.random.default_rng(23).random((1, FEATURES), dtype=np.float32)
+    x[0, 7] = -1
+    before = gateway_region(daemon, protocol_name)["requests"]
+    invalid = daemon.call("stats")["models"]["scale"]["requests"].get("invalid", 0)
+    with pytest.raises(InferenceServerException, match="negative values are refused"):
+        infer(daemon, protocol_name, "scale", x, "x")
+    assert gateway_region(daemon, protocol_name)["requests"] == before + 1, "it went through the region"
+    assert daemon.call("stats")["models"]["scale"]["requests"]["invalid"] == invalid + 1, "computed again"
 
 
 @pytest.mark.parametrize("protocol_name", CLIENTS)

@@ -159,7 +159,9 @@ class Upstream:
         reply, answered = await self._exchange(request_id, frames, limit_s, model, cancellable=True)
         if lease is None:
             return reply, answered
-        if reply.status == protocol.INVALID:
+        if reply.status == protocol.INVALID and reply.version is None:
+            # Refused before any version saw it (the region, say, unknown to a supervisor restarted meanwhile):
+            # the same request in frames. One a model refused is its answer: run again, it would run twice.
             return await self.infer(model, version, inputs, timeout_ms, priority=priority)
         return lease.answer(reply, answered)
 
