@@ -148,6 +148,20 @@ def post(daemon: Daemon, path: str, body: bytes, headers: dict[str, str] | None 
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def test_an_empty_list_of_outputs_asks_for_every_output(oip, repo):
+    a = np.random.default_rng(6).standard_normal((1, 3, 4), dtype=np.float32)
+    b = np.array([[2, -3]], np.int64)
+    request = {"inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 3, 4], "data": a.ravel().tolist()},
+                          {"name": "b", "datatype": "INT64", "shape": [1, 2], "data": b.ravel().tolist()}],
+               "outputs": []}
+    status, answer = post(oip, "/v2/models/pair/infer", json.dumps(request).encode())
+    assert status == 200, answer
+    outputs = {output["name"]: output["data"] for output in answer["outputs"]}
+    scaled, doubled = reference(repo, "pair", "v1")(a, b)
+    assert set(outputs) == {"scaled", "doubled"} and outputs["doubled"] == doubled.ravel().tolist()
+    np.testing.assert_allclose(outputs["scaled"], scaled.ravel(), rtol=1e-5)
+
+
 ONE = {"name": "INPUT__0", "datatype": "FP32", "shape": [1, 16], "data": [0.0] * 16}
 ERRORS = [
     ("not json", b"{nope", 400, "not JSON"),

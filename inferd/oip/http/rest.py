@@ -623,7 +623,7 @@ class JsonRequest(NamedTuple):
 
 def _wanted(outputs: Any, model: ModelView,
             binary_default: bool) -> tuple[dict[str, bool] | None, dict[str, InRegion]]:
-    if outputs is None:
+    if outputs is None or outputs == []:  # an empty list asks for every output too, as in Triton and KServe
         return None, {}
     if not isinstance(outputs, list):
         raise InvalidRequest("the request's outputs are not a list")
