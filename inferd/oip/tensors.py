@@ -327,10 +327,14 @@ def _kind(values: np.ndarray) -> str:
 
 
 def to_json(buffer: memoryview | bytes, dtype: str, count: int) -> list[Any] | None:
-    """An output's `count` values as the protocol's flat JSON list; None for a BYTES one of an element that is
-    not UTF-8, which JSON cannot carry (it goes as binary data)."""
+    """An output's `count` values as the protocol's flat JSON list; None for one that JSON cannot carry (it goes
+    as binary data): BYTES with an element that is not UTF-8, or floats with a NaN or an infinity, which JSON has
+    no number for (an encoder would write null, and a client would read +inf as NaN)."""
     if dtype != BYTES:
-        return np.frombuffer(buffer, dtype=DTYPES[dtype]).tolist()
+        array = np.frombuffer(buffer, dtype=DTYPES[dtype])
+        if array.dtype.kind not in "biu" and not np.isfinite(array.astype(np.float64)).all():
+            return None
+        return array.tolist()
     try:
         return [element.decode() for element in unpack_bytes(buffer, count)]
     except UnicodeDecodeError:
