@@ -50,6 +50,13 @@ def mlp_input(x: np.ndarray) -> grpcclient.InferInput:
     return given
 
 
+def test_an_output_asked_for_as_classification_is_refused_not_answered_as_the_tensor(oip):
+    wanted = grpcclient.InferRequestedOutput("OUTPUT__0", class_count=2)
+    with pytest.raises(InferenceServerException, match="output 'OUTPUT__0' is asked for as classification") as refused:
+        client(oip).infer("mlp", [mlp_input(np.zeros((1, models.MLP_IN), np.float32))], outputs=[wanted])
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
 def test_health_metadata_config_and_statistics_as_tritonclient_reads_them(oip):
     c = client(oip)
     assert c.is_server_live() and c.is_server_ready() and c.is_model_ready("mlp")

@@ -148,6 +148,14 @@ def post(daemon: Daemon, path: str, body: bytes, headers: dict[str, str] | None 
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+def test_an_output_asked_for_as_classification_is_refused_not_answered_as_the_tensor(oip):
+    given = httpclient.InferInput("INPUT__0", [1, models.MLP_IN], "FP32")
+    given.set_data_from_numpy(np.zeros((1, models.MLP_IN), np.float32))
+    with pytest.raises(InferenceServerException, match="output 'OUTPUT__0' is asked for as classification") as refused:
+        client(oip).infer("mlp", [given], outputs=[httpclient.InferRequestedOutput("OUTPUT__0", class_count=2)])
+    assert refused.value.status() == "400"
+
+
 def test_an_empty_list_of_outputs_asks_for_every_output(oip, repo):
     a = np.random.default_rng(6).standard_normal((1, 3, 4), dtype=np.float32)
     b = np.array([[2, -3]], np.int64)

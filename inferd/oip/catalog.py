@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -235,12 +235,17 @@ class ModelView:
                                  f"{quoted(region.byte_size)}")
         return protocol.OutputPlace(region.region, region.offset, region.byte_size)
 
-    def check_output(self, name: Any) -> str:
-        """A requested output's name, if the model has it."""
+    def check_output(self, name: Any, parameters: Mapping[str, Any]) -> str:
+        """A requested output's name, if the model has it and it is asked for as itself."""
         if not isinstance(name, str):
             raise InvalidRequest("each requested output is an object with a name")
         if name not in self.output_names:
             raise InvalidRequest(f"{self.name} has no output {quoted(name)}; it has {', '.join(self.output_names)}")
+        if "classification" in parameters:
+            # Triton's classification extension answers an output's top classes as strings; the tensor
+            # itself, answered instead, would be read as those.
+            raise InvalidRequest(f"output {name!r} is asked for as classification (its top classes), which inferd "
+                                 "does not do: ask for the output itself and take its top classes from it")
         return name
 
 

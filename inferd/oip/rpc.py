@@ -262,7 +262,7 @@ class InferenceService:
         timeout, priority = (request.parameters.get(key) for key in ("timeout", "priority"))
         requested = model.request(_given(request), None if timeout is None else _parameter(timeout),
                                   None if priority is None else _parameter(priority))
-        wanted = {model.check_output(output.name) for output in request.outputs} or None
+        wanted = {model.check_output(output.name, _parameters(output.parameters)) for output in request.outputs} or None
         if wanted is not None and len(wanted) < len(request.outputs):
             names = [output.name for output in request.outputs]
             raise InvalidRequest(f"output {next(n for n in names if names.count(n) > 1)!r} is requested twice")

@@ -630,10 +630,12 @@ def _wanted(outputs: Any, model: ModelView,
     wanted: dict[str, bool] = {}
     regions: dict[str, InRegion] = {}
     for entry in outputs:
-        name = model.check_output(entry.get("name") if isinstance(entry, dict) else None)
+        if not isinstance(entry, dict):
+            raise InvalidRequest("each requested output is an object with a name")
+        parameters = _parameters(entry, f"output {quoted(entry.get('name'))}")
+        name = model.check_output(entry.get("name"), parameters)
         if name in wanted:
             raise InvalidRequest(f"output {name!r} is requested twice")
-        parameters = _parameters(entry, f"output {name!r}")
         wanted[name] = parameters.get("binary_data", binary_default) is True
         region = region_parameters(parameters, f"output {name!r}")
         if region is not None:
