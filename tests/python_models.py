@@ -17,9 +17,12 @@ SCALE_FEATURES = 4
 # holding a negative value is refused with inferd.InvalidInput, one holding a value over 1000 raises ValueError.
 # A batch whose first value is GATE waits at the gate its second value numbers (it writes itself to that file of
 # the folder parameters.gates, which a test made a named pipe: tests/gates.py), then answers zeros; one whose
-# first value is HANG sleeps without end. Its close() notes its version in the file `closed` of that folder.
-GATE, HANG = 4242, 777
+# first value is HANG sleeps without end; one whose first value is QUIT raises what is not an Exception: SystemExit
+# (sys.exit(1)) where its second value is 0, KeyboardInterrupt where it is 1, else BaseException. Its close() notes
+# its version in the file `closed` of that folder.
+GATE, HANG, QUIT = 4242, 777, 999
 SCALE = f'''
+import sys
 import time
 from pathlib import Path
 
@@ -42,6 +45,12 @@ class Model:
         if x[0, 0] == {HANG}:
             while True:
                 time.sleep(1)
+        if x[0, 0] == {QUIT}:
+            if x[0, 1] == 0:
+                sys.exit(1)
+            if x[0, 1] == 1:
+                raise KeyboardInterrupt
+            raise BaseException("base")
         if (x < 0).any():
             raise inferd.InvalidInput(f"negative values are refused: {{x[x < 0][:3].tolist()}}")
         if (x > 1000).any():
@@ -195,13 +204,16 @@ def write(root: Path, name: str, version: str, source: str) -> Path:
 
 
 def build_python_repository(root: Path) -> None:
-    """Every Python model of the tests: scale v1, v2 (five times its factor), bad_canary (v1, whose folder's
-    expected output for its example input is wrong) and tensor (a TorchScript module), identity, busy,
+    """Every Python model of the tests: scale v1, v2 (five times its factor), exits (whose constructor calls
+    sys.exit(0)), bad_canary (v1, whose folder's expected output for its example input is wrong) and tensor (a
+    TorchScript module), identity, busy,
     simple_string, simple_identity, relay and join."""
     import numpy as np
 
     write(root, "scale", "v1", SCALE)
     write(root, "scale", "v2", SCALE.replace('get("factor", 2.0)', 'get("factor", 2.0) * 5'))
+    write(root, "scale", "exits", SCALE.replace("    def __init__(self, context):\n",
+                                                "    def __init__(self, context):\n        sys.exit(0)\n"))
     canary = write(root, "scale", "bad_canary", SCALE)
     np.save(canary / "example_input.npy", np.ones((2, SCALE_FEATURES), np.float32))
     np.save(canary / "expected_output.npy", np.zeros((2, SCALE_FEATURES), np.float32))

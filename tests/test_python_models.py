@@ -29,7 +29,7 @@ from conftest import (
     wait_for,
 )
 from gates import Gate
-from python_models import HANG, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
+from python_models import HANG, QUIT, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
 
 from inferd import RetryPolicy
@@ -167,6 +167,24 @@ def test_one_bad_request_of_a_batch_fails_alone_with_its_own_status(served):
     assert refused.value.status == "invalid" and "negative values are refused" in refused.value.message
 
 
+def test_a_model_that_raises_what_is_not_an_exception_fails_its_batch_with_a_sentence_and_serves_on(served):
+    x = np.ones((1, SCALE_FEATURES), np.float32)
+    with RawPeer(served.endpoint) as peer:
+        for number, raised in enumerate(("SystemExit: 1", "KeyboardInterrupt: (no message)", "BaseException: base")):
+            quits = np.array([[QUIT, number, 0, 0]], np.float32)
+            peer.send(number, "scale_one", [quits], timeout_ms=5000)
+            header, _ = peer.recv(timeout=10)
+            assert (header["status"], header["error"]) == ("internal", f"scale_one v1: {raised}")
+            peer.send("after", "scale_one", [x], timeout_ms=5000)
+            header, (scaled, _) = peer.recv(timeout=10)
+            assert header["status"] == "ok", "the step's executor serves on"
+            np.testing.assert_array_equal(scaled, x * 2)
+    with pytest.raises(ControlError, match="refused scale_one exits: scale_one exits: Model\\(\\) raised SystemExit: "
+                                           "0; v1 keeps serving"):
+        served.call("reload", timeout=60, model="scale_one", version="exits")
+    assert steps_of(served, "scale_one")[0]["loaded"] == ["scale_one v1"]
+
+
 def test_a_reload_of_a_python_model_is_blue_green_and_names_its_outputs(served):
     closed = Path(served.config["models"]["scale_one"]["parameters"]["gates"]) / "closed"
     x = np.full((2, SCALE_FEATURES), 3, np.float32)
@@ -201,7 +219,8 @@ def test_a_canary_of_a_python_model_takes_its_share_and_versions_and_stats_show_
     assert stats["versions"]["v1"]["requests"]["ok"] > 0 and stats["versions"]["v2"]["requests"]["ok"] > 0
     versions = served.call("versions", model="scale_one")["scale_one"]
     assert [(v["version"], v["file"], v["format"], v["live"]) for v in versions] == [
-        ("bad_canary", "model.py", "python", False), ("tensor", "model.pt", "torchscript", False),
+        ("bad_canary", "model.py", "python", False), ("exits", "model.py", "python", False),
+        ("tensor", "model.pt", "torchscript", False),
         ("v1", "model.py", "python", True), ("v2", "model.py", "python", False)]
 
 

@@ -46,6 +46,8 @@ class Computed(NamedTuple):
 
 def describe_error(exc: BaseException) -> str:
     """One line for an exception: TorchScript errors carry a whole traceback; keep its last line."""
+    if not isinstance(exc, Exception):  # SystemExit(0)'s message is only "0": name what it is
+        return exception_text(exc)
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = lines[-1] if lines else type(exc).__name__
     return text.removeprefix("builtins.")
@@ -197,7 +199,9 @@ class Executor(threading.Thread):
         each: tuple[tuple[TensorRef, ...], ...] = ()
         try:
             outputs, _, phases = self.compute(batch, merged([rows[i] for i in live]), start)
-        except Exception as exc:  # noqa: BLE001 - a model may raise anything
+        # Not only Exception: a model's sys.exit() or KeyboardInterrupt would end this thread, and with it
+        # every later batch of the process, without a reply.
+        except BaseException as exc:  # noqa: BLE001 - a model may raise anything
             self.on_failure(exc)
             if not batch.retry_alone or len(live) < 2:
                 self.overlap.end(token)
@@ -211,7 +215,7 @@ class Executor(threading.Thread):
         growth = memory - before if self.overlap.end(token) else 0
         return BatchDone(batch.batch_id, outputs, compute_us, memory, reserved, growth, expired, phases, failed, each)
 
-    def _one_at_a_time(self, batch: RunBatch, rows: list[Rows], live: list[int], start: int, exc: Exception,
+    def _one_at_a_time(self, batch: RunBatch, rows: list[Rows], live: list[int], start: int, exc: BaseException,
                        ) -> tuple[tuple[tuple[TensorRef, ...], ...], tuple[RequestFailed, ...], tuple[int, int, int]]:
         """Run each of the `live` requests of a batch that raised `exc` alone, their outputs one after the other
         from `start`: each one's refs (none for one not run, or failed), the requests that failed, the phases
@@ -225,7 +229,7 @@ class Executor(threading.Thread):
         for index in live:
             try:
                 outputs, start, spent = self.compute(batch, [rows[index]], start)
-            except Exception as alone:  # noqa: BLE001 - a model may raise anything
+            except BaseException as alone:  # noqa: BLE001 - a model may raise anything (see run_batch)
                 self.on_failure(alone)
                 status, error = self.failure(batch, alone, batch.samples[index])
                 log.error("%s: request %d of %d failed alone: %s", what, index + 1, len(rows), error)

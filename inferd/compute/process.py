@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 import msgspec
 import zmq
 
-from inferd.compute.executor import Executor, describe_error
+from inferd.compute.executor import Executor, describe_error, exception_text
 from inferd.config.schema import Config
 from inferd.ipc import messages
 from inferd.system.child import begin_child
@@ -128,9 +128,12 @@ def run_process(spec: ProcessSpec, config: Config, boot: Boot, parent_fd: int | 
     stop_r, stop_w = os.pipe()
     try:
         booted = boot(spec, config, context, stop_r)
-    except Exception as exc:  # noqa: BLE001 - whatever stops the boot is said in one sentence
-        log.error("boot failed: %s", exc)
-        control.send(messages.encode(messages.BootFailed(str(exc))))
+    # Not only Exception: a sys.exit() in code a model file runs as it loads (a pickle's) would end the
+    # process, saying only its exit code.
+    except BaseException as exc:  # noqa: BLE001 - whatever stops the boot is said in one sentence
+        error = str(exc) if isinstance(exc, Exception) else exception_text(exc)
+        log.error("boot failed: %s", error)
+        control.send(messages.encode(messages.BootFailed(error)))
         control.close()
         context.term()
         sys.exit(WorkerExit.BOOT_ERROR)
@@ -177,7 +180,8 @@ def _serve_control(control: zmq.Socket, runner: Runner, executors: Sequence[Exec
             try:
                 loaded, load_s, warm_s = runner.load_version(message)
                 reply = messages.VersionLoaded(message.model, loaded, load_s, warm_s)
-            except Exception as exc:  # noqa: BLE001 - a model may raise anything; the process must live on
+            # Not only Exception: the process must live on after a sys.exit() in code a model file runs.
+            except BaseException as exc:  # noqa: BLE001 - a model may raise anything
                 error = describe_error(exc)
                 log.error("cannot load %s %s: %s", message.model, message.version, error)
                 reply = messages.VersionFailed(message.model, message.version, error)

@@ -243,7 +243,7 @@ class PythonRunner:
             got = model([x])[0]
         except ModelError as exc:
             raise ModelError(f"{what}, run on {CANARY_INPUT}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a model may raise anything
+        except BaseException as exc:  # noqa: BLE001 - a model may raise anything, sys.exit() too
             raise ModelError(f"{what} raised on {CANARY_INPUT}: {exception_text(exc)}") from None
         if want is not None and (got.shape != want.shape or not np.allclose(got, want, rtol=CANARY_RTOL,
                                                                              atol=CANARY_ATOL)):
@@ -272,7 +272,8 @@ def _construct(name: str, version: str, path: Path, config: ModelConfig) -> Any:
     try:
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:  # noqa: BLE001 - model code may raise anything
+        # Not only Exception: a sys.exit() in model code would end the process, saying only its exit code.
+        except BaseException as exc:  # noqa: BLE001 - model code may raise anything
             raise ModelError(f"importing {path} raised {exception_text(exc)}") from None
         cls = getattr(module, "Model", None)
         if not inspect.isclass(cls):
@@ -282,7 +283,7 @@ def _construct(name: str, version: str, path: Path, config: ModelConfig) -> Any:
         try:
             make: Any = cls  # a class of the model's, whose constructor takes the context or nothing
             instance = make(context) if _takes_an_argument(cls) else make()
-        except Exception as exc:  # noqa: BLE001 - model code may raise anything
+        except BaseException as exc:  # noqa: BLE001 - model code may raise anything, sys.exit() too
             raise ModelError(f"{what}: Model() raised {exception_text(exc)}") from None
     except BaseException:
         sys.modules.pop(module_name, None)
