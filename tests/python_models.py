@@ -140,6 +140,7 @@ import numpy as np
 
 WRONG = {b"ints": lambda x: np.zeros(x.shape, np.int64), b"fixed": lambda x: x.astype(bytes),
          b"objects": lambda x: np.full(x.shape, 3, dtype=object),
+         b"nones": lambda x: np.full(x.shape, None, dtype=object),
          b"huge": lambda x: np.full(x.shape, b"x" * (64 << 20), dtype=object)}
 
 

@@ -212,8 +212,10 @@ def test_a_request_larger_than_a_slot_is_refused_naming_workers_shm_mb(served):
 def test_an_answer_that_is_not_byte_strings_fails_alone_with_a_sentence_naming_the_output(served):
     with served.client(retry=RetryPolicy(max_attempts=1)) as client:
         for kind, says in ((b"ints", "is int64, but its config declares bytes"),
-                           (b"fixed", "is a fixed-width bytes array"), (b"objects", "holds a int")):
-            with pytest.raises(Exception, match=f"output 'OUTPUT0' {says}" if kind != b"objects" else says) as err:
+                           (b"fixed", "is a fixed-width bytes array"), (b"objects", "holds a int"),
+                           (b"nones", "is bytes, and holds a NoneType")):
+            with pytest.raises(Exception, match=f"output 'OUTPUT0' {says}" if kind not in (b"objects", b"nones")
+                               else says) as err:
                 client.infer("simple_identity", np.array([[b"give:" + kind]], dtype=object))
             assert getattr(err.value, "status", None) == "internal", err.value
 

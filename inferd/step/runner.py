@@ -110,8 +110,9 @@ class Output:
         if array.dtype != object:
             raise ModelError(f"output {self.name!r} is {array.dtype}, but its config declares bytes; answer str or "
                              "bytes elements")
-        strange = next((element for element in array.flat if not isinstance(element, (bytes, str))), None)
-        if strange is not None:
+        none_found = object()  # not None, which is itself an element a model may answer
+        strange = next((element for element in array.flat if not isinstance(element, (bytes, str))), none_found)
+        if strange is not none_found:
             raise ModelError(f"output {self.name!r} is bytes, and holds a {type(strange).__name__}; each element "
                              "must be bytes or str")
         return array
