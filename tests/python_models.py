@@ -158,6 +158,34 @@ class Model:
         return {"OUTPUT0": x}
 """
 
+# float32 [-1] padded with 0 -> "mean" float32 [1], each sample's mean, and "y" float32 [-1], x * 2. Version masked
+# leaves the padding out of the mean (a sample holds no 0 of its own); version unmasked does not, so its mean of a
+# sample changes once padded.
+MEANPOOL = """
+import numpy as np
+
+
+class Model:
+    def __init__(self, context):
+        self.masked = context.version == "masked"
+
+    def __call__(self, inputs):
+        x = inputs["x"]
+        if self.masked:
+            kept = x != 0
+            mean = (x * kept).sum(axis=1, keepdims=True) / np.maximum(kept.sum(axis=1, keepdims=True), 1)
+        else:
+            mean = x.mean(axis=1, keepdims=True)
+        return {"mean": mean, "y": x * 2}
+"""
+MEANPOOL_MOST = 8
+MEANPOOL_CONFIG: dict[str, Any] = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": [-1], "max_shape": [MEANPOOL_MOST], "pad_value": 0}],
+    "outputs": [{"name": "mean", "dtype": "float32", "shape": [1]},
+                {"name": "y", "dtype": "float32", "shape": [-1], "max_shape": [MEANPOOL_MOST], "unpad": "x:0"}],
+    "max_batch_size": 8,
+}
+
 STRINGS_PER_SAMPLE, IDENTITY_MOST = 16, 64
 SIMPLE_STRING_CONFIG: dict[str, Any] = {
     "inputs": [{"name": name, "dtype": "bytes", "shape": [STRINGS_PER_SAMPLE]} for name in ("INPUT0", "INPUT1")],
@@ -226,6 +254,8 @@ def build_python_repository(root: Path) -> None:
     write(root, "simple_identity", "v1", SIMPLE_IDENTITY)
     write(root, "relay", "v1", RELAY)
     write(root, "join", "v1", JOIN)
+    write(root, "meanpool", "masked", MEANPOOL)
+    write(root, "meanpool", "unmasked", MEANPOOL)
 
 
 def in_process(folder: Path, parameters: dict[str, Any] | None = None) -> Any:

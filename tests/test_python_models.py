@@ -29,7 +29,7 @@ from conftest import (
     wait_for,
 )
 from gates import Gate
-from python_models import HANG, QUIT, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
+from python_models import HANG, MEANPOOL_CONFIG, QUIT, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
 from wire import RawPeer
 
 from inferd import RetryPolicy
@@ -284,6 +284,19 @@ def test_a_step_that_hangs_is_ended_and_restarted(start_daemon, python_repo):
     x = np.ones((1, SCALE_FEATURES), np.float32)
     with daemon.client() as client:
         np.testing.assert_array_equal(client.infer("scale", x)[0], x * 2)
+
+
+def test_a_python_model_whose_answer_padding_changes_is_refused_at_load_as_a_tensor_model_is(start_daemon,
+                                                                                              python_repo):
+    daemon = start_daemon({"meanpool": {**MEANPOOL_CONFIG, "version": "masked",
+                                        "repository": str(python_repo / "meanpool")}})
+    with daemon.client() as client:
+        mean, y = client.infer("meanpool", np.array([[1, 2]], np.float32))
+        assert mean.tolist() == [[1.5]] and y.tolist() == [[2, 4]]
+    with pytest.raises(ControlError, match=re.escape("refused meanpool unmasked: padding changes the answer of "
+                                                     "meanpool unmasked: output 0 (mean) of a sample made for the "
+                                                     "check (x [4]) differs by up to")):
+        daemon.call("reload", timeout=60, model="meanpool", version="unmasked")
 
 
 def test_a_sighup_that_raises_its_processes_starts_them_and_one_that_lowers_them_waits_for_a_restart(

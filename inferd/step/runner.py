@@ -31,6 +31,7 @@ from inferd.ipc import messages
 from inferd.ipc.messages import LoadedModel, TensorSpec
 from inferd.models.repository import is_python, model_file, writable_by_others
 from inferd.protocol import BYTES, DTYPES
+from inferd.worker import padding_check
 
 log = logging.getLogger("inferd.step.runner")
 
@@ -187,6 +188,7 @@ class PythonRunner:
                 raise ModelError(f"{name} {version} declares the outputs {_describe(outputs)}, but the live version "
                                  f"has {_describe(expect)} (allow it with --allow-signature-change)")
             self._warm_up(model, path.parent)
+            self._check_padding(model, config, outputs, path.parent)
         except BaseException:
             model.close()
             _forget_module(name, version)
@@ -249,6 +251,25 @@ class PythonRunner:
         if want is not None and (got.shape != want.shape or not np.allclose(got, want, rtol=CANARY_RTOL,
                                                                              atol=CANARY_ATOL)):
             raise ModelError(f"{what} does not reproduce {CANARY_OUTPUT} (rtol {CANARY_RTOL:g}, atol {CANARY_ATOL:g})")
+
+    @staticmethod
+    def _check_padding(model: PythonModel, config: ModelConfig, outputs: tuple[TensorSpec, ...],
+                       folder: Path) -> None:
+        """Where its inputs are padded, a sample padded must be answered as at its own size, as a tensor model's
+        must (padding_check): else ModelError saying that padding changes the version's answer."""
+        what = f"the padding check of {model.name} {model.version}"
+
+        def run(inputs: list[np.ndarray]) -> list[np.ndarray]:
+            try:
+                return model(inputs)
+            except ModelError as exc:
+                raise ModelError(f"{what}: {exc}") from None
+            except BaseException as exc:  # noqa: BLE001 - a model may raise anything, sys.exit() too
+                raise ModelError(f"{what} failed: {exception_text(exc)}") from None
+
+        problem = padding_check.check(model.name, model.version, config, outputs, folder / CANARY_INPUT, run)
+        if problem is not None:
+            raise ModelError(problem)
 
 
 def _module_name(name: str, version: str) -> str:

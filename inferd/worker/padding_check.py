@@ -11,7 +11,8 @@ the first), integers pad_value + 1 (an id any embedding holds, a mask that keeps
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -30,6 +31,20 @@ class PaddedSample(NamedTuple):
     own: list[np.ndarray]
     padded: list[np.ndarray]
     what: str
+
+
+def check(name: str, version: str, model: ModelConfig, outputs: Sequence[TensorSpec], example: Path,
+          run: Callable[[list[np.ndarray]], Sequence[np.ndarray]]) -> str | None:
+    """The padding check of `version`, whose example input is at `example` if it has one, where its inputs are
+    padded: the sentence refusing it (difference), or None where it passes or nothing is padded. `run` computes
+    the version on a batch, one array per input, and gives its outputs as arrays (a worker's on its device, a
+    Python model's in its process)."""
+    if not model.padded:
+        return None
+    sample = padded_sample(model, _example_input(example))
+    if sample is None:
+        return None
+    return difference(name, version, model, outputs, sample, run(sample.own), run(sample.padded))
 
 
 def padded_sample(model: ModelConfig, example: np.ndarray | None) -> PaddedSample | None:
@@ -78,6 +93,15 @@ def difference(name: str, version: str, model: ModelConfig, outputs: Sequence[Te
                 "mask the padding in the model (an attention mask, masked pooling), or drop pad_value so that "
                 "requests batch by exact shape")
     return None
+
+
+def _example_input(path: Path) -> np.ndarray | None:
+    """A version's example input, if it has one that can be read (the canary check says why not, where it
+    needs it)."""
+    try:
+        return np.load(path, allow_pickle=False) if path.exists() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _fits(model: ModelConfig, example: np.ndarray) -> bool:

@@ -500,26 +500,14 @@ class ModelRunner:
                        outputs: tuple[TensorSpec, ...], folder: Path) -> None:
         """Where the inputs are padded, a sample padded must be answered as at its own size (padding_check):
         else ModelError saying that padding changes the version's answer, and what to do."""
-        if not config.padded:
-            return
-        sample = padding_check.padded_sample(config, _example_input(folder / CANARY_INPUT))
-        if sample is None:
-            return
         what = f"the padding check of {name} {version}"
-        answers = [[to_numpy(y.cpu()) for y in self._run(model, [from_numpy(x).to(self.device) for x in inputs], what)]
-                   for inputs in (sample.own, sample.padded)]
-        problem = padding_check.difference(name, version, config, outputs, sample, *answers)
+
+        def run(inputs: list[np.ndarray]) -> list[np.ndarray]:
+            return [to_numpy(y.cpu()) for y in self._run(model, [from_numpy(x).to(self.device) for x in inputs], what)]
+
+        problem = padding_check.check(name, version, config, outputs, folder / CANARY_INPUT, run)
         if problem is not None:
             raise ModelError(problem)
-
-
-def _example_input(path: Path) -> np.ndarray | None:
-    """A version's example input, if it has one that can be read (the canary check says why not, where it
-    needs it)."""
-    try:
-        return np.load(path, allow_pickle=False) if path.exists() else None
-    except (OSError, ValueError):
-        return None
 
 
 def _compile_counts() -> tuple[int, int]:
