@@ -101,6 +101,29 @@ class Model:
         return {{"y": x.copy()}}
 '''
 
+# float32 [2] -> "y" float32 [2], x * 2, computed in place in the slot (as torch.from_numpy(x).mul_(2) would); a batch
+# holding a sample whose first value is 13 raises ValueError after that. A batch whose first value is GATE waits
+# at the gate its second value numbers, of the folder parameters.gates (tests/gates.py), first.
+DOUBLE_IN_PLACE = f'''
+from pathlib import Path
+
+
+class Model:
+    def __init__(self, context):
+        self.gates = Path(context.parameters.get("gates", "/nonexistent"))
+
+    def __call__(self, inputs):
+        x = inputs["x"]
+        if x[0, 0] == {GATE}:
+            (self.gates / str(int(x[0, 1]))).write_bytes(x.tobytes())
+            return {{"y": x.copy()}}
+        x.flags.writeable = True
+        x *= 2
+        if (x[:, 0] == 26).any():
+            raise ValueError("a sample whose first value is 13 is refused")
+        return {{"y": x.copy()}}
+'''
+
 # "a" float32 [4] and "b" float64 [1] -> "y" float64 [4], a + b: a step that joins two branches of a pipeline.
 JOIN = '''
 class Model:
@@ -254,6 +277,7 @@ def build_python_repository(root: Path) -> None:
     write(root, "simple_identity", "v1", SIMPLE_IDENTITY)
     write(root, "relay", "v1", RELAY)
     write(root, "join", "v1", JOIN)
+    write(root, "double_in_place", "v1", DOUBLE_IN_PLACE)
     write(root, "meanpool", "masked", MEANPOOL)
     write(root, "meanpool", "unmasked", MEANPOOL)
 

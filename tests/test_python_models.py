@@ -29,7 +29,17 @@ from conftest import (
     wait_for,
 )
 from gates import Gate
-from python_models import HANG, MEANPOOL_CONFIG, QUIT, SCALE_CONFIG, SCALE_FEATURES, gated, in_process
+from python_models import (
+    GATE,
+    HANG,
+    MEANPOOL_CONFIG,
+    QUIT,
+    RELAY_CONFIG,
+    SCALE_CONFIG,
+    SCALE_FEATURES,
+    gated,
+    in_process,
+)
 from wire import RawPeer
 
 from inferd import RetryPolicy
@@ -183,6 +193,38 @@ def test_a_model_that_raises_what_is_not_an_exception_fails_its_batch_with_a_sen
                                            "0; v1 keeps serving"):
         served.call("reload", timeout=60, model="scale_one", version="exits")
     assert steps_of(served, "scale_one")[0]["loaded"] == ["scale_one v1"]
+
+
+def test_a_model_that_changed_its_inputs_in_place_and_raised_runs_each_request_again_on_what_it_sent(
+        start_daemon, python_repo, workdir):
+    (workdir / "gates").mkdir()
+    daemon = start_daemon({"double_in_place": {**RELAY_CONFIG, "max_batch_size": 8, "max_wait_ms": 0,
+                                               "repository": str(python_repo / "double_in_place"),
+                                               "parameters": {"gates": str(workdir / "gates")}}})
+    sent = [np.array([[value, 1]], np.float32) for value in (1, 13, 3)]
+    with RawPeer(daemon.endpoint) as peer:
+        def hold(gate: Gate, full: bool) -> None:
+            peer.send(f"gate{gate.number}", "double_in_place",
+                      [np.array([[GATE, gate.number]] * (8 if full else 1), np.float32)], timeout_ms=60_000)
+
+        # The step's one executor holds a batch and a full one behind it: the three wait, then go as one batch.
+        with pipeline_held(daemon, lambda: Gate(workdir / "gates"), hold,
+                           lambda: steps_of(daemon, "double_in_place")[0]):
+            for index, x in enumerate(sent):
+                peer.send(index, "double_in_place", [x], timeout_ms=60_000)
+            wait_for(lambda: daemon.status()["models"]["double_in_place"]["queue_depth"] == 3, what="the three queued")
+        replies = {}
+        while len(replies) < 5:
+            header, outputs = peer.recv(timeout=30)
+            replies[header["id"]] = (header, outputs)
+    assert "running each request alone" in daemon.log(), "the three went as one batch, which raised"
+    for index in (0, 2):
+        header, (y,) = replies[index]
+        assert header["status"] == "ok", header
+        np.testing.assert_array_equal(y, sent[index] * 2)
+    header, _ = replies[1]
+    assert (header["status"], header["error"]) == (
+        "internal", "double_in_place v1: ValueError: a sample whose first value is 13 is refused")
 
 
 def test_a_reload_of_a_python_model_is_blue_green_and_names_its_outputs(served):

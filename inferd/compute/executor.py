@@ -9,6 +9,10 @@ One bad request fails alone: a batch of several requests that raises is run agai
 answered with its own error while the others get their outputs. An error names the model, the version, the
 exception's type and its message (cut to MODEL_ERROR_CHARS); `inferd.InvalidInput` is answered `invalid`, any
 other exception `internal`.
+
+Where the model is handed the slot's own memory (a step's, a CPU worker's), it may have changed its inputs in place
+before it raised: the inputs of a batch that may run again are kept as they came (one copy of them), and each
+request's rows are put back before it runs alone.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import zmq
 
 from inferd import protocol
 from inferd.errors import MODEL_ERROR_CHARS, InvalidInput, cut
 from inferd.ipc import messages
+from inferd.ipc.arena import Arena
 from inferd.ipc.messages import BatchDone, BatchFailed, Hello, RequestFailed, RunBatch, TensorRef
 from inferd.ipc.slots import place
 
@@ -117,6 +123,11 @@ class Overlap:
 class Executor(threading.Thread):
     """Runs the batches sent to its own socket, one at a time; a kind of process says how (`compute`)."""
 
+    arena: Arena  # its process's arena, which each kind attaches
+    # Whether the model is handed its inputs in the slot itself, which it may change in place (a GPU worker's
+    # model gets copies on its device).
+    shares_inputs = True
+
     def __init__(self, index: int, context: zmq.Context, backend: str, hello: Hello, stop_fd: int,
                  overlap: Overlap) -> None:
         super().__init__(name=f"executor-{index}", daemon=True)
@@ -197,6 +208,10 @@ class Executor(threading.Thread):
         started = time.perf_counter()
         failed: tuple[RequestFailed, ...] = ()
         each: tuple[tuple[TensorRef, ...], ...] = ()
+        # A model that changed its inputs in place (torch.from_numpy(x).mul_(2)) and then raised would have its
+        # requests run again on what it made of them, and answer each a wrong `ok`.
+        kept = self._inputs_now(batch, start) if self.shares_inputs and batch.retry_alone and len(live) > 1 \
+            else None
         try:
             outputs, _, phases = self.compute(batch, merged([rows[i] for i in live]), start)
         # Not only Exception: a model's sys.exit() or KeyboardInterrupt would end this thread, and with it
@@ -209,16 +224,35 @@ class Executor(threading.Thread):
                 log.error("batch %d of %s %s failed: %s", batch.batch_id, batch.model, batch.version, error)
                 return BatchFailed(batch.batch_id, error, status)
             outputs = ()
-            each, failed, phases = self._one_at_a_time(batch, rows, live, start, exc)
+            each, failed, phases = self._one_at_a_time(batch, rows, live, start, exc, kept)
         compute_us = int((time.perf_counter() - started) * 1e6)
         memory, reserved = self.memory()
         growth = memory - before if self.overlap.end(token) else 0
         return BatchDone(batch.batch_id, outputs, compute_us, memory, reserved, growth, expired, phases, failed, each)
 
+    def _inputs_now(self, batch: RunBatch, start: int) -> np.ndarray:
+        """A copy of the bytes of `batch`'s inputs, which lie in its slot up to `start`."""
+        return np.array(self._slot_bytes(batch.slot_offset, start))
+
+    def _put_back(self, batch: RunBatch, kept: np.ndarray, rows: Rows) -> None:
+        """Write `rows` of `batch`'s inputs back as `kept` (_inputs_now) holds them: only those, since the rows of
+        a request run alone before may hold its output (an input given back)."""
+        for ref in batch.inputs:
+            if ref.dtype == protocol.BYTES:  # a model is handed its byte strings as `bytes`, which it cannot change
+                continue
+            row = ref.nbytes() // ref.shape[0]
+            low, high = ref.offset + rows[0] * row, ref.offset + rows[1] * row
+            self._slot_bytes(low, high)[:] = kept[low - batch.slot_offset:high - batch.slot_offset]
+
+    def _slot_bytes(self, low: int, high: int) -> np.ndarray:
+        return np.frombuffer(self.arena.buf, dtype=np.uint8, count=high - low, offset=low)
+
     def _one_at_a_time(self, batch: RunBatch, rows: list[Rows], live: list[int], start: int, exc: BaseException,
+                       kept: np.ndarray | None,
                        ) -> tuple[tuple[tuple[TensorRef, ...], ...], tuple[RequestFailed, ...], tuple[int, int, int]]:
         """Run each of the `live` requests of a batch that raised `exc` alone, their outputs one after the other
-        from `start`: each one's refs (none for one not run, or failed), the requests that failed, the phases
+        from `start`, each request's inputs first put back as `kept` holds them (where the model may have
+        changed them): each one's refs (none for one not run, or failed), the requests that failed, the phases
         of those that ran, summed."""
         what = f"batch {batch.batch_id} of {batch.model} {batch.version}"
         log.warning("%s (%d requests) failed: %s; running each request alone", what, len(live),
@@ -227,6 +261,8 @@ class Executor(threading.Thread):
         failed = []
         phases = (0, 0, 0)
         for index in live:
+            if kept is not None:
+                self._put_back(batch, kept, rows[index])
             try:
                 outputs, start, spent = self.compute(batch, [rows[index]], start)
             except BaseException as alone:  # noqa: BLE001 - a model may raise anything (see run_batch)

@@ -105,6 +105,7 @@ class Executor(compute.Executor):
         self.runner = runner
         device = runner.device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.shares_inputs = self.stream is None  # on a GPU, the model gets copies on its device
         self._cpu_threads = torch.get_num_threads() if self.stream is None else None  # workers.cpu_threads
 
     def prepare(self) -> None:
