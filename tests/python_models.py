@@ -124,6 +124,27 @@ class Model:
         return {{"y": x.copy()}}
 '''
 
+# float32 [2] -> "y" float32 [2], x + 1. Its constructor starts a helper process (sleep), and writes its pid to the
+# file helper-PID (PID: the model's process) of the folder parameters.helpers; it has no close() to stop it. A
+# batch holding a negative value ends the process as a crash in a C extension would (os._exit).
+WITH_HELPER = '''
+import os
+import subprocess
+from pathlib import Path
+
+
+class Model:
+    def __init__(self, context):
+        self.helper = subprocess.Popen(["sleep", "600"])
+        (Path(context.parameters["helpers"]) / f"helper-{os.getpid()}").write_text(str(self.helper.pid))
+
+    def __call__(self, inputs):
+        x = inputs["x"]
+        if (x < 0).any():
+            os._exit(1)
+        return {"y": x + 1}
+'''
+
 # "a" float32 [4] and "b" float64 [1] -> "y" float64 [4], a + b: a step that joins two branches of a pipeline.
 JOIN = '''
 class Model:
@@ -278,6 +299,7 @@ def build_python_repository(root: Path) -> None:
     write(root, "relay", "v1", RELAY)
     write(root, "join", "v1", JOIN)
     write(root, "double_in_place", "v1", DOUBLE_IN_PLACE)
+    write(root, "with_helper", "v1", WITH_HELPER)
     write(root, "meanpool", "masked", MEANPOOL)
     write(root, "meanpool", "unmasked", MEANPOOL)
 

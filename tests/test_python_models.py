@@ -341,6 +341,30 @@ def test_a_python_model_whose_answer_padding_changes_is_refused_at_load_as_a_ten
         daemon.call("reload", timeout=60, model="meanpool", version="unmasked")
 
 
+def test_what_a_python_models_process_started_ends_with_it_when_it_crashes_and_when_the_supervisor_is_killed(
+        start_daemon, python_repo, workdir):
+    helpers = workdir / "helpers"
+    helpers.mkdir()
+    daemon = start_daemon({"with_helper": {**RELAY_CONFIG, "repository": str(python_repo / "with_helper"),
+                                           "parameters": {"helpers": str(helpers)}}})
+
+    def started() -> dict[str, int]:
+        return {path.name: int(path.read_text()) for path in helpers.glob("helper-*") if path.read_text()}
+
+    (first,) = started().values()
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send("crash", "with_helper", [-np.ones((1, 2), np.float32)], timeout_ms=60_000)
+        assert peer.recv(timeout=60)[0]["status"] != "ok"
+    wait_for(lambda: exited(first), what="the helper of the step that crashed gone")
+    step = wait_for(lambda: next((s for s in steps_of(daemon, "with_helper") if s["state"] == "ready"), None),
+                    what="the step restarted")
+    now = started()[f"helper-{step['pid']}"]
+    assert not exited(now)
+    os.kill(daemon.process.pid, signal.SIGKILL)
+    wait_for(lambda: exited(now), what="the helper of the step whose supervisor was killed gone")
+    wait_for(lambda: exited(step["pid"]), what="the step gone")
+
+
 def test_a_sighup_that_raises_its_processes_starts_them_and_one_that_lowers_them_waits_for_a_restart(
         start_daemon, python_repo, workdir):
     (workdir / "gates").mkdir()

@@ -43,6 +43,11 @@ def begin_child(title: str, component: str, log_level: str, parent_gone_code: in
     def watch() -> None:
         multiprocessing.connection.wait([sentinel])
         log.error("the supervisor is gone; exiting")
+        if os.getpgrp() == os.getpid():
+            # A step leads a group of its own (supervisor.processes.children), which its model's helpers
+            # joined; the supervisor that would have killed it as it reaped the step is gone.
+            logging.shutdown()
+            os.killpg(0, signal.SIGKILL)
         os._exit(parent_gone_code)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()

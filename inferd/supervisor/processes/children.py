@@ -9,10 +9,12 @@ same way and a crash loop only burns the cores the others serve on.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.util
 import os
+import select
 import signal
 import subprocess
 from collections import deque
@@ -80,10 +82,14 @@ class CommandProcess:
     Its spec reaches it on its standard input, a pipe the supervisor then keeps open for the child's life and
     never writes to again: the pipe's end tells the child its supervisor is gone. It offers what the supervisor
     reads of a multiprocessing process: `pid`, `sentinel` (a pidfd, readable once it exits), `exitcode`,
-    `join`."""
+    `join`.
+
+    It leads a process group of its own, which what its model starts (a helper process) joins: once it has
+    exited, the group is killed as it is reaped, so nothing it started outlives it, however it ended. (A
+    Ctrl-C, which reaches the terminal's process group, then reaches neither: the supervisor stops them.)"""
 
     def __init__(self, argv: list[str], spec: bytes, env: dict[str, str]) -> None:
-        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env)
+        self._popen = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, process_group=0)
         self.pid: int | None = self._popen.pid
         self.sentinel = os.pidfd_open(self._popen.pid)
         assert self._popen.stdin is not None
@@ -92,15 +98,20 @@ class CommandProcess:
 
     @property
     def exitcode(self) -> int | None:
-        """Its exit status once it has exited (negative: the signal that killed it), else None."""
-        return self._popen.poll()
+        """Its exit status once `join` has seen it exit (negative: the signal that killed it), else None: never
+        reaped here, where its process group would be left behind (join)."""
+        return self._popen.returncode
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait up to `timeout` for it to exit; once it has, close what the supervisor held of it."""
-        try:
-            self._popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return
+        """Wait up to `timeout` for it to exit; once it has, kill what is left of its process group, and close
+        what the supervisor held of it."""
+        if self.sentinel != -1 and self._popen.returncode is None:
+            if not select.select([self.sentinel], [], [], timeout)[0]:
+                return
+            # Before it is reaped: till then its pid, the group's id, cannot be another process's.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._popen.pid, signal.SIGKILL)
+        self._popen.wait()
         if self.sentinel != -1:
             os.close(self.sentinel)
             self.sentinel = -1
