@@ -114,6 +114,23 @@ def test_triton_grpc_client_sends_and_gets_byte_strings(served):
 AWKWARD = np.array([[b"he\x00llo", b"\xff\xfe\x00", b"", "é".encode() * 300, b"\x00\x01\x02\x03"]], dtype=object)
 
 
+def test_json_strings_are_taken_flat_or_nested_as_their_shape_and_no_other_way(served):
+    url = f"http://{served.config['server']['http']}/v2/models/simple_identity/infer"
+
+    def answer(data: list) -> requests.Response:
+        body = {"inputs": [{"name": "INPUT0", "datatype": "BYTES", "shape": [2, 2], "data": data}]}
+        return requests.post(url, json=body, timeout=30)
+
+    for data in (["a", "b", "c", "d"], [["a", "b"], ["c", "d"]]):
+        assert answer(data).json()["outputs"][0]["data"] == ["a", "b", "c", "d"]
+    # As numbers are: four strings nested otherwise would be read as a shape the client did not mean.
+    for data in ([["a"], ["b", "c", "d"]], [["a", "b", "c", "d"]], [["a", "b", "c"], ["d"]], ["a", ["b"], "c", "d"]):
+        refused = answer(data)
+        assert refused.status_code == 400 and "or do not make shape [2, 2]" in refused.json()["error"], data
+    refused = answer([[["a"], "b"], ["c", "d"]])
+    assert refused.status_code == 400 and "nested deeper than its shape" in refused.json()["error"]
+
+
 def test_any_bytes_come_back_as_they_went_and_an_output_not_utf8_goes_binary_over_json(served):
     with served.client() as client:
         assert client.infer("simple_identity", AWKWARD).tolist() == AWKWARD.tolist()

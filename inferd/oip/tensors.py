@@ -117,7 +117,7 @@ def _strings(data: Any, shape: tuple[int, ...], what: str) -> memoryview:
     """A BYTES tensor given as JSON strings (flat or nested as its shape), each encoded UTF-8, in its layout."""
     if not isinstance(data, list):
         raise InvalidRequest(f"{what} has data that is not a list")
-    values = list(_flat(data, len(shape), what))
+    values = data if not any(isinstance(value, list) for value in data) else list(_nested(data, shape, what))
     count = math.prod(shape)
     if len(values) != count:
         raise InvalidRequest(f"{what} has {len(values)} values of data, but shape {list(shape)} holds {count}")
@@ -134,13 +134,17 @@ def _strings(data: Any, shape: tuple[int, ...], what: str) -> memoryview:
     return memoryview(pack_bytes(elements))
 
 
-def _flat(data: list[Any], dims: int, what: str) -> Any:
-    """The values of `data`, lists nested at most `dims` deep, in order."""
+def _nested(data: list[Any], shape: tuple[int, ...], what: str, depth: int = 0) -> Any:
+    """The values of `data`, lists nested as `shape`, in order; InvalidRequest where they are nested otherwise,
+    as numbers are (a ragged nesting whose total is right would otherwise be read as some other shape)."""
+    inner = depth + 1 < len(shape)
+    if len(data) != shape[depth]:
+        raise InvalidRequest(_ragged(what, shape))
     for value in data:
-        if isinstance(value, list):
-            if dims <= 1:
-                raise InvalidRequest(f"{what} has data nested deeper than its shape")
-            yield from _flat(value, dims - 1, what)
+        if isinstance(value, list) != inner:
+            raise InvalidRequest(_ragged(what, shape) if inner else f"{what} has data nested deeper than its shape")
+        if inner:
+            yield from _nested(value, shape, what, depth + 1)
         else:
             yield value
 
