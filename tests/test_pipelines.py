@@ -696,6 +696,7 @@ def test_a_pipeline_is_served_over_http_and_grpc_as_a_model_is(served, python_re
             assert metadata["outputs"] == [{"name": "sum", "datatype": "FP32", "shape": [-1, 1]},
                                            {"name": "total", "datatype": "FP64", "shape": [-1, 1]}]
             assert metadata["versions"] == [versions]
+            counted = statistics(client, "chain")
             given = module.InferInput("x", list(x.shape), "FP32")
             given.set_data_from_numpy(x)
             result = client.infer("chain", [given])
@@ -714,8 +715,20 @@ def test_a_pipeline_is_served_over_http_and_grpc_as_a_model_is(served, python_re
                 client.infer("chain", [bad])
             status = raised.value.status()
             assert status in ("500", "StatusCode.INTERNAL"), status
+            # As Triton's statistics count an ensemble's: its requests and samples, not its steps' batches.
+            assert statistics(client, "chain") == (versions, counted[1] + 3, counted[2] + 1, counted[3] + 1)
         finally:
             client.close()
+
+
+def statistics(client: Any, model: str) -> tuple[str, int, int, int]:
+    """The statistics extension's version, inference count, successes and failures of `model`, as either of
+    Triton's clients reads them (gRPC's, asked for as JSON, leaves zeros out)."""
+    grpc = "grpc" in type(client).__module__
+    (stats,) = client.get_inference_statistics(model, **({"as_json": True} if grpc else {}))["model_stats"]
+    counts = stats["inference_stats"]
+    return (stats["version"], int(stats.get("inference_count", 0)), int(counts["success"].get("count", 0)),
+            int(counts["fail"].get("count", 0)))
 
 
 def under_load(daemon: Daemon, pipeline: str, count: int, during: Any) -> tuple[list[np.ndarray], list[Any]]:

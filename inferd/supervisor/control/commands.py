@@ -160,12 +160,19 @@ class Commands:
         version = ",".join(f"{step.title}:{live[step.model]}" for step in graph.steps)
         config = msgspec.structs.replace(graph.inputs, outputs=tuple(OutputSpec(name=t) for t in graph.config.outputs))
         queue = self.daemon.config.queue
+        series = self.daemon.stats.pipeline(graph.name)
+        # Its counts since start, under its version as it is now: a pipeline's requests, whichever versions
+        # of its steps computed them. Its steps' time in queues and batches is its queue and compute time.
+        since_epoch = time.time() - time.monotonic()
+        served = {"requests": dict(series.replies), "samples": series.samples, "total_s": series.total.sum,
+                  "queue_s": series.queue_s, "phases_s": [0.0, series.compute_s, 0.0], "computed": {},
+                  "last_inference_s": since_epoch + series.last_answered if series.last_answered else 0.0}
         return {
             "config": msgspec.to_builtins(config), "kind": "pipeline",
             "priority_levels": queue.priority_levels, "default_level": queue.default_level,
             "live_version": version, "live_from": "its steps", "canary_version": None, "ready": ready,
             "loading": False, "load_error": None, "ready_versions": [version] if ready else [],
-            "version_numbers": {}, "outputs": outputs if None not in outputs else [], "versions": {},
+            "version_numbers": {}, "outputs": outputs if None not in outputs else [], "versions": {version: served},
         }
 
     @staticmethod

@@ -236,14 +236,20 @@ class Replies:
         return trackers
 
     def pipeline(self, reply_to: ReplyTo, pipeline: str, header: ReplyHeader, frames: Sequence[Buffer],
-                 total_s: float) -> None:
+                 total_s: float = 0.0, samples: int = 0) -> None:
         """Send a pipeline's reply (its outputs, or the error of the step that failed), and count it against the
-        pipeline."""
-        self.stats.reply(time.monotonic(), pipeline, None, header.status, self.protocols.get(reply_to.socket))
+        pipeline: an `ok` one with its `samples`, its `total_s` and its steps' wait and compute (its timing)."""
+        now = time.monotonic()
+        self.stats.reply(now, pipeline, None, header.status, self.protocols.get(reply_to.socket))
         series = self.stats.pipeline(pipeline)
         series.replies[header.status] += 1
         if header.status == protocol.OK:
             series.total.add(total_s)
+            series.samples += samples
+            if header.timing_us is not None:
+                series.queue_s += header.timing_us.queue / 1e6
+                series.compute_s += header.timing_us.compute / 1e6
+            series.last_answered = now
         self.send(reply_to, [protocol.encode_reply(header), *frames])
 
     def _send_all(self, replies: list[tuple[QueuedRequest, list[Buffer]]],

@@ -82,8 +82,7 @@ class Pipelines:
             self._step(run, step, now)
 
     def _refuse(self, reply_to: ReplyTo, request_id: RequestId, name: str, status: str, error: str) -> None:
-        self.replies.pipeline(reply_to, name, ReplyHeader(id=request_id, status=status, model=name, error=error), (),
-                              0.0)
+        self.replies.pipeline(reply_to, name, ReplyHeader(id=request_id, status=status, model=name, error=error), ())
 
     def _request(self, run: Run, step: Step, now: float, client: Hashable, first: bool) -> QueuedRequest:
         """The request of `step` for `run`, its inputs taken from the run's tensors (InvalidRequest if they are
@@ -196,7 +195,8 @@ class Pipelines:
                              outputs=tuple(meta for meta, _ in outputs),
                              timing_us=Timing(queue=int(run.wait_s * 1e6), compute=int(run.compute_s * 1e6),
                                               total=int((now - run.received) * 1e6)))
-        self.replies.pipeline(run.reply_to, run.graph.name, header, [data for _, data in outputs], now - run.received)
+        self.replies.pipeline(run.reply_to, run.graph.name, header, [data for _, data in outputs], now - run.received,
+                              run.samples)
 
     def _fail(self, run: Run, step: Step, status: str, error: str, version: str | None) -> None:
         """Answer a run with the error of `step` (of `version`, where one ran it); its other steps stop."""
@@ -206,7 +206,7 @@ class Pipelines:
         log.info("request %s: %s", run.request_id, said)
         header = ReplyHeader(id=run.request_id, status=status, model=run.graph.name, version=run.version() or None,
                              error=said)
-        self.replies.pipeline(run.reply_to, run.graph.name, header, (), 0.0)
+        self.replies.pipeline(run.reply_to, run.graph.name, header, ())
 
     def _finish(self, run: Run) -> None:
         """The run is answered: its steps still queued leave the queue, those running are dropped when back."""

@@ -178,6 +178,12 @@ class PipelineSeries:
     replies: Counter = field(default_factory=Counter)
     total: Histogram = field(default_factory=Histogram)
     steps: dict[str, StepSeries] = field(default_factory=dict)
+    # Of the requests answered `ok`: their samples, their time in their steps' queues and batches, summed, and
+    # when the last was answered (time.monotonic()), which the Open Inference Protocol's statistics give.
+    samples: int = 0
+    queue_s: float = 0.0
+    compute_s: float = 0.0
+    last_answered: float = 0.0
 
     def step(self, name: str) -> StepSeries:
         """The series of step `name`."""
