@@ -39,6 +39,7 @@ from python_models import (
     SCALE_FEATURES,
     gated,
     in_process,
+    write,
 )
 from wire import RawPeer
 
@@ -442,6 +443,14 @@ def test_an_interpreter_that_cannot_be_started_gives_its_steps_up_and_the_daemon
     daemon.endpoint = daemon.status()["listen"][0]  # the port it picked (start waits for health, which is false)
     with daemon.client() as client:
         assert client.infer("mlp", np.ones((1, 16), np.float32)).shape == (1, 4)
+
+
+def test_a_daemon_none_of_whose_models_can_start_stops_its_start_with_why(start_daemon, workdir):
+    # Its one model is a Python model: the worker that would hold tensor models is ready with none to serve.
+    write(workdir / "python", "broken", "v1", "class Model:\n    def __init__(self):\n        raise ValueError('no')\n")
+    daemon = start_daemon({"broken": {**SCALE_CONFIG, "repository": str(workdir / "python" / "broken")}}, wait=False)
+    assert daemon.wait(120) == 1
+    assert "no model could start: broken v1: Model() raised ValueError: no" in daemon.log()
 
 
 @pytest.mark.serial

@@ -262,9 +262,14 @@ class Supervisor(Parts):
         if any(w.state not in (WorkerState.READY, WorkerState.FAILED) for w in workers) or \
                 not all(front.up() for front in self.gateways):
             return
+        errors = '; '.join(sorted({w.last_error for w in workers if w.last_error})) or 'see the log above'
         if all(w.state == WorkerState.FAILED for w in workers):
-            errors = {w.last_error for w in workers if w.last_error}
-            raise StartupError(f"no worker could start: {'; '.join(sorted(errors)) or 'see the log above'}")
+            raise StartupError(f"no worker could start: {errors}")
+        # A worker with nothing to serve is ready too (the one that would hold tensor models, where every model
+        # is a Python model's processes): a daemon none of whose models loaded serves nothing.
+        loaded_at_start = [name for name in self.live if not self.config.models[name].on_demand]
+        if loaded_at_start and not any(w.serves(name, self.live[name]) for name in loaded_at_start for w in workers):
+            raise StartupError(f"no model could start: {errors}")
         self.state = DaemonState.SERVING
         self.systemd.serving()
         self.frontend.connections.count_own(time.monotonic())  # its workers and gateways connected now
