@@ -64,6 +64,14 @@ LOOSE = {
     "outputs": ["a"],
     "steps": [{"model": "scale", "inputs": {"x": "x"}, "outputs": {"scaled": "a"}}],
 }
+# variable (its input back, of a shape its config leaves to the model) then scale, which takes 4 values a sample:
+# the pipeline passes its checks, and every request's second step refuses what the first made.
+MISMATCHED = {
+    "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
+    "outputs": ["out"],
+    "steps": [{"model": "variable", "inputs": {"INPUT__0": "x"}, "outputs": {"OUTPUT__0": "y"}},
+              {"model": "scale", "inputs": {"x": "y"}, "outputs": {"scaled": "out"}}],
+}
 # A CPU step (relay, a Python model) then a tensor step (variable, TorchScript), each of which a test can hold.
 RELAYED = {
     "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
@@ -75,8 +83,8 @@ RELAYED = {
 
 def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]:
     """scale (Python, factor 2), scale2 (the same), relay, join (Python), sum and variable (TorchScript), the
-    gates of the Python ones in folder/gates; with the pipelines `chain`, `gapped`, `narrow`, `fork`, `loose`
-    and `relayed` over them."""
+    gates of the Python ones in folder/gates; with the pipelines `chain`, `gapped`, `narrow`, `fork`, `loose`,
+    `relayed` and `mismatched` over them."""
     gates = folder / "gates"
     gates.mkdir(exist_ok=True)
     config = base_config(folder, python_repo, {
@@ -89,7 +97,7 @@ def served_config(folder: Path, python_repo: Path, repo: Path) -> dict[str, Any]
     config["models"]["variable"] = {**ONE_AT_A_TIME, "repository": str(repo / "variable")}
     # A copy: a test that changes a pipeline of its config changes no other config's.
     config["pipelines"] = copy.deepcopy({"chain": CHAIN, "gapped": GAPPED, "narrow": NARROW, "fork": FORK,
-                                         "loose": LOOSE, "relayed": RELAYED})
+                                         "loose": LOOSE, "relayed": RELAYED, "mismatched": MISMATCHED})
     config["server"].update(metrics=f"127.0.0.1:{free_port()}", http=f"127.0.0.1:{free_port()}",
                             grpc=f"127.0.0.1:{free_port()}")
     return config
@@ -626,6 +634,15 @@ def test_a_request_its_first_step_cannot_take_is_refused_invalid_naming_the_step
     assert refused["status"] == "invalid" and refused["error"].startswith("pipeline loose, step scale: "), refused
     assert replies["fits"][0]["status"] == "ok"
     assert served.call("stats")["pipelines"]["loose"]["in_flight"] == 0
+
+
+def test_a_later_step_refusing_what_the_steps_before_it_made_is_the_pipelines_fault_not_the_clients(served):
+    with RawPeer(served.endpoint) as peer:
+        peer.send("made", "mismatched", [np.ones((1, 2), np.float32)])
+        header = peer.recv()[0]
+    assert header["status"] == "internal", header  # 500: the client's request was what the pipeline takes
+    assert header["error"].startswith("pipeline mismatched, step scale (model scale): the tensors the steps before it "
+                                      "made do not fit its model: "), header
 
 
 def test_stats_and_metrics_show_each_pipeline_and_the_wait_and_compute_of_each_step(served):

@@ -123,8 +123,13 @@ class Pipelines:
         try:
             request = self._request(run, step, now, run.key, first=False)
         except InvalidRequest as exc:
-            self._fail(run, step, protocol.INVALID, f"the tensors it was given do not fit its model: {exc.message}",
-                       None)
+            # The client's tensors are the client's to mend; what earlier steps made, the pipeline's config.
+            if all(tensor in run.graph.inputs.input_names() for tensor in step.takes):
+                self._fail(run, step, protocol.INVALID, f"the tensors it was given do not fit its model: "
+                           f"{exc.message}", None)
+            else:
+                self._fail(run, step, protocol.INTERNAL, f"the tensors the steps before it made do not fit its "
+                           f"model: {exc.message}; the pipeline's steps disagree on them", None)
             return
         run.active[step.index] = request
         if self.blocked or self.queue.put(request) is not None:  # those that wait for room go first
