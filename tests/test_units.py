@@ -50,6 +50,7 @@ from inferd.supervisor.shared.live import LiveVersions
 from inferd.supervisor.shared.stats import Stats
 from inferd.supervisor.versions.reload import ReloadManager
 from inferd.system.paths import RuntimeFiles
+from inferd.system.systemd import Systemd
 from inferd.worker.executor import Executor, Overlap, arena_tensor, is_out_of_memory, is_sticky_cuda_error
 from inferd.worker.exits import WorkerExit
 from inferd.worker.main import IdleTrim
@@ -381,7 +382,7 @@ def reload_manager(table: Table, workdir: Path) -> ReloadManager:
     dispatcher = Dispatcher(table.table.config, table.table, None, table.live, candidates,  # type: ignore[arg-type]
                             stats, ComputeTimes())
     return ReloadManager(table.table.config, table.table, dispatcher, table.live, candidates,
-                         SavedVersions(workdir / "state", config_name(table.table.config.source)),
+                         SavedVersions(workdir / "state", config_name(table.table.config.source)), Systemd(),
                          lambda callback: callback())
 
 
