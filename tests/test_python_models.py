@@ -44,7 +44,7 @@ from python_models import (
 from wire import RawPeer
 
 from inferd import RetryPolicy
-from inferd.errors import InvalidRequest
+from inferd.errors import InferenceError, InvalidRequest
 from inferd.harness import free_port, local_config, to_toml
 from inferd.ipc.arena import arena_name
 from inferd.ipc.control import ControlError
@@ -443,6 +443,36 @@ def test_an_interpreter_that_cannot_be_started_gives_its_steps_up_and_the_daemon
     daemon.endpoint = daemon.status()["listen"][0]  # the port it picked (start waits for health, which is false)
     with daemon.client() as client:
         assert client.infer("mlp", np.ones((1, 16), np.float32)).shape == (1, 4)
+
+
+# float32 [2] -> "big" float32 [2] (x * 1e37, computed in float64) and "count" int8 [2] (x * 100, in int64).
+OVERFLOWS = """
+import numpy as np
+
+
+class Model:
+    def __call__(self, inputs):
+        x = inputs["x"].astype(np.float64)
+        return {"big": x * 1e37, "count": (x * 100).astype(np.int64)}
+"""
+
+
+def test_an_output_cast_to_its_declared_dtype_that_would_lose_values_fails_its_request(start_daemon, workdir):
+    # numpy casts float64 1e39 to float32 inf and int64 150 to int8 -106, silently: answers no one asked for.
+    write(workdir / "python", "overflows", "v1", OVERFLOWS)
+    daemon = start_daemon({"overflows": {
+        "repository": str(workdir / "python" / "overflows"), "max_batch_size": 1,
+        "inputs": [{"name": "x", "dtype": "float32", "shape": [2]}],
+        "outputs": [{"name": "big", "dtype": "float32", "shape": [2]},
+                    {"name": "count", "dtype": "int8", "shape": [2]}]}})
+    with daemon.client() as client:
+        big, count = client.infer("overflows", np.array([[0, 1]], np.float32))
+        np.testing.assert_allclose(big, [[0, 1e37]], rtol=1e-6)
+        assert count.tolist() == [[0, 100]]
+        for x, output in (([0, 100], "'big' is float64"), ([0, 1.5], "'count' is int64")):
+            with pytest.raises(InferenceError, match=f"output {output} with values that") as refused:
+                client.infer("overflows", np.array([x], np.float32))
+            assert refused.value.status == "internal"
 
 
 def test_a_daemon_none_of_whose_models_can_start_stops_its_start_with_why(start_daemon, workdir):

@@ -84,7 +84,7 @@ class Output:
             if not np.can_cast(array.dtype, self.dtype, "same_kind"):
                 raise ModelError(f"output {self.name!r} is {array.dtype}, which does not cast to the "
                                  f"{self.dtype.name} its config declares")
-            array = array.astype(self.dtype)
+            array = self._cast(array)
         shape = list(array.shape)
         fits = len(shape) == len(self.shape) + 1 and shape[0] == rows and all(
             size == dim if dim != -1 else size <= most for size, dim, most in zip(shape[1:], self.shape, self.bound))
@@ -94,6 +94,23 @@ class Output:
                              f"declares [N{', ' if per_sample else ''}{per_sample}]"
                              + (f" (each -1 at most max_shape {list(self.bound)})" if -1 in self.shape else ""))
         return np.ascontiguousarray(array)
+
+    def _cast(self, array: np.ndarray) -> np.ndarray:
+        """`array` cast to this output's dtype; ModelError where a value does not survive it (an integer out of
+        the dtype's range would wrap, a float out of its range become an infinity): a wrong answer, silently."""
+        with np.errstate(over="ignore", invalid="ignore"):  # what overflows is refused below
+            cast = array.astype(self.dtype)
+        if self.dtype.kind in "iu" and array.size and array.dtype.kind in "iu":
+            info = np.iinfo(self.dtype)
+            lost = array.min() < info.min or array.max() > info.max
+        elif self.dtype.kind == "f" and array.dtype.kind == "f":
+            lost = bool((np.isinf(cast) & np.isfinite(array)).any())
+        else:
+            lost = False
+        if lost:
+            raise ModelError(f"output {self.name!r} is {array.dtype} with values that {self.dtype.name}, the dtype "
+                             "its config declares, cannot hold; answer values in its range, or declare a wider dtype")
+        return cast
 
     def spec(self) -> TensorSpec:
         """Its signature as the supervisor keeps it: at its largest, its -1 dims marked as varying."""
