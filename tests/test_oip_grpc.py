@@ -194,6 +194,12 @@ def test_typed_contents_are_taken_and_bytes_that_are_not_a_message_are_invalid(o
     half.inputs.add(name="INPUT__0", datatype="FP16", shape=[1, 16]).contents.fp32_contents.append(1.0)
     refused = call_raw(oip, "ModelInfer", half.SerializeToString())
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "no typed contents" in refused.details()
+    mixed = service_pb2.ModelInferRequest(model_name="mlp")
+    contents = mixed.inputs.add(name="INPUT__0", datatype="FP32", shape=[2, models.MLP_IN]).contents
+    contents.fp32_contents.extend(x.ravel().tolist())
+    contents.int_contents.append(7)  # values the datatype's contents leave out would be dropped unread
+    refused = call_raw(oip, "ModelInfer", mixed.SerializeToString())
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "has contents.int_contents too" in refused.details()
     garbage = call_raw(oip, "ModelInfer", b"\xff\xff\xff\xff")
     assert garbage.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "not a inference.ModelInferRequest message" in garbage.details()

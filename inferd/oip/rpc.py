@@ -102,6 +102,10 @@ def _given(request: pb.ModelInferRequest) -> list[GivenInput]:
         if field is None:
             raise InvalidRequest(f"{what} is {quoted(tensor.datatype)}, which has no typed contents; "
                                  "send it in raw_input_contents")
+        others = [f.name for f, values in tensor.contents.ListFields() if f.name != field and len(values)]
+        if others:  # the one its datatype names is read: what the client put in the others would be dropped
+            raise InvalidRequest(f"{what} is {tensor.datatype}, whose values go in contents.{field}, but it has "
+                                 f"contents.{others[0]} too; send its values in one")
         # The typed list itself, not a list of it: converted element by element, as a Python list it
         # would take some 32 bytes an element.
         given.append(GivenInput(tensor.name, tensor.datatype, list(tensor.shape), None,
