@@ -220,6 +220,7 @@ def test_hostile_registrations_and_references_are_refused_with_a_sentence(daemon
             ("prefix", "/some-other-name", 64, f"does not start with '{PREFIX}'"),
             ("outside", "/../etc/passwd", 64, "is not a shared-memory name"),
             ("big", key, 4096, "too small for byte_size 4096"),
+            ("empty", key, 0, "byte_size must be a number of bytes, at least 1"),
         ]:
             assert sentence in error_of(functools.partial(client.register_system_shared_memory, name, region_key,
                                                           size))

@@ -152,9 +152,9 @@ class SharedMemory:
         """Register `byte_size` bytes of shared memory `key` from `offset` on as `peer`'s region `name`."""
         if not isinstance(key, str):
             raise InvalidRequest("the register request's key must be a shared-memory name")
-        for field, value in (("offset", offset), ("byte_size", byte_size)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise InvalidRequest(f"the register request's {field} must be a number of bytes")
+        for field, value, least in (("offset", offset, 0), ("byte_size", byte_size, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise InvalidRequest(f"the register request's {field} must be a number of bytes, at least {least}")
         await self._call(protocol.RegisterRegion, peer, name=name, key=key, offset=offset, byte_size=byte_size)
         if self.server_wide:
             return  # no connection's end unregisters it
