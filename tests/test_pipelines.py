@@ -395,6 +395,22 @@ def test_a_cancelled_pipeline_request_is_answered_at_once_and_its_later_steps_ne
         "the cancelled request's second and third steps never ran"
 
 
+def test_cancelling_a_pipeline_request_leaves_a_direct_request_of_the_same_id_in_the_queue(served):
+    # One connection, one id, two requests: the pipeline's first step waits in the queue beside the direct one.
+    with RawPeer(served.endpoint) as peer:
+        with held(served, "scale"):
+            peer.send(5, "scale", [ONES], timeout_ms=60_000)
+            peer.send(5, "chain", [ONES], timeout_ms=60_000)
+            wait_for(lambda: served.status()["models"]["scale"]["queue_depth"] == 2, what="both in the queue")
+            peer.send_frames([protocol.encode_op(protocol.Cancel(id=5))])
+            header, _ = peer.recv(timeout=30)
+            assert (header["model"], header["status"]) == ("chain", "cancelled"), header
+            assert served.status()["models"]["scale"]["queue_depth"] == 1, "the direct request waits on"
+        header, outputs = peer.recv(timeout=30)
+        assert (header["id"], header["model"], header["status"]) == (5, "scale", "ok"), header
+        np.testing.assert_allclose(outputs[0], ONES * 2)
+
+
 def test_a_pipeline_requests_priority_carries_to_each_of_its_steps(served):
     def urgent_ok(model: str) -> int:
         levels = served.call("stats")["models"][model]["priorities"]

@@ -219,9 +219,10 @@ class Pipelines:
         self.in_flight[run.graph.name] -= 1
         if self.runs.get((run.client, run.request_id)) is run:
             del self.runs[(run.client, run.request_id)]
+        held = {id(request) for request in self.blocked}  # waiting here for room, not in the queue
         for request in run.active.values():
-            if request.state == WAITING:  # queued (one that waits here for room is not found there)
-                self.queue.cancel(request.client, request.header.id)
+            if request.state == WAITING and id(request) not in held:
+                self.queue.withdraw(request)
             request.cancelled = True
         run.active.clear()
 

@@ -328,6 +328,12 @@ class RequestQueue:
         """The soonest deadline of a waiting request (monotonic), if any waits."""
         return self._deadlines[0][0] if self._deadlines else None
 
+    def withdraw(self, request: QueuedRequest) -> None:
+        """Remove `request` itself, which waits here (not another of its client's with its id: a client may
+        have several in flight under one id)."""
+        self._remove(request, REMOVED)
+        self._drop_settled_deadlines()
+
     def remove_model(self, model: str) -> list[QueuedRequest]:
         """Remove and return every request waiting for `model` (nothing can compute them)."""
         removed = [r for level in self.lanes[model].levels for r in level]
