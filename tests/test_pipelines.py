@@ -582,6 +582,24 @@ def test_a_later_step_in_a_full_queue_is_not_displaced_by_a_more_urgent_request(
         assert replies["urgent"][0]["status"] == "ok"
 
 
+def test_an_urgent_pipeline_request_is_admitted_as_an_urgent_request_to_its_first_step_would_be(python_repo, repo):
+    with daemon_of_its_own(python_repo, repo, queue_size=2) as daemon:
+        with RawPeer(daemon.endpoint) as peer:
+            with held(daemon, "scale"):
+                for name in ("older", "newer"):
+                    peer.send(name, "scale", [ONES], priority=1, timeout_ms=60_000)
+                wait_for(lambda: daemon.status()["models"]["scale"]["queue_depth"] == 2, what="the queue full")
+                peer.send("urgent", "chain", [ONES], priority=0, timeout_ms=60_000)
+                header, _ = peer.recv(timeout=30)
+                assert header["id"] == "newer" and header["status"] == "overloaded", header
+                assert header["error"].startswith("displaced by a more urgent request (priority 0)"), header
+            replies = replies_by_id(peer, 2)
+        assert replies["older"][0]["status"] == "ok"
+        header, outputs = replies["urgent"]
+        assert header["status"] == "ok", header
+        np.testing.assert_allclose(outputs[0], chained(python_repo, repo)(ONES)[0], rtol=1e-6)
+
+
 def test_a_sigterm_drains_the_pipeline_requests_under_way_between_their_steps(python_repo, repo):
     import signal
 

@@ -41,7 +41,7 @@ from inferd.supervisor.pipelines.graph import Graph
 from inferd.supervisor.pipelines.runner import Pipelines
 from inferd.supervisor.processes.workers import WorkerState, WorkerTable
 from inferd.supervisor.queueing.padding import output_bytes
-from inferd.supervisor.queueing.queue import QueuedRequest, Refusal, RequestQueue, Shapes
+from inferd.supervisor.queueing.queue import QueuedRequest, RequestQueue, Shapes, displaced_sentence
 from inferd.supervisor.queueing.request_checks import check_against_model
 from inferd.supervisor.shared.backstop import failure
 from inferd.supervisor.shared.candidates import Candidates
@@ -284,15 +284,9 @@ class Frontend:
                                f"it would finish in {finish * 1000:.0f} ms at the soonest (the work ahead of it, "
                                f"at the model's recent compute times), after its deadline in {timeout * 1000:.0f} ms")
             return
-        refused = self.queue.put(queued)
-        if refused in (Refusal.FULL, Refusal.BYTES):
-            displaced = self.queue.displace_for(queued)
-            if displaced is not None:
-                for victim in displaced:
-                    self.replies.error(victim, protocol.OVERLOADED,
-                                       f"displaced by a more urgent request (priority {priority}) while the queue "
-                                       "was full; retry later")
-                refused = self.queue.put(queued)
+        refused, displaced = self.queue.admit(queued)
+        for victim in displaced:
+            self.replies.error(victim, protocol.OVERLOADED, displaced_sentence(priority))
         if refused is not None:
             self.replies.error(queued, protocol.OVERLOADED, self.queue.refusal_sentence(refused))
             return

@@ -4,9 +4,10 @@ batches with them), under the pipeline request's deadline and priority.
 A step runs as soon as its inputs exist; its outputs come back from its batch's arena slot through replies.py
 (`StepOf`), are copied once into this process's memory, and go into the next steps' requests, which the
 dispatcher copies into their own batch's slot: no intermediate passes through a socket. A request is admitted
-(or answered `overloaded`) at its first step, against its client's bounds; its later steps count against
-neither its client's bounds nor `max_in_flight` again, nor is one displaced by a more urgent request; where
-the queue is full one waits here for room, until its deadline. The first step that fails answers the request
+(or answered `overloaded`) at its first step, against its client's bounds, as a request to that model is
+(displacing less urgent ones from a full queue); its later steps count against neither its client's bounds
+nor `max_in_flight` again, nor is one displaced by a more urgent request; where the queue is full one waits
+here for room, until its deadline. The first step that fails answers the request
 with its error, naming the pipeline, the step, its model and version; the steps after it do not run, and those
 running beside it are cancelled.
 """
@@ -27,7 +28,7 @@ from inferd.protocol import Buffer, ReplyHeader, RequestId, TensorMeta, Timing
 from inferd.supervisor.dispatch.replies import Replies, ReplyTo
 from inferd.supervisor.pipelines.graph import Graph, Step, graphs
 from inferd.supervisor.pipelines.runs import Run, StepTarget
-from inferd.supervisor.queueing.queue import WAITING, QueuedRequest, RequestQueue
+from inferd.supervisor.queueing.queue import WAITING, QueuedRequest, RequestQueue, displaced_sentence
 from inferd.supervisor.queueing.request_checks import check_against_model
 from inferd.supervisor.shared.stats import Stats
 
@@ -98,13 +99,16 @@ class Pipelines:
                              shapes=shapes, displaceable=first)
 
     def _put(self, run: Run, step: Step, now: float, client: Hashable) -> tuple[str, str] | None:
-        """Queue the first step's request; the status and sentence it was refused with, if it was (`invalid`
-        where its model cannot take the request's tensors, `overloaded` where the queue is full)."""
+        """Queue the first step's request, as a request to its model is queued (displacing less urgent ones from a
+        full queue); the status and sentence it was refused with, if it was (`invalid` where its model cannot
+        take the request's tensors, `overloaded` where the queue is full)."""
         try:
             request = self._request(run, step, now, client, first=True)
         except InvalidRequest as exc:
             return protocol.INVALID, exc.message
-        refused = self.queue.put(request)
+        refused, displaced = self.queue.admit(request)
+        for victim in displaced:
+            self.replies.error(victim, protocol.OVERLOADED, displaced_sentence(run.priority))
         if refused is not None:
             return protocol.OVERLOADED, self.queue.refusal_sentence(refused)
         run.started.add(step.index)

@@ -33,6 +33,11 @@ Shapes = tuple[tuple[int, ...], ...]
 WAITING, TAKEN, EXPIRED, REMOVED = range(4)
 
 
+def displaced_sentence(priority: int) -> str:
+    """The reply's sentence for a request displaced from a full queue by one of `priority`."""
+    return f"displaced by a more urgent request (priority {priority}) while the queue was full; retry later"
+
+
 class Refusal(StrEnum):
     """Why put() refused a request."""
 
@@ -262,6 +267,18 @@ class RequestQueue:
             del self.busy[model]
         self._drop_settled_deadlines()
         return taken
+
+    def admit(self, request: QueuedRequest) -> tuple[Refusal | None, list[QueuedRequest]]:
+        """Put `request` in, where a full queue (of requests, or of bytes) makes room by displacing less urgent
+        ones: why it was refused (None: it waits now), and the requests displaced for it, which the caller
+        answers `overloaded` (displaced_sentence)."""
+        refused = self.put(request)
+        if refused not in (Refusal.FULL, Refusal.BYTES):
+            return refused, []
+        displaced = self.displace_for(request)
+        if displaced is None:
+            return refused, []
+        return self.put(request), displaced
 
     def displace_for(self, request: QueuedRequest) -> list[QueuedRequest] | None:
         """Make room in a full queue for `request` by removing the newest waiting requests of less urgent
