@@ -68,6 +68,16 @@ def test_a_control_command_nested_deep_or_with_unknown_arguments_gets_a_sentence
             control.call("reload", versoin="v2")
         with pytest.raises(ControlError, match="reload needs the argument 'version'"):
             control.call("reload")
+        # Of another type than it takes, as a JSON client other than inferctl may send: a sentence, and nothing
+        # done ("no" would have counted as a confirmation).
+        for command, args, sentence in [
+            ("reload", {"version": 123}, "reload's argument 'version' is a string, not 123"),
+            ("reload", {"version": "v2", "canary": "10"}, "reload's argument 'canary' is a number or null, not '10'"),
+            ("rollback", {"confirm": "no"}, "rollback's argument 'confirm' is true or false, not 'no'"),
+            ("versions", {"model": ["mlp"]}, "versions's argument 'model' is a string or null, not ['mlp']"),
+        ]:
+            with pytest.raises(ControlError, match=re.escape(sentence)):
+                control.call(command, **args)
         assert control.call("health")["healthy"]
 
 

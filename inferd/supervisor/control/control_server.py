@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from inferd.errors import cut
 from inferd.ipc.control import Answer, ControlClient, ControlError, decode_command, encode_answer
 from inferd.ipc.curve import CurveServer
 from inferd.ipc.sockets import bind_error
@@ -52,18 +54,33 @@ def deferred(handler: Callable[..., None]) -> Callable[..., None]:
     return handler
 
 
-def bad_arguments(command: str, method: Callable[..., Any], args: dict[str, Any]) -> str | None:
-    """The sentence for arguments `method` does not take, or required ones left out; None when they fit."""
+# How an argument's type is said to a client that sent another.
+TYPE_WORDS = {str: "a string", float: "a number", int: "a whole number", bool: "true or false", type(None): "null"}
+
+
+def checked_arguments(command: str, method: Callable[..., Any], args: dict[str, Any]) -> dict[str, Any]:
+    """`args` as `method` takes them; ValueError with the sentence for arguments it does not take, required ones
+    left out, or one of another type than it takes (a JSON client's, which inferctl's options never send: a
+    `"confirm": "no"` would otherwise count as true, a number as a model's name)."""
     parameters = [p for p in inspect.signature(method).parameters.values() if p.name != "reply"]
     known = [p.name for p in parameters]
     unknown = sorted(set(args) - set(known))
     takes = f"it takes {', '.join(known)}" if known else "it takes none"
     if unknown:
-        return f"{command} has no argument {', '.join(map(repr, unknown))}; {takes}"
+        raise ValueError(f"{command} has no argument {', '.join(map(repr, unknown))}; {takes}")
     missing = [p.name for p in parameters if p.default is inspect.Parameter.empty and p.name not in args]
     if missing:
-        return f"{command} needs the argument {', '.join(map(repr, missing))}; {takes}"
-    return None
+        raise ValueError(f"{command} needs the argument {', '.join(map(repr, missing))}; {takes}")
+    hints = typing.get_type_hints(method)
+    checked = {}
+    for name, value in args.items():
+        try:
+            checked[name] = msgspec.convert(value, hints[name], strict=True)
+        except msgspec.ValidationError:
+            kinds = " or ".join(TYPE_WORDS.get(kind, str(kind)) for kind in typing.get_args(hints[name]) or
+                                (hints[name],))
+            raise ValueError(f"{command}'s argument {name!r} is {kinds}, not {cut(repr(value))}") from None
+    return checked
 
 
 class ControlReply:
@@ -171,15 +188,12 @@ class ControlServer:
         if method is None:
             reply.fail(f"unknown command {command.command!r}")
             return
-        problem = bad_arguments(command.command, method, command.args)
-        if problem is not None:
-            reply.fail(problem)
-            return
         try:
+            args = checked_arguments(command.command, method, command.args)
             if getattr(method, "deferred", False):
-                method(reply, **command.args)
+                method(reply, **args)
             else:
-                reply.finish(method(**command.args))
+                reply.finish(method(**args))
         except ValueError as exc:
             reply.fail(str(exc))
 
