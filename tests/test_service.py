@@ -160,9 +160,20 @@ def test_sighup_adds_a_model_and_reloads_a_changed_version(service, repo):
 
 
 def test_sighup_with_a_broken_config_changes_nothing(service):
-    daemon, systemd = service({"mlp": MLP})
+    daemon, systemd = service({"mlp": {**MLP, "version": "v1"}})
+    config = daemon.config
     daemon.config_path.write_text("[server\n")
     daemon.signal(signal.SIGHUP)
     systemd.wait_for("READY=1")
     assert "is not valid TOML" in daemon.log() and "nothing changed" in daemon.log()
     assert daemon.call("health")["healthy"]
+    # Valid TOML that check-config refuses (a version not copied yet) changes nothing either, not the rest of it.
+    levels = daemon.call("models", model="mlp")["mlp"]["priority_levels"]
+    config["models"]["mlp"]["version"] = "v9"
+    config.setdefault("queue", {})["priority_levels"] = levels + 3
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    systemd.wait_for("READY=1")
+    assert "version 'v9' has no model.py, model.pt or model.pt2" in daemon.log()
+    assert daemon.call("models", model="mlp")["mlp"]["priority_levels"] == levels
+    assert daemon.status()["models"]["mlp"]["config_version"] == "v1"

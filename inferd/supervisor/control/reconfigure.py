@@ -23,6 +23,7 @@ from inferd.config import loading
 from inferd.config.pipelines import pipeline_problems
 from inferd.config.schema import SECTIONS, Config, ModelConfig, PipelineConfig, live_keys
 from inferd.ipc.slots import slot_shortfall
+from inferd.models import repository
 from inferd.models.repository import RepositoryError, python_version, resolve_version
 from inferd.supervisor.processes.workers import WorkerTable
 from inferd.supervisor.shared.command_replies import LoggedReply
@@ -157,9 +158,14 @@ class Reconfigurer:
             return
         try:
             new = loading.load(running.source)
+            # As check-config and a start check it: a version named that is not there (not copied yet, say)
+            # is a problem of the file, which changes nothing, not a change half made.
+            problems = repository.check(new.models)
         except loading.ConfigError as exc:
-            log.error("SIGHUP: %s has %d problem(s), nothing changed: %s", running.source,
-                      len(exc.problems), "; ".join(exc.problems))
+            problems = exc.problems
+        if problems:
+            log.error("SIGHUP: %s has %d problem(s), nothing changed: %s", running.source, len(problems),
+                      "; ".join(problems))
             return
         change = self._keep_slots_large_enough(running, plan(running, new))
         for name in change.added_models:
