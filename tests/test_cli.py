@@ -174,3 +174,22 @@ def test_operator_mistakes_are_one_sentence(daemon, workdir):
         assert_one_sentence(result)
         assert says in result.stderr, result.stderr
         assert "allow_pickle" not in result.stderr, "numpy's advice to unpickle is not inferctl's"
+
+
+@pytest.mark.parametrize("option, argv", [
+    ("--timeout", ("--timeout", "nan", "status")),
+    ("--timeout", ("--timeout", "inf", "status")),
+    ("--timeout", ("--timeout", "1e10", "status")),
+    ("--watch", ("stats", "--watch", "nan")),
+    ("--watch", ("stats", "--watch", "inf")),
+    ("--canary", ("reload", "--version", "v2", "--canary", "nan")),
+    ("--shadow", ("reload", "--version", "v2", "--shadow", "nan")),
+    ("--weight", ("canary", "--weight", "nan")),
+    ("--promote-after", ("reload", "--version", "v2", "--canary", "5", "--promote-after", "inf")),
+])
+def test_a_number_that_is_not_finite_or_a_wait_past_a_day_is_refused_in_one_sentence(workdir, option, argv):
+    # No daemon is needed: the option is refused before inferctl connects (NaN once went on to the daemon as
+    # JSON null, infinity to an OverflowError).
+    result = run(str(BIN / "inferctl"), "--control", f"ipc://{workdir}/none.sock", *argv)
+    assert_one_sentence(result)
+    assert f"Invalid value for '{option}'" in result.stderr, result.stderr

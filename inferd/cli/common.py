@@ -1,8 +1,9 @@
 """What the `inferd`, `inferctl` and `inferd-fleet` commands share: one-sentence errors, running a
-click command as a program, loading a config, and durations such as 10m."""
+click command as a program, loading a config, finite numbers, and durations such as 10m."""
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -50,6 +51,18 @@ def load_config(path: str) -> Config:
     return config
 
 
+class Finite(click.FloatRange):
+    """A number in a range, and finite: click's FloatRange lets NaN through (no comparison with a bound holds
+    for it), and infinity past a minimum alone, and neither means anything to a timeout or a percentage."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        """The number; NaN, infinity or one out of range is one sentence."""
+        number: float = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
 class Duration(click.ParamType):
     """A span of time: 90, 90s, 10m, 1h or 1h30m (seconds when no unit is given)."""
 
@@ -71,4 +84,6 @@ class Duration(click.ParamType):
             self.fail(f"{value!r} is not a duration (say 90s, 10m or 1h)", param, ctx)
         if not seconds > 0 or not text:
             self.fail(f"{value!r} is not a duration above zero (say 90s, 10m or 1h)", param, ctx)
+        if not math.isfinite(seconds):  # "inf", or "1e308h": as JSON it would be null, no duration at all
+            self.fail(f"{value!r} is not a finite duration (say 90s, 10m or 1h)", param, ctx)
         return seconds

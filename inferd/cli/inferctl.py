@@ -13,7 +13,7 @@ import click
 import numpy as np
 
 from inferd import protocol
-from inferd.cli.common import CliError, Duration, load_config, run_command
+from inferd.cli.common import CliError, Duration, Finite, load_config, run_command
 from inferd.cli.render import models_text, stats_table, status_table, switch_outcome, versions_text
 from inferd.cli.stacks import signalled_stacks
 from inferd.errors import ERROR_BY_STATUS, InferdError
@@ -23,6 +23,9 @@ from inferd.system import paths
 from inferd.system.paths import RuntimeFiles
 
 DEFAULT_TIMEOUT_S = 5.0
+# The longest --timeout or --watch: longer is a slip of the finger (1e10), and the waits underneath (a poll in
+# milliseconds, threading's TIMEOUT_MAX) overflow somewhere past 1e9 s.
+MAX_WAIT_S = 86_400
 
 
 def _control_endpoint(control: str | None, config_path: str | None) -> str:
@@ -37,7 +40,7 @@ def _control_endpoint(control: str | None, config_path: str | None) -> str:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="Find the daemon from this config.")
 @click.option("--control", help="The daemon's control endpoint, e.g. ipc:///run/inferd/control.sock.")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--timeout", type=Finite(min=0, min_open=True, max=MAX_WAIT_S), default=None,
               help=f"Seconds to wait for the daemon [default: {DEFAULT_TIMEOUT_S:g}; reload and rollback: until done].")
 @click.option("--server-key", type=click.Path(dir_okay=False),
               help="For a tcp:// control socket: the daemon's public key file (NAME.key).")
@@ -170,7 +173,7 @@ def stacks(ctx: click.Context) -> None:
 
 @inferctl.command()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (schema in docs/operations/watching.md).")
-@click.option("--watch", type=click.FloatRange(min=0.1), help="Refresh every SECONDS until Ctrl-C.")
+@click.option("--watch", type=Finite(min=0.1, max=MAX_WAIT_S), help="Refresh every SECONDS until Ctrl-C.")
 @click.pass_context
 def stats(ctx: click.Context, as_json: bool, watch: float | None) -> None:
     """Requests, latency, throughput and batches per model; processes, memory and GPUs per worker."""
@@ -202,7 +205,7 @@ def models(ctx: click.Context, as_json: bool) -> None:
     click.echo(models_text(found, _call(ctx, "status")["listen"]))
 
 
-PERCENT = click.FloatRange(0, 100)
+PERCENT = Finite(0, 100)
 MODEL_OPTION = click.option("--model", help="Model name (may be left out when the daemon serves one model).")
 
 
