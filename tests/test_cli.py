@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import models
@@ -108,6 +109,25 @@ def test_inferctl_finds_the_daemon_from_a_config_file(daemon):
     by_flag = run(str(BIN / "inferctl"), "--config", str(daemon.config_path), "health")
     by_env = run(str(BIN / "inferctl"), "health", env={"INFERD_CONFIG": str(daemon.config_path)})
     assert by_flag.returncode == 0 and by_env.returncode == 0
+
+
+def test_inferctl_reads_only_the_control_endpoint_from_a_config_file_being_edited(daemon, workdir):
+    # Ahead of a SIGHUP: a version not copied yet, a key misspelt; inferctl must still reach the running daemon.
+    config = tomllib.loads(daemon.config_path.read_text())
+    config["models"]["mlp"]["version"] = "v9"
+    config["queue"]["colour"] = "red"
+    editing = workdir / "editing.toml"
+    editing.write_text(to_toml(config))
+    by_flag = run(str(BIN / "inferctl"), "--config", str(editing), "health")
+    by_env = run(str(BIN / "inferctl"), "status", env={"INFERD_CONFIG": str(editing)})
+    assert by_flag.returncode == 0 and by_env.returncode == 0, by_flag.stderr + by_env.stderr
+    (workdir / "cut.toml").write_text("[server\n")
+    (workdir / "nowhere.toml").write_text('[server]\ncontrol = "nowhere"\n')
+    for name, says in (("cut.toml", "is not valid TOML"), ("nowhere.toml", "server.control: 'nowhere' is not an "
+                                                                          "endpoint"), ("none.toml", "cannot read")):
+        result = run(str(BIN / "inferctl"), "--config", str(workdir / name), "health")
+        assert_one_sentence(result)
+        assert says in result.stderr, result.stderr
 
 
 def test_infer_writes_the_output_file(daemon, repo, workdir):

@@ -47,8 +47,13 @@ def load_config(path: str) -> Config:
     """The config at `path`, with its model repositories checked; every problem is one CliError."""
     config, problems = check_config(path)
     if problems or config is None:
-        raise CliError(f"{path} has {len(problems)} problem(s): " + "; ".join(problems))
+        raise config_error(path, problems)
     return config
+
+
+def config_error(path: str, problems: list[str]) -> CliError:
+    """The one sentence that names every problem of the config at `path`."""
+    return CliError(f"{path} has {len(problems)} problem(s): " + "; ".join(problems))
 
 
 class Finite(click.FloatRange):

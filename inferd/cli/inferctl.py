@@ -13,9 +13,10 @@ import click
 import numpy as np
 
 from inferd import protocol
-from inferd.cli.common import CliError, Duration, Finite, load_config, run_command
+from inferd.cli.common import CliError, Duration, Finite, config_error, run_command
 from inferd.cli.render import models_text, stats_table, status_table, switch_outcome, versions_text
 from inferd.cli.stacks import signalled_stacks
+from inferd.config import loading
 from inferd.errors import ERROR_BY_STATUS, InferdError
 from inferd.ipc.control import ControlClient, ControlError, NoDaemon, encode_command
 from inferd.ipc.curve import load_pair, load_public
@@ -33,7 +34,10 @@ def _control_endpoint(control: str | None, config_path: str | None) -> str:
         return control
     config_path = config_path or os.environ.get("INFERD_CONFIG")
     if config_path:
-        return load_config(config_path).server.control or paths.default_control()
+        try:
+            return loading.control_endpoint(config_path)
+        except loading.ConfigError as exc:
+            raise config_error(config_path, exc.problems) from None
     return paths.find_control()
 
 

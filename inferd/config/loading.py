@@ -24,6 +24,7 @@ from inferd.config.schema import (
     Config,
     ModelConfig,
     PipelineConfig,
+    ServerConfig,
     padding_problem,
 )
 from inferd.system import paths
@@ -231,15 +232,32 @@ def parse(raw: dict[str, Any], source: str | None = None, base: Path | None = No
     )
 
 
-def load(path: str | Path) -> Config:
-    """Read and validate a TOML config file; raise `ConfigError` naming every problem."""
+def _read(path: str | Path) -> dict[str, Any]:
+    """The TOML file at `path` as a dict; ConfigError when it cannot be read or is not TOML."""
     try:
-        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        return tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError([f"cannot read {path}: {exc.strerror}"]) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError([f"{path} is not valid TOML: {exc}"]) from None
-    return parse(raw, source=str(path), base=Path(path).parent)
+
+
+def load(path: str | Path) -> Config:
+    """Read and validate a TOML config file; raise `ConfigError` naming every problem."""
+    return parse(_read(path), source=str(path), base=Path(path).parent)
+
+
+def control_endpoint(path: str | Path) -> str:
+    """The control endpoint of a daemon started with the config file at `path`, from its `server.control`
+    alone: the rest of the file may be an operator's edit in progress (a version not copied yet), which must
+    not keep inferctl from the daemon that runs. ConfigError when the file or that key is bad."""
+    server = _read(path).get("server", {})
+    table = {key: value for key, value in server.items() if key == "control"} if isinstance(server, dict) else server
+    problems: list[str] = []
+    built = _build(ServerConfig, table, "server.", problems, Path(path).parent)
+    if built is None:
+        raise ConfigError(problems)
+    return built.control or paths.default_control()
 
 
 def encode(config: Config) -> bytes:
