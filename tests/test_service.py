@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from conftest import MLP, Daemon, base_config, requests_accounted, wait_for
 from test_notify import FakeSystemd
+from test_reload import inferctl
 from wire import RawPeer
 
-from inferd.harness import to_toml
+from inferd.harness import SERVE, to_toml
 from inferd.system.shm_names import SHM_DIR
 
 ROOT = Path(__file__).parent.parent
@@ -27,9 +28,10 @@ def service(workdir, repo):
     """Start a daemon under a fake systemd with a 2 s watchdog; both are cleaned up after the test."""
     started = []
 
-    def start(models: dict, **sections) -> tuple[Daemon, FakeSystemd]:
+    def start(models: dict, *options: str, **sections) -> tuple[Daemon, FakeSystemd]:
+        """The daemon serving `models`, with `options` on its `inferd serve` command line."""
         systemd = FakeSystemd(workdir / "notify.sock", abstract=False)
-        daemon = Daemon(workdir, base_config(workdir, repo, models, **sections))
+        daemon = Daemon(workdir, base_config(workdir, repo, models, **sections), command=(*SERVE, *options))
         daemon.env = {"NOTIFY_SOCKET": systemd.address, "WATCHDOG_USEC": "2000000"}
         started.append((daemon, systemd))
         daemon.start(wait=False)
@@ -114,6 +116,19 @@ def queue_ms_behind_a_long_batch(daemon: Daemon) -> float:
         replies = {h["id"]: h for h in (peer.recv()[0], peer.recv()[0])}
     assert replies[1]["status"] == replies[2]["status"] == "ok"
     return replies[2]["timing_us"]["queue"] / 1000
+
+
+def test_a_sighup_keeps_the_log_level_of_the_command_line(service):
+    # The file says info (the default), the command line warning: a SIGHUP that finds the file unchanged once
+    # brought info back, to the supervisor and to its workers (whose logs of a reload then showed).
+    daemon, systemd = service({"mlp": MLP}, "--log-level", "warning")
+    before = len(daemon.log())
+    daemon.signal(signal.SIGHUP)
+    systemd.wait_for("RELOADING=1")
+    systemd.wait_for("READY=1")
+    reload = inferctl(daemon, "reload", "--version", "v1")
+    assert reload.returncode == 0, reload.stderr
+    assert " INFO " not in daemon.log()[before:], daemon.log()[before:]
 
 
 def test_sighup_applies_batching_knobs_live_and_names_what_needs_a_restart(service):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
 import click
-import msgspec
 
 from inferd import __version__
 from inferd.cli import common
@@ -21,7 +22,7 @@ def inferd() -> None:
 @inferd.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config; none: the demo.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              help="Overrides server.log_level.")
+              help="Overrides server.log_level and INFERD_LOG_LEVEL, across SIGHUPs too.")
 def serve(config_path: str | None, log_level: str | None) -> int:
     """Run the daemon in the foreground (what systemd starts)."""
     from inferd.supervisor.wakeup import hold_signals
@@ -40,7 +41,9 @@ def serve(config_path: str | None, log_level: str | None) -> int:
     else:
         config = load_config(config_path)
     if log_level is not None:
-        config = msgspec.structs.replace(config, server=msgspec.structs.replace(config.server, log_level=log_level))
+        # Through the environment, whose INFERD_LOG_LEVEL set_level lets win here and in every child: the config
+        # keeps the file's level, so a SIGHUP compares the file with itself and does not undo the override.
+        os.environ["INFERD_LOG_LEVEL"] = log_level
     set_level(config.server.log_level)
     try:
         supervisor = Supervisor(config)

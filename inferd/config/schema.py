@@ -157,7 +157,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
              live=True),
     ] = 500
     log_level: Annotated[
-        str, _doc("debug, info, warning or error; INFERD_LOG_LEVEL in the environment overrides it.", live=True)
+        str, _doc("debug, info, warning or error; INFERD_LOG_LEVEL in the environment, or `inferd serve "
+                  "--log-level`, overrides it (a SIGHUP keeps the override).", live=True)
     ] = "info"
 
 
