@@ -288,7 +288,9 @@ def test_convert_names_what_blocks_a_conversion_and_writes_nothing(repo, workdir
     assert sorted(p.name for p in (copy / "variable").iterdir()) == ["v1"], "nothing written"
     for argv, says in ((("--to", "v2"), f"{copy / 'mlp' / 'v2'} exists already; name another version with --to"),
                        (("--to", "../elsewhere"), "--to '../elsewhere' is not a version name"),
-                       (("--to", "v9", "--model", "nope"), "has no model 'nope'")):
+                       (("--to", "v9", "--model", "nope"), "has no model 'nope'"),
+                       (("--to", "v9", "--device", "bogus"), "--device 'bogus' is not a device; say cpu or cuda:N"),
+                       (("--to", "v9", "--device", "cuda:99"), "--device cuda:99: this machine has")):
         result = convert(config, "--model", "mlp", "--from", "v1", "--format", "exported", *argv)
         assert result.returncode != 0 and says in result.stderr and "Traceback" not in result.stderr, result.stderr
 

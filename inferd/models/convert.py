@@ -68,7 +68,7 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
         raise ConvertError(f"{path} is an AOTInductor package already; convert the version it was made from")
     if found.format == model_files.PYTHON:
         raise ConvertError(f"{path} is a Python model, which runs as it is: there is nothing to convert")
-    target_device = torch.device(device)
+    target_device = _device(device)
     examples = _seeded_inputs(model, 2, target_device, length=EXAMPLE_LENGTH)
     say(f"loading {name} {source} ({found.format}) from {path}")
     original = _load(path, found.format, target_device)
@@ -107,6 +107,25 @@ def convert(name: str, model: ModelConfig, source: str, target: str, format_: st
     if problem is not None and not model.allow_writable:
         say(f"note: {problem}")
     return destination
+
+
+def _device(name: str) -> torch.device:
+    """The device --device names, where this machine has it; ConvertError otherwise (torch would raise a
+    RuntimeError for a bad name, and an AssertionError for CUDA on a build without it, at first use)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConvertError(f"--device {name!r} is not a device; say cpu or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ConvertError(f"--device {name!r} is not a device inferd serves on; say cpu or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise ConvertError(f"--device {name}: this machine has no CUDA device that torch can use; say cpu")
+    if device.index is not None and device.index >= count:
+        raise ConvertError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
+    return device
 
 
 def _seeded_inputs(model: ModelConfig, batch: int, device: torch.device, seed: int = SEED,
