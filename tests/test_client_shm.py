@@ -5,6 +5,7 @@ region from being anything but its own file in /dev/shm, on a loopback or ipc://
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from wire import RawPeer
 
-from inferd import RetryPolicy, Unavailable, protocol
+from inferd import InvalidRequest, RetryPolicy, Unavailable, protocol
 from inferd.harness import free_port
 from inferd.protocol import OutputPlace, RegionStatus, RegisterRegion, TensorMeta, UnregisterRegion
 from inferd.system.shm_names import SHM_DIR
@@ -209,10 +210,31 @@ def test_many_requests_in_flight_each_in_its_own_part_of_the_region(shm_daemon, 
         assert entry["requests"] == count
 
 
-def test_out_that_lies_in_no_region_is_refused_by_the_client(shm_daemon):
-    with shm_daemon.client() as client, client.shared_memory(256):
+def test_out_that_lies_in_no_region_or_in_pieces_is_refused_by_the_client(shm_daemon):
+    with shm_daemon.client() as client, client.shared_memory(256) as region:
         with pytest.raises(ValueError, match=r"out\[0\] does not lie in a region"):
             client.infer("mlp", X_MLP, out=np.zeros((1, models.MLP_OUT), dtype=np.float32))
+        with pytest.raises(ValueError, match=r"out\[0\] is not contiguous"):
+            client.infer("mlp", X_MLP, out=region.array("float32", (1, 2 * models.MLP_OUT))[:, ::2])
+
+
+def test_out_is_what_the_call_gives_and_an_output_that_does_not_fit_it_fails_the_call(shm_daemon, repo):
+    expected = reference(repo, "mlp", live(shm_daemon, "mlp"))
+    x = np.random.default_rng(19).standard_normal((3, models.MLP_IN), dtype=np.float32)
+    with shm_daemon.client() as client, client.shared_memory(4096) as region:
+        fits = region.array("float32", (3, models.MLP_OUT))
+        assert client.infer("mlp", x, out=fits) is fits
+        np.testing.assert_allclose(fits, expected(x.copy()), rtol=1e-5, atol=1e-6)
+        small = region.array("float32", (1, models.MLP_OUT), offset=1024)  # one sample's room, of three
+        neighbour = region.array("float32", (8,), offset=1024 + small.nbytes)  # the caller's own data after it
+        neighbour[:] = 7.0
+        said = f"output 0, float32 [3, {models.MLP_OUT}] ({fits.nbytes} bytes), does not fit out[0], float32"
+        with pytest.raises(InvalidRequest, match=re.escape(said)):
+            client.infer("mlp", x, out=small)
+        assert (small == 0).all() and (neighbour == 7.0).all(), "nothing written, least of all past `out`"
+        wide = region.array("float64", (3, models.MLP_OUT), offset=2048)
+        with pytest.raises(InvalidRequest, match="give an out of the output's dtype and shape"):
+            client.infer("mlp", x, out=wide)
 
 
 def test_a_region_the_caller_made_is_registered_used_and_unregistered_but_never_unlinked(shm_daemon, repo, shm_file):

@@ -17,6 +17,7 @@ from inferd.client.endpoints import EndpointPool, Resolver
 from inferd.client.engine import IOLoop
 from inferd.client.inputs import Array, Out, as_inputs
 from inferd.client.mailbox import Cancel, Mailbox
+from inferd.client.outputs import OutputTargets
 from inferd.client.retry import RetryPolicy
 from inferd.client.shared_memory import SharedMemoryRegion
 from inferd.errors import InvalidRequest, Unavailable
@@ -111,6 +112,9 @@ class Client:
         bytes (of BYTES: the description `SharedMemoryRegion.put_bytes` gives); `out` (one array, or one per
         output, None for those sent back in the reply; or an `OutputPlace` in a region, where a BYTES output
         goes) asks outputs written into views of registered regions, and those views are what the future gives.
+        Each array of `out` must be of its output's dtype and shape: one that the output would not fit is left
+        as it is (the output comes in the reply) and the call fails with InvalidRequest, as it does for another
+        dtype or shape (whose bytes were written into the array).
         `priority`: its level in the daemon's queue, 0 the most urgent (default: the client's).
         Cancelling the future cancels the request in the daemon.
         """
@@ -122,14 +126,14 @@ class Client:
                                  f"{self.max_message_mb:g} MiB (server.max_message_mb); send fewer samples per "
                                  "request, put the inputs in shared memory, or raise the limit on both sides "
                                  "(Client(max_message_mb=...))")
-        places = self._places(out)
+        targets = OutputTargets(out, self._regions.values())
         level = self.priority if priority is None else priority
 
         def encode(left_ms: int) -> list[protocol.Buffer]:
-            return protocol.encode_request(call_id, model, arrays, version, left_ms, places, level)
+            return protocol.encode_request(call_id, model, arrays, version, left_ms, targets.places, level)
 
         future = self._post(Call(call_id, encode, self.timeout if timeout is None else timeout, self.retry,
-                                 reply_of if details else outputs_of))
+                                 targets.deliver(reply_of if details else outputs_of)))
 
         def tell_if_cancelled(done: concurrent.futures.Future) -> None:
             if done.cancelled():
@@ -207,21 +211,6 @@ class Client:
             if meta is not None:
                 return meta
         return array
-
-    def _places(self, out: Out) -> list[protocol.OutputPlace | None]:
-        if out is None:
-            return []
-        places: list[protocol.OutputPlace | None] = []
-        for index, array in enumerate([out] if isinstance(out, (np.ndarray, protocol.OutputPlace)) else out):
-            if array is None or isinstance(array, protocol.OutputPlace):
-                places.append(array)
-                continue
-            place = next(((r.name, offset) for r in self._regions.values()
-                          if (offset := r.locate(array)) is not None), None)
-            if place is None:
-                raise ValueError(f"out[{index}] does not lie in a region this client registered")
-            places.append(protocol.OutputPlace(*place))
-        return places
 
     def _from_region(self, meta: protocol.TensorMeta) -> np.ndarray:
         region = self._regions.get(meta.region or "")
