@@ -81,6 +81,21 @@ def test_no_reply_at_all_is_a_timeout_at_the_deadline(server_factory):
     assert server.headers[0]["timeout_ms"] <= 300
 
 
+def test_a_timeout_not_finite_and_above_zero_is_refused_and_a_huge_one_is_kept(server_factory):
+    # inf and nan once killed the I/O thread (failing every call in flight, and the client), 1e30 overflowed
+    # its poll, and 0 ran out before any connection, reported as "no daemon reachable".
+    server = server_factory(lambda n, h, b: ok(h, X))
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds above zero, got inf"):
+        Client(server.endpoint, timeout=float("inf"))
+    with Client(server.endpoint, timeout=5.0) as client:
+        for timeout in (float("inf"), float("nan"), 0, -1.0):
+            with pytest.raises(ValueError, match="timeout must be a finite number of seconds above zero"):
+                client.submit("m", X, timeout=timeout)
+        np.testing.assert_array_equal(client.infer("m", X, timeout=1e30), X)
+        np.testing.assert_array_equal(client.infer("m", X), X)
+    assert server.headers[0]["timeout_ms"] > 1e32
+
+
 def test_several_outputs_come_back_as_a_tuple_and_replies_match_by_id(server_factory):
     server = server_factory(lambda n, h, b: ok(h, np.frombuffer(b[0], np.float32) + h["id"], X))
     with Client(server.endpoint, timeout=5.0) as client:

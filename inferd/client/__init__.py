@@ -3,7 +3,7 @@
 A client keeps many requests in flight and matches replies by id. It takes one
 endpoint, several, or a host name that resolves to several (endpoints.py
 spreads the requests and tracks each daemon's health). `timeout` is a call's
-whole deadline, retries included; each attempt sends the time left as the
+whole deadline (finite seconds above zero), retries included; each attempt sends the time left as the
 header's `timeout_ms`. Retries happen on `overloaded`, `unavailable` and on a
 reply lost because a connection dropped, with exponential backoff and jitter,
 on another endpoint where there is one, and never once the deadline cannot be

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -40,6 +41,14 @@ def reply_of(header: protocol.ReplyHeader, outputs: list[np.ndarray]) -> Reply:
     return Reply(outputs_of(header, outputs), header.version or "", header.timing_us or protocol.Timing(0, 0, 0))
 
 
+def call_timeout(timeout: float) -> float:
+    """`timeout`, the seconds a call may take; ValueError unless it is finite and above zero (infinity or NaN
+    would be no deadline the daemon can keep, and 0 one that passes before any daemon is reached)."""
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"timeout must be a finite number of seconds above zero, got {timeout!r}")
+    return timeout
+
+
 class Call:
     """One logical request across its attempts: what to send, and what each answer means."""
 
@@ -51,8 +60,8 @@ class Call:
         self.id = request_id
         self.encode = encode
         self.result = result
-        self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
+        self.timeout = call_timeout(timeout)
+        self.deadline = time.monotonic() + self.timeout
         self.policy = policy
         self.attempts = 0
 

@@ -12,7 +12,7 @@ import numpy as np
 import zmq
 
 from inferd import protocol
-from inferd.client.call import Call, Outputs, outputs_of, reply_of
+from inferd.client.call import Call, Outputs, call_timeout, outputs_of, reply_of
 from inferd.client.endpoints import EndpointPool, Resolver
 from inferd.client.engine import IOLoop
 from inferd.client.inputs import Array, Out, as_inputs
@@ -63,7 +63,7 @@ class Client:
                  client_key: KeyFile | None = None, resolve_interval: float = 30.0,
                  priority: int | None = None, max_message_mb: float = protocol.DEFAULT_MAX_MESSAGE_MB,
                  group: bool = True) -> None:
-        self.timeout = timeout
+        self.timeout = call_timeout(timeout)
         self.priority = priority
         self.max_message_mb = max_message_mb
         self.retry = retry or RetryPolicy()

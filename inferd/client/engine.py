@@ -24,6 +24,9 @@ from inferd.client.retry import Retry
 from inferd.client.shared_memory import SharedMemoryRegion
 from inferd.errors import InferdError, InvalidRequest, Unavailable
 
+# The longest one poll blocks: posts wake it anyway, and a deadline far off (a timeout of 1e30 s) in
+# milliseconds would overflow the poll.
+MAX_POLL_S = 1.0
 RESEND_S = 0.005  # how soon a send that found every connected endpoint's queue full is tried again
 FromRegion = Callable[[protocol.TensorMeta], np.ndarray]  # an output written to a region -> a view of it
 log = logging.getLogger("inferd.client")
@@ -87,7 +90,7 @@ class IOLoop:
         running = True
         while running:
             now = time.monotonic()
-            wait = (self.timers[0][0] if self.timers else now + 1.0) - now
+            wait = min(self.timers[0][0] - now, MAX_POLL_S) if self.timers else MAX_POLL_S
             for target, _ in self.poller.poll(max(0, int(wait * 1000) + 1)):
                 if target == self.wake:
                     running = self._take_posts()
