@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_reload import Traffic, expected, inferctl
 from wire import RawPeer
 
-from inferd.harness import free_port
+from inferd.harness import free_port, to_toml
 from inferd.ipc.control import ControlError
 
 
@@ -239,6 +239,21 @@ def test_promote_and_rollback_under_load_drop_nothing(reload_daemon, references)
     assert promoted_only == {"v2"} and after_rollback == {"v2"}
     assert versions_of(traffic.records).keys() == {"v1", "v2", "v3"}
     wait_for(lambda: all(w["loaded"] == ["mlp v2"] for w in daemon.status()["workers"]), what="v1 and v3 freed")
+
+
+def test_a_sighup_version_change_refused_during_a_canary_is_tried_again_by_the_next_sighup(reload_daemon):
+    daemon = reload_daemon()
+    assert inferctl(daemon, "reload", "--version", "v2", "--canary", "25").returncode == 0
+    config = daemon.config
+    config["models"]["mlp"]["version"] = "v3"
+    daemon.config_path.write_text(to_toml(config))
+    daemon.signal(signal.SIGHUP)
+    wait_for(lambda: "models.mlp.version stays 'v1'" in daemon.log(), what="the change refused during the canary")
+    assert daemon.status()["models"]["mlp"]["config_version"] == "v1", "what runs is not said to be v3"
+    assert inferctl(daemon, "rollback").returncode == 0
+    daemon.signal(signal.SIGHUP)  # the same file: its change is tried again
+    wait_for(lambda: daemon.status()["models"]["mlp"]["live_version"] == "v3", what="v3 live")
+    assert daemon.status()["models"]["mlp"]["config_version"] == "v3"
 
 
 def test_a_restart_keeps_the_canary(reload_daemon):

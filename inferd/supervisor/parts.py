@@ -131,7 +131,8 @@ class Parts:
         self.liveness = Liveness(self.workers, self.dispatcher, self.reloads)
         self.trim_requests = TrimRequests()
         self.trim_requests.configure(config.workers.trim_request_file)
-        self.reconfigurer = Reconfigurer(self.workers, self.reloads, self.live, saved_live, self.configure)
+        self.reconfigurer = Reconfigurer(self.workers, self.reloads, self.live, saved_live, self.configure,
+                                         lambda: self.config)
         self.control = ControlServer(self.context, config.server.control or "", Commands(self), self.frontend,
                                      self.curve)
         self.metrics = MetricsServer(self)

@@ -140,16 +140,33 @@ def settle_pipelines(old: dict[str, PipelineConfig], new: dict[str, PipelineConf
     return dataclasses.replace(change, config=msgspec.structs.replace(change.config, pipelines=pipelines))
 
 
+class VersionReload(LoggedReply):
+    """The log's reply to a reload a SIGHUP started to the version `named` of model `name` (whose config named
+    `before`); where it fails, `keep(name, before, named)` runs."""
+
+    def __init__(self, what: str, name: str, before: str | None, named: str | None,
+                 keep: Callable[[str, str | None, str | None], None]) -> None:
+        super().__init__(what)
+        self.name, self.before, self.named, self.keep = name, before, named, keep
+
+    def fail(self, error: str) -> None:
+        """Log the failure, and have the running config name the version before."""
+        super().fail(error)
+        self.keep(self.name, self.before, self.named)
+
+
 class Reconfigurer:
     """Carries out a SIGHUP: what the new config changes, as far as it can change while serving."""
 
     def __init__(self, workers: WorkerTable, reloads: ReloadManager, live: LiveVersions,
-                 saved_live: dict[str, str], configure: Callable[[Config], None]) -> None:
+                 saved_live: dict[str, str], configure: Callable[[Config], None],
+                 running: Callable[[], Config]) -> None:
         self.workers = workers
         self.reloads = reloads
         self.live = live
         self.saved_live = saved_live  # what the state file said at start: a model added later may be in it
         self.configure = configure  # hands a config to every part of the daemon
+        self.running = running  # the config the daemon runs with now
 
     def reconfigure(self, running: Config) -> None:
         """Re-read `running`'s config file and apply it as far as it can be applied while serving."""
@@ -192,13 +209,28 @@ class Reconfigurer:
                 log.error("SIGHUP: models.%s.version: %s", name, exc)
                 continue
             if target != self.live[name]:
-                self.reloads.start(name, target, False, LoggedReply(f"reload of {name} to {target} (SIGHUP)"))
+                reply = VersionReload(f"reload of {name} to {target} (SIGHUP)", name, running.models[name].version,
+                                      change.config.models[name].version, self._keep_version)
+                self.reloads.start(name, target, False, reply)
         for worker in self.workers.workers:
             self.reloads.catch_up(worker)
         log.info("SIGHUP: applied %s", "; ".join(change.applied) or "nothing (no live change)")
         if change.need_restart:
             log.warning("SIGHUP: these changes need a restart and were not applied: %s",
                         "; ".join(change.need_restart))
+
+    def _keep_version(self, name: str, before: str | None, named: str | None) -> None:
+        """A reload to the version `named` that a SIGHUP started did not happen (refused, or failed): the running
+        config names `before` again, so that a SIGHUP of the same file, once its cause is mended (a canary ended,
+        a folder copied), tries it again rather than finding nothing changed."""
+        config = self.running()
+        model = config.models.get(name)
+        if model is None or model.version != named:  # a later SIGHUP has changed it since
+            return
+        self.configure(msgspec.structs.replace(config, models={
+            **config.models, name: msgspec.structs.replace(model, version=before)}))
+        log.warning("SIGHUP: models.%s.version stays %r, as its reload did not happen; a SIGHUP tries %r again",
+                    name, before, named)
 
     def _raise_processes(self, running: Config, new: Config, change: Plan) -> None:
         """Add the processes of each Python model whose `processes` the new config raises (they start as an
