@@ -367,6 +367,8 @@ def test_the_guard_promotes_a_clean_canary_after_its_time(reload_daemon):
         sender.join()
     assert "ended by its guard" not in daemon.log(), daemon.log()
     assert "promoted by --promote-after: its window stayed clean" in daemon.log()
+    # The switch is timed from the promotion, and says so (not as if the canary had begun a moment before).
+    assert re.search(r"mlp is now v2 \(was v1\), [0-9.]+ s after the promotion of its canary began", daemon.log())
     assert daemon.status()["models"]["mlp"]["candidate"] is None
 
 

@@ -184,7 +184,7 @@ class CanaryManager:
             return
         self._ended(model, "promoted")
         log.info("%s: the %s is promoted %s", model, candidate.describe(), why)
-        self.reloads.flip(model, candidate.version, reply, time.monotonic(), str(candidate.mode),
+        self.reloads.flip(model, candidate.version, reply, time.monotonic(), f"promotion of its {candidate.mode}",
                           {"promoted": candidate.describe()})
 
     def end(self, model: str, reply: Reply, why: str = "by inferctl rollback", outcome: str = "rolled_back") -> None:
