@@ -213,3 +213,10 @@ def test_a_number_that_is_not_finite_or_a_wait_past_a_day_is_refused_in_one_sent
     result = run(str(BIN / "inferctl"), "--control", f"ipc://{workdir}/none.sock", *argv)
     assert_one_sentence(result)
     assert f"Invalid value for '{option}'" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("option", ["--fragmentation-threshold", "--fragmentation-min-stranded"])
+def test_inferd_fleet_refuses_a_number_that_is_not_finite_before_it_reaches_for_a_cluster(option):
+    result = run(str(BIN / "inferd-fleet"), option, "nan")
+    assert_one_sentence(result)
+    assert f"Invalid value for '{option}'" in result.stderr, result.stderr

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from inferd.cli.common import CliError, Duration, run_command
+from inferd.cli.common import CliError, Duration, Finite, run_command
 from inferd.fleet.decisions import Policy
 from inferd.ipc import addresses
 from inferd.system.logs import setup_logging
@@ -31,12 +31,12 @@ def _host_port(value: str) -> tuple[str, int]:
               help="Reach the API through this kubeconfig (default: the pod's service account).")
 @click.option("--interval", type=Duration(), default="30s", show_default=True,
               help="How often every pod's metrics are read and the rules applied.")
-@click.option("--fragmentation-threshold", type=click.FloatRange(0, 1, min_open=True), default=0.25,
+@click.option("--fragmentation-threshold", type=Finite(0, 1, min_open=True), default=0.25,
               show_default=True, help="A node's share of reserved GPU memory unused above which it counts as "
               "fragmented.")
 @click.option("--fragmentation-for", "hold", type=Duration(), default="5m", show_default=True,
               help="How long a node stays fragmented before its pods are asked to trim.")
-@click.option("--fragmentation-min-stranded", "min_stranded", type=click.FloatRange(0), default=1.0,
+@click.option("--fragmentation-min-stranded", "min_stranded", type=Finite(0), default=1.0,
               show_default=True, help="GiB a node must strand before it counts as fragmented: a restart costs a "
               "cold start, which a few MiB do not pay for.")
 @click.option("--trim-grace", type=Duration(), default="2m", show_default=True,
