@@ -252,6 +252,31 @@ def test_inferctl_load_waits_while_the_worker_loads_another_model(on_demand):
     assert daemon.log().index("slow gated loaded on worker0") < daemon.log().index("loading later v1 on worker0")
 
 
+def test_an_on_demand_model_is_not_unloaded_under_its_own_load_whose_command_is_answered(start_daemon, workdir,
+                                                                                           reload_repo):
+    gated, gate = gated_reload_repo(reload_repo, workdir, "v1")
+    daemon = start_daemon({"mlp": MLP, "slow": {**MLP, "load": "on_demand", "version": "gated",
+                                                 "repository": str(gated / "mlp")}})
+    load = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "load", "--model", "slow"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert load.stdout is not None
+        assert "loading slow gated on worker0" in load.stdout.readline()
+        # Unloaded under its load, the load's answer was lost: its inferctl waited out workers.load_timeout_s.
+        refused = inferctl(daemon, "unload", "--model", "slow")
+        assert refused.returncode == 1 and "slow is loading on worker0; it is unloaded only once loaded" in \
+            refused.stderr, refused.stderr
+        gate.open()
+        out, err = load.communicate(timeout=120)
+    finally:
+        gate.close()
+        load.kill()
+    assert load.returncode == 0 and "slow gated loaded on worker0" in out, err
+    assert inferctl(daemon, "unload", "--model", "slow").returncode == 0
+    assert loaded(daemon, "slow") == []
+
+
 def test_a_canary_or_shadow_of_an_on_demand_model_loads_where_the_live_version_is_and_none_starts_elsewhere(
         on_demand, repo):
     daemon, _, _ = on_demand

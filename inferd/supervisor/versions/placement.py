@@ -356,7 +356,10 @@ class Placement:
         if waiting or running:
             raise ValueError(f"{model} has {running} batch(es) running and {waiting} request(s) waiting; it is "
                              "unloaded only when idle: try again once they are answered")
+        loading = [index for name, index in self.pending if name == model]
+        if loading:  # its load's answer (an inferctl load waits for it) would be lost under the unload
+            raise ValueError(f"{model} is loading on worker{loading[0]}; it is unloaded only once loaded: try again "
+                             "then")
         for worker in holders:
-            self.pending.pop((model, worker.index), None)
             self._take_off(worker, model, "asked by inferctl unload")
         return {"model": model, "workers": [w.index for w in holders]}
