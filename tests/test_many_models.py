@@ -277,6 +277,25 @@ def test_an_on_demand_model_is_not_unloaded_under_its_own_load_whose_command_is_
     assert loaded(daemon, "slow") == []
 
 
+def test_an_on_demand_load_that_hangs_fails_as_a_refused_one_does_and_waits_out_its_backoff(start_daemon, workdir,
+                                                                                               reload_repo):
+    gated, gate = gated_reload_repo(reload_repo, workdir, "v1")  # never opened: its load hangs
+    daemon = start_daemon({"mlp": MLP, "slow": {**MLP, "load": "on_demand", "version": "gated",
+                                                 "repository": str(gated / "mlp")}}, workers={"load_timeout_s": 2})
+    try:
+        with RawPeer(daemon.endpoint) as peer:
+            peer.send(1, "slow", [np.ones((1, models.MLP_IN), np.float32)], timeout_ms=60_000)
+            header, _ = peer.recv(timeout=60)
+        # Before, the worker was replaced and the load placed again on its successor at once, for as long as a
+        # request waited: answered `timeout` in the end, with no failure counted and no backoff.
+        assert header["status"] == "unavailable", header
+        assert header["error"] == ("slow gated could not be loaded (worker0 did not load slow gated within "
+                                   "workers.load_timeout_s (2 s)); it is tried again in 1.0 s"), header
+        assert daemon.call("stats")["models"]["slow"]["loading"]["failed_loads"] == 1
+    finally:
+        gate.close()
+
+
 def test_a_canary_or_shadow_of_an_on_demand_model_loads_where_the_live_version_is_and_none_starts_elsewhere(
         on_demand, repo):
     daemon, _, _ = on_demand

@@ -246,6 +246,13 @@ class ReloadManager:
                     reload.pending.discard(worker)
                     reload.failure = reload.failure or why
                     self._settle(reload)
+            for late_model, late_version in late:
+                # A live version's load that hung failed, as one refused does: an on-demand model waits out its
+                # backoff, rather than being placed again at once on the worker that replaces this one.
+                if (worker, late_model, late_version) in self.catching_up and \
+                        self.live.get(late_model) == late_version:
+                    self.on_caught_up(worker, late_model, f"{worker.name} did not load {late_model} {late_version} "
+                                                          f"within workers.load_timeout_s ({limit:g} s)")
             self.catching_up = {c for c in self.catching_up if c[0] is not worker}
             if not any(w.state in (WorkerState.REPLACING, WorkerState.BOOTING, WorkerState.DEAD)
                        for w in self.workers.workers if w is not worker):
