@@ -230,6 +230,23 @@ def test_an_on_demand_model_that_cannot_load_is_refused_with_the_reason_and_not_
     assert load.returncode == 0 and "broken v1 loaded on worker0" in load.stdout, load.stderr
 
 
+def test_a_version_made_live_after_a_failed_load_is_loaded_at_once_not_refused_for_the_last(start_daemon,
+                                                                                             reload_repo):
+    # refuses_big fails its warm-up on a batch of 16: its load fails on the worker, though its file is sound.
+    daemon = start_daemon({"mlp": MLP, "m": {**MLP, "load": "on_demand", "version": "refuses_big",
+                                             "repository": str(reload_repo / "mlp")}})
+    x = np.ones((1, models.MLP_IN), dtype=np.float32)
+    with RawPeer(daemon.endpoint) as peer:
+        peer.send(1, "m", [x], timeout_ms=60_000)
+        header, _ = peer.recv(timeout=60)
+        assert header["status"] == "unavailable" and header["error"].startswith("m refuses_big could not be loaded")
+        assert inferctl(daemon, "reload", "--model", "m", "--version", "v2").returncode == 0
+        peer.send(2, "m", [x], timeout_ms=60_000)  # within refuses_big's backoff, but v2 never failed
+        header, outputs = peer.recv(timeout=60)
+    assert header["status"] == "ok" and header["version"] == "v2", header
+    np.testing.assert_allclose(outputs[0], reference(reload_repo, "mlp", "v2")(x), rtol=1e-5, atol=1e-6)
+
+
 def test_inferctl_load_waits_while_the_worker_loads_another_model(on_demand):
     daemon, _, gate = on_demand
     x = np.ones((1, models.MLP_IN), dtype=np.float32)

@@ -50,6 +50,7 @@ class LoadFailure:
     error: str
     until: float
     backoff_s: float
+    version: str  # the live version whose load failed: another made live since is tried at once
 
 
 @dataclass
@@ -98,9 +99,15 @@ class Placement:
         return model in self._on_demand_models
 
     def refusals(self, now: float) -> dict[str, str]:
-        """The on-demand models whose last load failed and whose backoff has not passed: why, as a sentence."""
+        """The on-demand models whose live version's last load failed and whose backoff has not passed: why, as a
+        sentence."""
         return {model: self._sentence(model, failure.error, failure.until - now)
-                for model, failure in self.failures.items() if now < failure.until}
+                for model in self.failures if (failure := self._failure(model)) is not None and now < failure.until}
+
+    def _failure(self, model: str) -> LoadFailure | None:
+        """The last failed load of `model`'s live version, if its last load failed."""
+        failure = self.failures.get(model)
+        return failure if failure is not None and failure.version == self.live.get(model) else None
 
     def loading(self, model: str) -> bool:
         """Whether a worker is loading `model` now (on demand)."""
@@ -125,7 +132,7 @@ class Placement:
                 continue
             holders = [w for w in self.workers.workers if model in w.placed]
             if not holders:
-                failure = self.failures.get(model)
+                failure = self._failure(model)
                 if failure is None or now >= failure.until:
                     received = lane.oldest().received
                     unplaced[model] = min(received, unplaced.get(model, received))
@@ -248,9 +255,9 @@ class Placement:
         """`model` cannot be loaded now: its waiting requests (and `replies`) are answered with why, and new
         ones are refused until its backoff passes."""
         now = time.monotonic()
-        last = self.failures.get(model)
+        last = self._failure(model)
         backoff = FIRST_BACKOFF_S if last is None else min(MAX_BACKOFF_S, last.backoff_s * 2)
-        self.failures[model] = LoadFailure(error, now + backoff, backoff)
+        self.failures[model] = LoadFailure(error, now + backoff, backoff, self.live[model])
         self.stats.load_series(model).failed += 1
         sentence = self._sentence(model, error, backoff)
         log.error("%s", sentence)
