@@ -336,7 +336,7 @@ def to_json(buffer: memoryview | bytes, dtype: str, count: int) -> list[Any] | N
     no number for (an encoder would write null, and a client would read +inf as NaN)."""
     if dtype != BYTES:
         array = np.frombuffer(buffer, dtype=DTYPES[dtype])
-        if array.dtype.kind not in "biu" and not np.isfinite(array.astype(np.float64)).all():
+        if array.dtype.kind not in "biu" and not np.isfinite(array).all():  # bfloat16's too, without a copy
             return None
         return array.tolist()
     try:

@@ -7,9 +7,9 @@ dispatcher copies into their own batch's slot: no intermediate passes through a 
 (or answered `overloaded`) at its first step, against its client's bounds, as a request to that model is
 (displacing less urgent ones from a full queue); its later steps count against neither its client's bounds
 nor `max_in_flight` again, nor is one displaced by a more urgent request; where the queue is full one waits
-here for room, until its deadline. The first step that fails answers the request
-with its error, naming the pipeline, the step, its model and version; the steps after it do not run, and those
-running beside it are cancelled.
+here for room, until its deadline. The first step that fails answers the request with its error, naming the
+pipeline, the step, its model and version; the steps after it do not run, and those running beside it are
+cancelled.
 """
 
 from __future__ import annotations
