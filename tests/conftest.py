@@ -12,7 +12,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +310,27 @@ def pipeline_held(daemon: Daemon, gates: Callable[[], Gate], send: Callable[[Gat
     for future in held:
         if future is not None:
             future.result()
+
+
+def sent_while_held(daemon: Daemon, model: str, sent: Sequence[Any], held_batch: Callable[[Gate, int], Any],
+                    gates: Path) -> dict[Any, tuple[dict[str, Any], list[Any]]]:
+    """Send `sent` to Python model `model` (request i with id i) while its one process is held (pipeline_held,
+    with batches `held_batch(gate, rows)` waiting at gates made in `gates`), so that they wait in the queue
+    together and go as one batch once it is let go; every reply by id, the two held batches' included."""
+    with RawPeer(daemon.endpoint) as peer:
+        def hold(gate: Gate, full: bool) -> None:
+            peer.send(f"gate{gate.number}", model, [held_batch(gate, 8 if full else 1)], timeout_ms=60_000)
+
+        with pipeline_held(daemon, lambda: Gate(gates), hold, lambda: step_of(daemon, model)):
+            for index, x in enumerate(sent):
+                peer.send(index, model, [x], timeout_ms=60_000)
+            wait_for(lambda: daemon.status()["models"][model]["queue_depth"] == len(sent),
+                     what=f"the {len(sent)} queued")
+        replies = {}
+        while len(replies) < len(sent) + 2:
+            header, outputs = peer.recv(timeout=30)
+            replies[header["id"]] = (header, outputs)
+    return replies
 
 
 def step_of(daemon: Daemon, model: str) -> dict[str, Any]:

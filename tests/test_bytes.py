@@ -20,8 +20,7 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from conftest import Daemon, base_config, module_daemon, pipeline_held, step_of, wait_for
-from gates import Gate
+from conftest import Daemon, base_config, module_daemon, sent_while_held
 from python_models import IDENTITY_MOST, SIMPLE_IDENTITY_CONFIG, SIMPLE_STRING_CONFIG, STRINGS_PER_SAMPLE, in_process
 from tritonclient.utils import serialize_byte_tensor
 from wire import RawPeer
@@ -157,20 +156,8 @@ def test_requests_of_byte_strings_batch_together_and_each_gets_its_own(served):
     gates = Path(served.config["models"]["simple_identity"]["parameters"]["gates"])
     sent = [np.array([[("x" * n).encode(), str(n).encode(), b"\xff" * (n % 3)]], dtype=object) for n in range(1, 6)]
     before = served.call("stats")["models"]["simple_identity"]["batch_size"]["distribution"]
-    with RawPeer(served.endpoint) as peer:
-        def hold(gate: Gate, full: bool) -> None:
-            peer.send(f"gate{gate.number}", "simple_identity",
-                      [np.array([[f"gate:{gate.path.name}"]] * (8 if full else 1), dtype=object)], timeout_ms=60_000)
-
-        # The step's one executor holds a batch at a gate and a full one behind it: the five wait, then go as one.
-        with pipeline_held(served, lambda: Gate(gates), hold, lambda: step_of(served, "simple_identity")):
-            for index, x in enumerate(sent):
-                peer.send(index, "simple_identity", [x], timeout_ms=60_000)
-            wait_for(lambda: served.status()["models"]["simple_identity"]["queue_depth"] == 5, what="the five queued")
-        replies = {}
-        while len(replies) < 7:
-            header, outputs = peer.recv(timeout=30)
-            replies[header["id"]] = (header, outputs)
+    replies = sent_while_held(served, "simple_identity", sent,
+                              lambda gate, rows: np.array([[f"gate:{gate.path.name}"]] * rows, dtype=object), gates)
     after = served.call("stats")["models"]["simple_identity"]["batch_size"]["distribution"]
     assert after.get("5", 0) == before.get("5", 0) + 1, "the five went as one batch"
     for index, x in enumerate(sent):

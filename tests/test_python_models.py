@@ -25,7 +25,7 @@ from conftest import (
     exited,
     gated_reload_repo,
     module_daemon,
-    pipeline_held,
+    sent_while_held,
     wait_for,
 )
 from gates import Gate
@@ -147,19 +147,7 @@ def test_one_bad_request_of_a_batch_fails_alone_with_its_own_status(served):
     out_of_range = np.array([[1, 2, 3, 5000]], np.float32)
     sent = [good[0], invalid, good[1], out_of_range, good[2]]
     before = served.call("stats")["models"]["scale_one"]["batch_size"]["distribution"]
-    with RawPeer(served.endpoint) as peer:
-        def hold(gate: Gate, full: bool) -> None:
-            peer.send(f"gate{gate.number}", "scale_one", [gated(gate.number, rows=8 if full else 1)], timeout_ms=60_000)
-
-        # Its one executor holds a batch at a gate and a full one behind it: the five wait, then go as one batch.
-        with pipeline_held(served, lambda: Gate(gates), hold, lambda: steps_of(served, "scale_one")[0]):
-            for index, x in enumerate(sent):
-                peer.send(index, "scale_one", [x], timeout_ms=60_000)
-            wait_for(lambda: served.status()["models"]["scale_one"]["queue_depth"] == 5, what="the five queued")
-        replies = {}
-        while len(replies) < 7:
-            header, outputs = peer.recv(timeout=30)
-            replies[header["id"]] = (header, outputs)
+    replies = sent_while_held(served, "scale_one", sent, lambda gate, rows: gated(gate.number, rows=rows), gates)
     after = served.call("stats")["models"]["scale_one"]["batch_size"]["distribution"]
     assert after.get("5", 0) == before.get("5", 0) + 1, "the five went as one batch"
     reference = in_process(Path(served.config["models"]["scale_one"]["repository"]) / "v1", {"factor": 2.0})
@@ -203,21 +191,8 @@ def test_a_model_that_changed_its_inputs_in_place_and_raised_runs_each_request_a
                                                "repository": str(python_repo / "double_in_place"),
                                                "parameters": {"gates": str(workdir / "gates")}}})
     sent = [np.array([[value, 1]], np.float32) for value in (1, 13, 3)]
-    with RawPeer(daemon.endpoint) as peer:
-        def hold(gate: Gate, full: bool) -> None:
-            peer.send(f"gate{gate.number}", "double_in_place",
-                      [np.array([[GATE, gate.number]] * (8 if full else 1), np.float32)], timeout_ms=60_000)
-
-        # The step's one executor holds a batch and a full one behind it: the three wait, then go as one batch.
-        with pipeline_held(daemon, lambda: Gate(workdir / "gates"), hold,
-                           lambda: steps_of(daemon, "double_in_place")[0]):
-            for index, x in enumerate(sent):
-                peer.send(index, "double_in_place", [x], timeout_ms=60_000)
-            wait_for(lambda: daemon.status()["models"]["double_in_place"]["queue_depth"] == 3, what="the three queued")
-        replies = {}
-        while len(replies) < 5:
-            header, outputs = peer.recv(timeout=30)
-            replies[header["id"]] = (header, outputs)
+    replies = sent_while_held(daemon, "double_in_place", sent,
+                              lambda gate, rows: np.array([[GATE, gate.number]] * rows, np.float32), workdir / "gates")
     assert "running each request alone" in daemon.log(), "the three went as one batch, which raised"
     for index in (0, 2):
         header, (y,) = replies[index]
