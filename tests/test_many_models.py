@@ -8,7 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -125,6 +125,22 @@ def loaded(daemon: Daemon, *names: str) -> list[str]:
     """What every worker has loaded (of the models `names`, if given), as status lists it."""
     return sorted(entry for worker in daemon.status()["workers"] for entry in worker["loaded"]
                   if not names or entry.split()[0] in names)
+
+
+def loading_in_background(daemon: Daemon, model: str) -> subprocess.Popen:
+    """`inferctl load --model MODEL`, started and left to wait; its lines can be read as they come."""
+    return subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "load", "--model", model],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def gated_on_demand(start_daemon: Callable[..., Daemon], workdir: Path, reload_repo: Path,
+                    **sections: dict[str, Any]) -> tuple[Daemon, Gate]:
+    """A daemon of the mlp and the on-demand model `slow`, whose load waits at the gate returned."""
+    gated, gate = gated_reload_repo(reload_repo, workdir, "v1")
+    daemon = start_daemon({"mlp": MLP, "slow": {**MLP, "load": "on_demand", "version": "gated",
+                                                 "repository": str(gated / "mlp")}}, **sections)
+    return daemon, gate
 
 
 @pytest.fixture(scope="module")
@@ -253,9 +269,7 @@ def test_inferctl_load_waits_while_the_worker_loads_another_model(on_demand):
     with RawPeer(daemon.endpoint) as peer:
         peer.send(1, "slow", [x])  # its load waits at the gate: the worker loads nothing else meanwhile
         wait_for(lambda: "loading slow gated on worker0" in daemon.log(), what="slow's load begun")
-        load = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "load", "--model", "later"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        load = loading_in_background(daemon, "later")
         try:
             assert load.stdout is not None
             assert "waiting for a worker free to load later v1" in load.stdout.readline()
@@ -271,12 +285,8 @@ def test_inferctl_load_waits_while_the_worker_loads_another_model(on_demand):
 
 def test_an_on_demand_model_is_not_unloaded_under_its_own_load_whose_command_is_answered(start_daemon, workdir,
                                                                                            reload_repo):
-    gated, gate = gated_reload_repo(reload_repo, workdir, "v1")
-    daemon = start_daemon({"mlp": MLP, "slow": {**MLP, "load": "on_demand", "version": "gated",
-                                                 "repository": str(gated / "mlp")}})
-    load = subprocess.Popen([str(BIN / "inferctl"), "--control", daemon.control, "load", "--model", "slow"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    daemon, gate = gated_on_demand(start_daemon, workdir, reload_repo)
+    load = loading_in_background(daemon, "slow")
     try:
         assert load.stdout is not None
         assert "loading slow gated on worker0" in load.stdout.readline()
@@ -296,9 +306,7 @@ def test_an_on_demand_model_is_not_unloaded_under_its_own_load_whose_command_is_
 
 def test_an_on_demand_load_that_hangs_fails_as_a_refused_one_does_and_waits_out_its_backoff(start_daemon, workdir,
                                                                                                reload_repo):
-    gated, gate = gated_reload_repo(reload_repo, workdir, "v1")  # never opened: its load hangs
-    daemon = start_daemon({"mlp": MLP, "slow": {**MLP, "load": "on_demand", "version": "gated",
-                                                 "repository": str(gated / "mlp")}}, workers={"load_timeout_s": 2})
+    daemon, gate = gated_on_demand(start_daemon, workdir, reload_repo, workers={"load_timeout_s": 2})  # never opened
     try:
         with RawPeer(daemon.endpoint) as peer:
             peer.send(1, "slow", [np.ones((1, models.MLP_IN), np.float32)], timeout_ms=60_000)
